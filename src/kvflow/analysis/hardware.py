@@ -1,0 +1,96 @@
+"""Accelerator ceilings for the roofline: memory capacity, memory bandwidth, peak FLOP/s.
+
+Preset figures are the vendor datasheets quoted in the seeds, in decimal units (80 GB =
+80e9 bytes, 3.35 TB/s = 3.35e12 B/s). Datasheet tensor-core rows are "with sparsity"; the
+planner uses the dense figures (half of those), as the seeds do (989 TFLOP/s bf16 on H100).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from kvflow.analysis.model_spec import canonical_dtype
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_bytes: float
+    memory_bandwidth: float  # bytes/s
+    peak_flops: Mapping[str, float]  # dtype -> dense FLOP/s
+
+    def peak(self, dtype: str) -> float:
+        key = canonical_dtype(dtype)
+        if key not in self.peak_flops:
+            known = ", ".join(self.peak_flops)
+            raise ValueError(f"{self.name} has no peak FLOP/s for {key} (has: {known})")
+        return self.peak_flops[key]
+
+    def ridge_point(self, dtype: str = "bfloat16") -> float:
+        """FLOPs per byte where compute time equals memory time (the roofline's knee)."""
+        return self.peak(dtype) / self.memory_bandwidth
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth": self.memory_bandwidth,
+            "peak_flops": dict(self.peak_flops),
+        }
+
+
+def _peaks(**flops: float) -> Mapping[str, float]:
+    return MappingProxyType(dict(flops))
+
+
+PRESETS: Mapping[str, Hardware] = MappingProxyType(
+    {
+        # A100 80GB SXM datasheet (seed 000): 312 TFLOP/s bf16 dense, 2,039 GB/s.
+        "A100-80GB": Hardware(
+            "A100-80GB",
+            80e9,
+            2.039e12,
+            _peaks(bfloat16=312e12, float16=312e12, float32=19.5e12, int8=624e12),
+        ),
+        # H100 SXM datasheet (seeds 000, 002, 004): 989 TFLOP/s bf16 dense, 3.35 TB/s, 80 GB.
+        "H100-SXM": Hardware(
+            "H100-SXM",
+            80e9,
+            3.35e12,
+            _peaks(bfloat16=989e12, float16=989e12, float32=67e12, float8=1979e12, int8=1979e12),
+        ),
+        # H200: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
+        "H200": Hardware(
+            "H200",
+            141e9,
+            4.8e12,
+            _peaks(bfloat16=989e12, float16=989e12, float32=67e12, float8=1979e12, int8=1979e12),
+        ),
+    }
+)
+
+
+def measured(dtype: str = "bfloat16", device: str | None = None) -> Hardware:
+    """This machine's ceilings, measured now (a few seconds) by kvflow.bench.ceilings."""
+    from kvflow.bench.ceilings import device_memory_bytes, measure_ceilings  # torch is heavy
+
+    ceilings = measure_ceilings(dtype=dtype, device=device)
+    return Hardware(
+        name=f"measured-{ceilings.device}",
+        memory_bytes=float(device_memory_bytes(ceilings.device)),
+        memory_bandwidth=ceilings.memory_bandwidth_gb_s * 1e9,
+        peak_flops=_peaks(**{canonical_dtype(ceilings.dtype): ceilings.peak_flops}),
+    )
+
+
+def get_hardware(name: str, dtype: str = "bfloat16") -> Hardware:
+    """A preset by (case-insensitive) name, or "measured" to measure this machine."""
+    if name.lower() == "measured":
+        return measured(dtype)
+    for key, hw in PRESETS.items():
+        if key.lower() == name.lower():
+            return hw
+    raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(PRESETS)}, or 'measured'")

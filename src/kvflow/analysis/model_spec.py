@@ -1,0 +1,458 @@
+"""The shape of a decoder-only transformer, and what that shape costs in bytes and FLOPs.
+
+Everything here is closed-form arithmetic on config values; nothing is loaded or run.
+Conventions follow the lecture notes in the seeds (CS336 Lec. 10 and the AAAI'26 tutorial):
+weights and KV are counted in plain bytes, a matmul of a [1, P] vector by a [P, Q] matrix
+costs 2·P·Q FLOPs, and "GB" means 10^9 bytes unless a caller says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+# Bits per element of each storage dtype the planner understands.
+DTYPE_BITS: Mapping[str, int] = MappingProxyType(
+    {"float32": 32, "bfloat16": 16, "float16": 16, "float8": 8, "int8": 8, "int4": 4}
+)
+_DTYPE_ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "fp32": "float32",
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp8": "float8",
+        "float8_e4m3fn": "float8",
+        "float8_e5m2": "float8",
+    }
+)
+
+
+def canonical_dtype(dtype: str) -> str:
+    name = dtype.lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BITS:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BITS)}")
+    return name
+
+
+def dtype_bits(dtype_or_bits: str | int) -> int:
+    """Bits per element; an int is taken to already be a bit width (e.g. 4 for int4)."""
+    if isinstance(dtype_or_bits, int):
+        if dtype_or_bits <= 0:
+            raise ValueError(f"bit width must be positive, got {dtype_or_bits}")
+        return dtype_or_bits
+    return DTYPE_BITS[canonical_dtype(dtype_or_bits)]
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2): the cache holds one shared latent per token."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routed experts replacing the dense MLP, optionally with always-on shared experts."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0  # DeepSeek keeps a dense MLP in its first k layers
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    gated_mlp: bool = True
+    qkv_bias: bool = False
+    # With a window, every layer is local except those listed in global_layers.
+    sliding_window: int | None = None
+    global_layers: tuple[int, ...] = ()
+    mla: MLASpec | None = None
+    moe: MoESpec | None = None
+
+    # ---- shape ----------------------------------------------------------------------------
+
+    @property
+    def attention_kind(self) -> str:
+        if self.mla is not None:
+            return "mla"
+        if self.num_kv_heads == 1 and self.num_heads > 1:
+            return "mqa"
+        return "mha" if self.num_kv_heads == self.num_heads else "gqa"
+
+    @property
+    def kv_lora_rank(self) -> int | None:
+        return self.mla.kv_lora_rank if self.mla else None
+
+    @property
+    def qk_rope_head_dim(self) -> int | None:
+        return self.mla.qk_rope_head_dim if self.mla else None
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts if self.moe else 0
+
+    @property
+    def experts_per_token(self) -> int:
+        return self.moe.experts_per_token if self.moe else 0
+
+    def is_local_layer(self, layer: int) -> bool:
+        return self.sliding_window is not None and layer not in self.global_layers
+
+    def _is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.first_dense_layers
+
+    # ---- parameters -----------------------------------------------------------------------
+
+    def _attn_params(self) -> int:
+        """Linear weights of one attention block (norms excluded)."""
+        d, n = self.hidden_size, self.num_heads
+        if self.mla is None:
+            kv = 2 * d * self.num_kv_heads * self.head_dim
+            bias = (n + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
+            return 2 * d * n * self.head_dim + kv + bias
+        m = self.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            q = d * m.q_lora_rank + m.q_lora_rank * n * qk
+        else:
+            q = d * n * qk
+        kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * n * (
+            m.qk_nope_head_dim + m.v_head_dim
+        )
+        return q + kv + n * m.v_head_dim * d
+
+    def _mlp_params(self, intermediate: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * intermediate
+
+    def _ffn_params(self, layer: int, active: bool) -> int:
+        """MLP weights of one layer; `active` counts only what a single token runs through."""
+        if not self._is_moe_layer(layer):
+            return self._mlp_params(self.intermediate_size)
+        assert self.moe is not None
+        routed = self.moe.experts_per_token if active else self.moe.num_experts
+        experts = routed + self.moe.num_shared_experts
+        router = self.hidden_size * self.moe.num_experts
+        return experts * self._mlp_params(self.moe.expert_intermediate_size) + router
+
+    def _norm_params(self) -> int:
+        # Two RMSNorm vectors per layer plus the final one (MLA adds its two latent norms).
+        # Extra norms some families carry (Gemma's four, Qwen3's q/k norms) are <0.01%.
+        per_layer = 2 * self.hidden_size
+        if self.mla is not None:
+            per_layer += self.mla.kv_lora_rank + (self.mla.q_lora_rank or 0)
+        return self.num_layers * per_layer + self.hidden_size
+
+    def embedding_params(self) -> int:
+        """Input embedding plus the LM head (once when they are tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+
+    def _layer_params(self, active: bool) -> int:
+        attn = self._attn_params()
+        return sum(attn + self._ffn_params(i, active) for i in range(self.num_layers))
+
+    def param_count(self) -> int:
+        return self._layer_params(active=False) + self.embedding_params() + self._norm_params()
+
+    def active_param_count(self) -> int:
+        """Parameters one token touches (differs from param_count only for MoE)."""
+        return self._layer_params(active=True) + self.embedding_params() + self._norm_params()
+
+    def weight_bytes(self, dtype_or_bits: str | int = "bfloat16") -> int:
+        # Seed convention: every parameter at the same width (memory factor 0.5x for int8,
+        # 0.25x for int4); per-group scales of real int4 formats are left out.
+        return self.param_count() * dtype_bits(dtype_or_bits) // 8
+
+    def expected_experts_touched(self, batch_size: int) -> float:
+        """Distinct routed experts a decode step of `batch_size` tokens reads (uniform routing)."""
+        if self.moe is None:
+            return 0.0
+        e, k = self.moe.num_experts, self.moe.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** batch_size)
+
+    def decode_weight_bytes(self, batch_size: int, dtype_or_bits: str | int = "bfloat16") -> int:
+        """Weight bytes one decode step must read: all of them, minus experts nobody routed to."""
+        total = self.weight_bytes(dtype_or_bits)
+        if self.moe is None:
+            return total
+        moe_layers = sum(self._is_moe_layer(i) for i in range(self.num_layers))
+        expert_params = self._mlp_params(self.moe.expert_intermediate_size)
+        idle = self.moe.num_experts - self.expected_experts_touched(batch_size)
+        return int(total - moe_layers * idle * expert_params * dtype_bits(dtype_or_bits) / 8)
+
+    # ---- KV cache -------------------------------------------------------------------------
+
+    def kv_elements_per_token_per_layer(self) -> int:
+        """Cached numbers per token per layer: K and V for each KV head, or MLA's one latent."""
+        if self.mla is not None:
+            # The latent (kv_lora_rank) plus the decoupled RoPE key shared by all heads.
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, kv_dtype: str | int = "bfloat16") -> int:
+        """KV bytes one token adds across all layers, before any sliding-window cap."""
+        elements = self.num_layers * self.kv_elements_per_token_per_layer()
+        return elements * dtype_bits(kv_dtype) // 8
+
+    def attended_tokens(self, context_len: int) -> int:
+        """Sum over layers of the positions a new token sees (window-capped on local layers)."""
+        w = self.sliding_window
+        return sum(
+            min(context_len, w) if w is not None and self.is_local_layer(i) else context_len
+            for i in range(self.num_layers)
+        )
+
+    def kv_bytes_for_context(self, context_len: int, kv_dtype: str | int = "bfloat16") -> int:
+        """KV bytes one request holds at `context_len` tokens (local layers keep only W)."""
+        elements = self.attended_tokens(context_len) * self.kv_elements_per_token_per_layer()
+        return elements * dtype_bits(kv_dtype) // 8
+
+    # ---- FLOPs ----------------------------------------------------------------------------
+
+    def _attn_dims(self) -> tuple[int, int]:
+        """(query·key dim, value dim) per head, which set attention-score and mixing FLOPs."""
+        if self.mla is not None:
+            return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim, self.mla.v_head_dim
+        return self.head_dim, self.head_dim
+
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def flops_per_token(self, context_len: int = 0) -> float:
+        """Forward FLOPs to decode one token that attends to `context_len` cached positions.
+
+        2 per matmul weight a token passes through (the embedding lookup is not a matmul,
+        the LM head is), plus QK^T and attention·V over the positions each layer sees.
+        """
+        qk, v = self._attn_dims()
+        matmul = self._layer_params(active=True) + self.lm_head_params()
+        attention = 2 * self.num_heads * (qk + v) * self.attended_tokens(context_len)
+        return 2.0 * matmul + attention
+
+    def prefill_flops(self, num_tokens: int) -> float:
+        """Forward FLOPs of a causal prefill of `num_tokens`; logits only for the last one."""
+        qk, v = self._attn_dims()
+        matmul = 2.0 * self._layer_params(active=True) * num_tokens + 2.0 * self.lm_head_params()
+        pairs = sum(self._causal_pairs(num_tokens, i) for i in range(self.num_layers))
+        return matmul + 2.0 * self.num_heads * (qk + v) * pairs
+
+    def _causal_pairs(self, num_tokens: int, layer: int) -> int:
+        """Query-key pairs a causal (optionally windowed) layer scores: sum_i min(i, W)."""
+        w = self.sliding_window if self.is_local_layer(layer) else None
+        if w is None or num_tokens <= w:
+            return num_tokens * (num_tokens + 1) // 2
+        return w * (w + 1) // 2 + (num_tokens - w) * w
+
+    # ---- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
+        """Read a Llama/Mistral/Qwen2/Qwen3/Gemma3/DeepSeek-V2 style config.json dict."""
+        cfg = _flatten_config(config)
+        layers = int(_require(cfg, "num_hidden_layers"))
+        heads = int(_require(cfg, "num_attention_heads"))
+        hidden = int(_require(cfg, "hidden_size"))
+        window, global_layers = _sliding_layout(cfg, layers)
+        mla = _mla_from(cfg)
+        model_type = str(cfg.get("model_type", ""))
+        head_dim = cfg.get("head_dim") or hidden // heads
+        if mla is not None:
+            head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        return cls(
+            name=name or str(cfg.get("_name_or_path") or model_type or "custom"),
+            num_layers=layers,
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(_require(cfg, "intermediate_size")),
+            vocab_size=int(_require(cfg, "vocab_size")),
+            # HF's own default differs per family: Gemma ties, Llama-style models do not.
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", model_type.startswith("gemma"))),
+            qkv_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+            sliding_window=window,
+            global_layers=global_layers,
+            mla=mla,
+            moe=_moe_from(cfg),
+        )
+
+
+# Gemma3's multimodal config.json omits text fields that equal Gemma3TextConfig's defaults.
+_GEMMA3_TEXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "tie_word_embeddings": True,
+    }
+)
+
+
+def _flatten_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge a multimodal wrapper's text_config over its top level, filling Gemma3 defaults."""
+    cfg = {**config, **config.get("text_config", {})}
+    if str(cfg.get("model_type", "")).startswith("gemma3"):
+        cfg = {**_GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    return cfg
+
+
+def _require(cfg: Mapping[str, Any], key: str) -> Any:
+    if cfg.get(key) is None:
+        raise ValueError(f"config lacks {key!r}")
+    return cfg[key]
+
+
+def _sliding_layout(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(window, global layer indices) from the several ways HF configs spell a layout."""
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types:  # newer transformers: explicit per-layer list
+        if window is None or "sliding_attention" not in layer_types:
+            return None, ()
+        return int(window), tuple(i for i, t in enumerate(layer_types) if t != "sliding_attention")
+    if window is None or cfg.get("use_sliding_window") is False:
+        return None, ()
+    pattern = cfg.get("sliding_window_pattern")
+    if pattern:  # Gemma3: every pattern-th layer is global
+        return int(window), tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
+    # Qwen2 with use_sliding_window: layers below max_window_layers stay global; Mistral: none.
+    first_local = int(cfg.get("max_window_layers") or 0) if "use_sliding_window" in cfg else 0
+    return int(window), tuple(range(min(first_local, num_layers)))
+
+
+def _mla_from(cfg: Mapping[str, Any]) -> MLASpec | None:
+    if not cfg.get("kv_lora_rank"):
+        return None
+    return MLASpec(
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_rope_head_dim=int(_require(cfg, "qk_rope_head_dim")),
+        qk_nope_head_dim=int(_require(cfg, "qk_nope_head_dim")),
+        v_head_dim=int(_require(cfg, "v_head_dim")),
+        q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+    )
+
+
+def _moe_from(cfg: Mapping[str, Any]) -> MoESpec | None:
+    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not experts:
+        return None
+    return MoESpec(
+        num_experts=int(experts),
+        experts_per_token=int(_require(cfg, "num_experts_per_tok")),
+        expert_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+    )
+
+
+# ---- presets (values from each model's public config.json) -----------------------------------
+
+
+def _llama_like(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    inter: int,
+    vocab: int,
+    **extra: Any,
+) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=extra.pop("head_dim", hidden // heads),
+        intermediate_size=inter,
+        vocab_size=vocab,
+        **extra,
+    )
+
+
+PRESETS: Mapping[str, ModelSpec] = MappingProxyType(
+    {
+        "smollm2-135m": _llama_like(
+            "smollm2-135m", 30, 576, 9, 3, 1536, 49152, head_dim=64, tie_embeddings=True
+        ),
+        "llama-2-7b": _llama_like("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
+        "llama-2-13b": _llama_like("llama-2-13b", 40, 5120, 40, 40, 13824, 32000),
+        "llama-2-70b": _llama_like("llama-2-70b", 80, 8192, 64, 8, 28672, 32000),
+        "llama-3.1-8b": _llama_like("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
+        "llama-3.1-70b": _llama_like("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256),
+        "llama-3.1-405b": _llama_like("llama-3.1-405b", 126, 16384, 128, 8, 53248, 128256),
+        # Mistral-7B-v0.1: every layer uses the 4096-token sliding window.
+        "mistral-7b": _llama_like("mistral-7b", 32, 4096, 32, 8, 14336, 32000, sliding_window=4096),
+        # DeepSeek-V2: MLA, 160 routed experts (6 per token) + 2 shared, layer 0 dense.
+        "deepseek-v2": ModelSpec(
+            name="deepseek-v2",
+            num_layers=60,
+            hidden_size=5120,
+            num_heads=128,
+            num_kv_heads=128,
+            head_dim=192,  # qk_nope_head_dim + qk_rope_head_dim
+            intermediate_size=12288,
+            vocab_size=102400,
+            mla=MLASpec(
+                kv_lora_rank=512,
+                qk_rope_head_dim=64,
+                qk_nope_head_dim=128,
+                v_head_dim=128,
+                q_lora_rank=1536,
+            ),
+            moe=MoESpec(
+                num_experts=160,
+                experts_per_token=6,
+                expert_intermediate_size=1536,
+                num_shared_experts=2,
+                first_dense_layers=1,
+            ),
+        ),
+    }
+)
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def resolve_model(name_or_path: str) -> ModelSpec:
+    """A preset name ("default" = SmolLM2-135M), a config.json, or a directory holding one."""
+    key = name_or_path.strip().lower()
+    if key == "default":
+        key = DEFAULT_MODEL
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json path"
+        )
+    spec = ModelSpec.from_hf_config(json.loads(path.read_text()))
+    return replace(spec, name=path.parent.name or spec.name)

@@ -1,0 +1,193 @@
+"""`kvflow plan`: print a roofline / memory plan for a model on an accelerator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvflow.analysis.hardware import get_hardware
+from kvflow.analysis.model_spec import DEFAULT_MODEL, resolve_model
+from kvflow.analysis.planner import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_CONTEXT_LEN,
+    PlanResult,
+    SpecParams,
+    plan,
+)
+
+DEFAULT_HARDWARE = "H100-SXM"  # the seeds' reference device
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from err
+    if not sizes or any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError("batch sizes must be positive integers")
+    return sizes
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="preset name, HF config.json (or its directory), or 'default'",
+    )
+    parser.add_argument(
+        "--hardware",
+        default=DEFAULT_HARDWARE,
+        help="A100-80GB, H100-SXM, H200, or 'measured' (this machine)",
+    )
+    parser.add_argument("--dtype", default="bfloat16", help="compute, weight and KV dtype")
+    parser.add_argument(
+        "--context-len",
+        type=int,
+        default=DEFAULT_CONTEXT_LEN,
+        help="tokens of KV each request holds",
+    )
+    parser.add_argument(
+        "--batch-sizes", type=_batch_sizes, default=DEFAULT_BATCH_SIZES, help="e.g. 1,16,64"
+    )
+    parser.add_argument("--spec-k", type=int, help="speculative decoding: drafted tokens")
+    parser.add_argument("--spec-alpha", type=float, help="speculative decoding: acceptance rate")
+    parser.add_argument(
+        "--spec-cost-ratio", type=float, help="speculative decoding: draft/target cost per token"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--plot", metavar="PATH", help="also write a roofline PNG here")
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `plan` on the main CLI's subparsers."""
+    parser = subparsers.add_parser("plan", help="roofline / memory plan for a model on a device")
+    _add_arguments(parser)
+    parser.set_defaults(func=run_plan)
+    return parser
+
+
+def _spec_params(args: argparse.Namespace) -> SpecParams | None:
+    given = [args.spec_k, args.spec_alpha, args.spec_cost_ratio]
+    if all(v is None for v in given):
+        return None
+    if any(v is None for v in given):
+        raise ValueError("--spec-k, --spec-alpha and --spec-cost-ratio go together")
+    return SpecParams(args.spec_k, args.spec_alpha, args.spec_cost_ratio)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        model = resolve_model(args.model)
+        hw = get_hardware(args.hardware, args.dtype)
+        result = plan(
+            model,
+            hw,
+            dtype=args.dtype,
+            batch_sizes=tuple(args.batch_sizes),
+            context_len=args.context_len,
+            spec=_spec_params(args),
+        )
+        if args.plot:
+            from kvflow.analysis.roofline_plot import plot_roofline
+
+            plot_roofline(result, args.plot)
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"kvflow plan: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_json(), indent=2) if args.json else format_plan(result))
+    return 0
+
+
+def main_plan(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvflow plan", description=__doc__)
+    _add_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+# ---- readable output ----------------------------------------------------------------------
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = [header, *rows]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines
+    )
+
+
+def _summary(r: PlanResult) -> list[str]:
+    m, hw = r.model, r.hardware
+    active = f", {r.active_params / 1e9:.2f} B active" if r.active_params != r.params else ""
+    window = f", window {m.sliding_window}" if m.sliding_window else ""
+    p = r.prefill
+    return [
+        f"model     {m.name}: {r.params / 1e9:.3f} B params{active}; "
+        f"{m.attention_kind} attention{window}",
+        f"hardware  {hw.name}: {_gb(hw.memory_bytes)} GB, {hw.memory_bandwidth / 1e9:,.0f} GB/s, "
+        f"{hw.peak(r.dtype) / 1e12:,.1f} TFLOP/s {r.dtype}; "
+        f"ridge {hw.ridge_point(r.dtype):.0f} FLOP/B",
+        f"weights   {_gb(r.weight_bytes)} GB at {r.weight_bits} bits",
+        f"KV cache  {r.kv_bytes_per_token / 1024:,.1f} KiB/token; "
+        f"{r.kv_bytes_per_sequence / 1e6:,.1f} MB per {r.context_len}-token request",
+        f"max batch {r.max_batch_size} requests of {r.context_len} tokens fit in memory"
+        + (" (the weights alone do not fit)" if r.weight_bytes > hw.memory_bytes else ""),
+        f"prefill   TTFT {p.ttft_ms:,.2f} ms for {p.tokens} tokens ({p.bound}-bound)",
+    ]
+
+
+def format_plan(r: PlanResult) -> str:
+    decode = _table(
+        ["batch", "KV GB", "total GB", "ms/token", "tok/s", "FLOP/B", "bound", "fits"],
+        [
+            [
+                str(x.batch_size),
+                _gb(x.kv_bytes),
+                _gb(x.total_bytes),
+                f"{x.latency_ms:,.2f}",
+                f"{x.throughput_tok_s:,.0f}",
+                f"{x.arithmetic_intensity:,.1f}",
+                x.bound,
+                "yes" if x.fits else "NO",
+            ]
+            for x in r.rows
+        ],
+    )
+    quant = _table(
+        ["weight bits", "weights GB", "max batch", "ms/token @1", "tok/s @1"],
+        [
+            [
+                str(q.weight_bits),
+                _gb(q.weight_bytes),
+                str(q.max_batch_size),
+                f"{q.latency_ms:,.2f}",
+                f"{q.throughput_tok_s:,.0f}",
+            ]
+            for q in r.quantization
+        ],
+    )
+    parts = [
+        "\n".join(_summary(r)),
+        "decode (roofline: max(bytes/bandwidth, FLOPs/peak))",
+        decode,
+        "weight quantization (KV stays " + r.dtype + ")",
+        quant,
+    ]
+    if s := r.speculative:
+        parts.append(
+            f"speculative k={s.k} alpha={s.alpha} r={s.cost_ratio}: {s.tokens_per_step:.2f} "
+            f"tokens/pass, speedup {s.speedup:.2f}x -> {s.latency_ms:,.2f} ms/token, "
+            f"{s.throughput_tok_s:,.0f} tok/s at batch 1"
+        )
+    return "\n\n".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main_plan())

@@ -1,0 +1,35 @@
+"""The interface every attention backend implements, and how one is chosen by name."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        layer: AttentionLayerSpec,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write the new K/V into their slots, then attend each query over its request's context."""
+        ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    from kvflow.attention.torch_reference import TorchReferenceBackend
+    from kvflow.attention.torch_sdpa import TorchSDPABackend
+
+    backends = {b.name: b for b in (TorchReferenceBackend, TorchSDPABackend)}
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(backends)}")
+    return backends[name]()

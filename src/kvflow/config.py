@@ -1,0 +1,129 @@
+"""Engine configuration: small frozen dataclasses, one per concern, built from `EngineArgs`.
+
+`EngineArgs` is the flat, user-facing set of knobs (the keyword arguments of `LLM(...)` and the
+CLI's engine flags, named as vLLM names them); `EngineArgs.create_config()` checks them and splits
+them into the per-room configs below.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # HF directory, .gguf file, or "" for the embedded default
+    dtype: torch.dtype
+    load_format: str  # "auto" | "dummy"
+    max_model_len: int
+    seed: int
+    skip_tokenizer_init: bool
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    kv_cache_memory_gb: float
+    num_kv_blocks: int | None  # overrides the memory budget exactly (tests)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    attention_backend: str  # "torch_sdpa" (fast CPU path) | "torch_reference" (the oracle)
+    device: str
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_gb: float = 1.0
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    attention_backend: str = "torch_sdpa"
+    device: str = "cpu"
+
+    def resolve_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # bf16 halves the bytes each decode step reads and doubles CPU matmul throughput;
+            # fp32 only where the device has no fast bf16 (none we support yet).
+            return torch.bfloat16
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    def create_config(self, model_max_len: int) -> EngineConfig:
+        """Validate and split; `model_max_len` is the context length the checkpoint declares."""
+        max_len = self.max_model_len or model_max_len
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two in 1..128")
+        _require(max_len >= 1, "max_model_len", ">= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
+        _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1")
+        _require(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
+        _require(
+            self.attention_backend in ("torch_sdpa", "torch_reference"),
+            "attention_backend", "torch_sdpa or torch_reference",
+        )
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model or "",
+                dtype=self.resolve_dtype(),
+                load_format=self.load_format,
+                max_model_len=max_len,
+                seed=self.seed,
+                skip_tokenizer_init=self.skip_tokenizer_init,
+            ),
+            cache=CacheConfig(self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks),
+            scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
+            attention_backend=self.attention_backend,
+            device=self.device,
+        )
+
+    # -- CLI ---------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = EngineArgs()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+        g.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
+        g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
+        g.add_argument("--num-kv-blocks", type=int, default=None)
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--skip-tokenizer-init", action="store_true")
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=["torch_sdpa", "torch_reference"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _require(ok: bool, name: str, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}")

@@ -1,0 +1,44 @@
+"""What one step runs: a flat list of chunks, one per scheduled request.
+
+This is the only thing the worker learns about requests: token ids to compute, where they sit,
+which blocks hold the request's KV, and how to sample if the chunk reaches the request's end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # position of token_ids[0] == tokens already in the KV cache
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the last known token: produce the next one
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # for penalties and min_tokens; read-only for the worker
+    eos_token_ids: frozenset[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Requests that ended since the last step: the worker drops their per-request state.
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks

@@ -1,0 +1,140 @@
+"""LLMEngine: add requests, call step() until they finish.
+
+One step = schedule → run the model once on a flat batch from many requests → sample → update
+requests and emit outputs. Nothing else drives the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from kvflow.attention.backend import get_attention_backend
+from kvflow.config import EngineArgs, EngineConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.request import Request, RequestStatus
+from kvflow.core.scheduler import Scheduler
+from kvflow.engine.output_processor import OutputProcessor, ParentRequest
+from kvflow.engine.outputs import RequestMetrics, RequestOutput
+from kvflow.model.arch_config import ArchConfig
+from kvflow.model.loader.dummy import init_dummy_weights
+from kvflow.model.loader.resolve import load_checkpoint
+from kvflow.model.registry import build_model
+from kvflow.model.tokenizer import Tokenizer
+from kvflow.sampling_params import SamplingParams
+from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from kvflow.worker.model_runner import ModelRunner
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init)
+        self.arch = ArchConfig.from_hf(checkpoint.hf_config)
+        self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
+        self.tokenizer: Tokenizer | None = checkpoint.tokenizer
+        model = build_model(self.arch, get_attention_backend(self.config.attention_backend))
+        if self.config.model.load_format == "dummy":
+            init_dummy_weights(model, self.config.model.seed)
+        else:
+            model.load_weights(checkpoint.weights)
+        dtype, device = self.config.model.dtype, self.config.device
+        for param in model.parameters():  # buffers (RoPE tables) stay float32
+            param.data = param.data.to(device=device, dtype=dtype)
+        model.to(device).eval()
+        cache = self.config.cache
+        self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype)
+        kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
+        self.runner = ModelRunner(model, kv_caches, cache.block_size, device, self.config.model.seed)
+        self.scheduler = Scheduler(
+            self.config.scheduler, KVCacheManager(self.num_kv_blocks, cache.block_size), self.config.model.max_model_len
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
+        self._children: dict[str, list[str]] = {}  # user request id → engine request ids
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this engine was started without a tokenizer (skip_tokenizer_init)")
+        return self.tokenizer
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request. Raises ValueError, with nothing queued, if it can never run."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = params.max_tokens or max(1, self.config.model.max_model_len - len(token_ids))
+        error = self.scheduler.admission_error(len(token_ids), max_tokens)
+        if error:
+            raise ValueError(error)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        parent = ParentRequest(request_id, text, token_ids, RequestMetrics(arrival_time=arrival))
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for index, child_id in enumerate(child_ids):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + index)
+            request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival)
+            self.scheduler.add_request(request)
+            self.output_processor.add_request(request, parent, index)
+        self._children[request_id] = child_ids
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        engine_ids = [c for rid in ids for c in self._children.pop(rid, [])]
+        self.scheduler.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.finish_aborted(engine_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched)
+        produced = self.scheduler.update_from_output(sched, runner_out.sampled)
+        outputs, stopped = self.output_processor.process(produced, runner_out)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for out in outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return outputs
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this engine has none (pass token ids)")
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            token_ids, text = list(prompt), None
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is not an integer in [0, {vocab})")
+        return text, token_ids
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache.usage
+

@@ -1,0 +1,135 @@
+"""The `kvflow` command: generate, chat, bench, plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvflow.config import EngineArgs
+from kvflow.sampling_params import RequestOutputKind, SamplingParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvflow.analysis.plan_cli import add_plan_parser
+    from kvflow.bench.ceilings import add_ceilings_parser
+    from kvflow.bench.latency import add_latency_parser
+    from kvflow.bench.throughput import add_throughput_parser
+
+    parser = argparse.ArgumentParser(prog="kvflow", description="LLM inference with a paged KV cache and continuous batching")
+    sub = parser.add_subparsers(title="commands")
+
+    gen = sub.add_parser("generate", help="stream a completion of one prompt")
+    gen.add_argument("prompt")
+    add_sampling_args(gen)
+    EngineArgs.add_cli_args(gen)
+    gen.set_defaults(func=run_generate)
+
+    chat = sub.add_parser("chat", help="multi-turn streaming chat in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(chat, max_tokens=512, temperature=0.7)
+    EngineArgs.add_cli_args(chat)
+    chat.set_defaults(func=run_chat)
+
+    bench = sub.add_parser("bench", help="measure throughput, latency and machine ceilings")
+    bench_sub = bench.add_subparsers(title="benchmarks")
+    add_throughput_parser(bench_sub)
+    add_latency_parser(bench_sub)
+    add_ceilings_parser(bench_sub)
+    add_plan_parser(sub)
+    return parser
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128, temperature: float = 0.0) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=temperature)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def stream(engine, prompt, params: SamplingParams, out=sys.stdout) -> str:
+    """Run one request to the end, printing text as it is released; returns the full text."""
+    request_id = engine.add_request(None, prompt, params)
+    pieces = []
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                piece = output.outputs[0].text
+                pieces.append(piece)
+                out.write(piece)
+                out.flush()
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+    out.write("\n")
+    return "".join(pieces)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kvflow.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    stream(engine, args.prompt, sampling_params_from_args(args))
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from kvflow.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    tokenizer = engine.get_tokenizer()
+    params = sampling_params_from_args(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvflow chat — /reset clears the conversation, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        try:
+            reply = stream(engine, prompt, params)
+        except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
+            print(f"[error] {e}; try /reset")
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": reply})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""From logits to tokens, one row per request that needs a token this step.
+
+Order: penalties and min_tokens masking on the raw logits; logprobs are reported from the raw
+logits (what the model said, as vLLM reports them); then temperature, min-p, top-k, top-p, and a
+draw. A draw is argmax(probs / E) with E ~ Exp(1) i.i.d. — the same distribution as sampling
+from probs — so a request with a seed owns a generator and draws exactly `vocab` numbers a step:
+its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [R] float; 0 = greedy
+    top_k: torch.Tensor  # [R] int; 0 = off
+    top_p: torch.Tensor  # [R]
+    min_p: torch.Tensor  # [R]
+    repetition_penalty: torch.Tensor  # [R]
+    frequency_penalty: torch.Tensor  # [R]
+    presence_penalty: torch.Tensor  # [R]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    banned_token_ids: list[list[int]]  # eos/stop ids while min_tokens is not reached
+    generators: list[torch.Generator | None]  # None: the engine's shared generator
+    num_logprobs: int  # the most top logprobs any row asked for; -1 = none
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor | None = None  # [R, 1 + N]: the sampled token's, then the top N
+    logprob_token_ids: torch.Tensor | None = None  # [R, 1 + N]
+    sampled_ranks: torch.Tensor | None = None  # [R]: 1 = the most likely token
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs >= 0 else None
+        logits = apply_penalties(logits, batch)
+        logits = ban_tokens(logits, batch.banned_token_ids)
+        tokens = self._sample(logits, batch)
+        out = SamplerOutput(token_ids=tokens)
+        if raw_logprobs is not None:
+            out.logprobs, out.logprob_token_ids, out.sampled_ranks = gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
+        return out
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1)
+        greedy = batch.temperature < 1e-5
+        if bool(greedy.all()):
+            return greedy_tokens
+        temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        logits = filter_logits(logits / temperature[:, None], batch.top_k, batch.top_p, batch.min_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, gen in enumerate(batch.generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    active = (batch.repetition_penalty != 1) | (batch.frequency_penalty != 0) | (batch.presence_penalty != 0)
+    if not bool(active.any()):
+        return logits
+    vocab = logits.shape[1]
+    counts = _token_counts(batch.output_token_ids, vocab, logits.device)
+    seen = (counts + _token_counts(batch.prompt_token_ids, vocab, logits.device)) > 0
+    # Repetition penalty (CTRL): shrink the logit of any token already seen, toward less likely.
+    rep = batch.repetition_penalty[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    # OpenAI's frequency and presence penalties count only generated tokens.
+    logits = logits - batch.frequency_penalty[:, None] * counts
+    return logits - batch.presence_penalty[:, None] * (counts > 0).float()
+
+
+def _token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
+    counts = torch.zeros(len(rows), vocab, device=device)
+    for i, ids in enumerate(rows):
+        if ids:
+            counts[i].index_add_(0, torch.tensor(ids, device=device), torch.ones(len(ids), device=device))
+    return counts
+
+
+def ban_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    for row, ids in enumerate(banned):
+        if ids:
+            logits[row, ids] = float("-inf")
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token outside min-p, then top-k, then top-p (nucleus). Rows whose
+    filters are off pass through unchanged; the most likely token always survives."""
+    probs = logits.softmax(dim=-1)
+    top_prob = probs.max(dim=-1, keepdim=True).values
+    logits = logits.masked_fill(probs < min_p[:, None] * top_prob, float("-inf"))
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(logits.shape[1], device=logits.device)[None, :]
+        k = torch.where(top_k > 0, top_k, logits.shape[1])[:, None]
+        drop = rank >= k
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)  # off means off, despite rounding
+        drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int):
+    sampled = logprobs.gather(1, tokens[:, None])
+    ranks = (logprobs > sampled).sum(dim=-1) + 1
+    if num_top == 0:
+        return sampled, tokens[:, None], ranks
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return torch.cat([sampled, top_values], 1), torch.cat([tokens[:, None], top_ids], 1), ranks

@@ -1,0 +1,22 @@
+"""One entry point for every model reference: None (the embedded default), a .gguf file, or an
+HF directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvflow.model.default_model import default_model_path
+from kvflow.model.loader import Checkpoint
+
+
+def load_checkpoint(model: str | None, load_tokenizer: bool = True) -> Checkpoint:
+    path = Path(model) if model else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model {str(path)!r} does not exist (give an HF directory or a .gguf file)")
+    if path.is_dir():
+        from kvflow.model.loader.hf import load_hf_dir
+
+        return load_hf_dir(path, load_tokenizer)
+    from kvflow.model.loader.gguf import load_gguf
+
+    return load_gguf(path, with_tokenizer=load_tokenizer)

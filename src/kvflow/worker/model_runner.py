@@ -1,0 +1,170 @@
+"""Runs one step: a SchedulerOutput becomes one flat batch, one forward pass, and tokens.
+
+The flat batch concatenates every scheduled chunk: `input_ids[T]`, `positions[T]`, and the
+attention metadata that tells attention which rows belong to which request. Logits are computed
+only at rows that need them: the last row of a chunk that samples, and prompt rows whose next
+token's logprob was asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
+from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
+
+
+@dataclass
+class FlatBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    sample_rows: list[int]  # row of each sampling chunk's last token
+    sample_chunks: list[ScheduledChunk]
+    prompt_rows: list[int]  # rows whose next token is a prompt token with logprobs requested
+    prompt_targets: list[int]
+    prompt_spans: dict[str, tuple[int, int, int, int]]  # request → (first position, first row index, count, top-N)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        self.generators: dict[str, torch.Generator] = {}  # per seeded request, for its whole life
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if sched.empty:
+            return ModelRunnerOutput()
+        batch = self.prepare(sched.chunks)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        out = ModelRunnerOutput()
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            self._collect_samples(batch.sample_chunks, self.sampler(logits, self._sampling_batch(batch.sample_chunks)), out)
+        if batch.prompt_rows:
+            self._collect_prompt_logprobs(batch, self.model.compute_logits(hidden[batch.prompt_rows]), out)
+        return out
+
+    # -- inputs ----------------------------------------------------------------------------
+    def prepare(self, chunks: list[ScheduledChunk]) -> FlatBatch:
+        dev = self.device
+        query_lens = [c.num_tokens for c in chunks]
+        starts = torch.tensor([c.start_pos for c in chunks], device=dev)
+        query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.long, device=dev)
+        query_start_loc[1:] = torch.tensor(query_lens, device=dev).cumsum(0)
+        row_request = torch.repeat_interleave(torch.arange(len(chunks), device=dev), torch.tensor(query_lens, device=dev))
+        positions = starts[row_request] + torch.arange(row_request.numel(), device=dev) - query_start_loc[row_request]
+        width = max(len(c.block_ids) for c in chunks)
+        block_tables = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks], device=dev)
+        slot_mapping = block_tables[row_request, positions // self.block_size] * self.block_size + positions % self.block_size
+        seq_lens_cpu = [c.start_pos + c.num_tokens for c in chunks]
+        attn = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=torch.tensor(seq_lens_cpu, device=dev),
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            block_size=self.block_size,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
+        batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})
+        offset = 0
+        for chunk, q_len in zip(chunks, query_lens):
+            if chunk.sample:
+                batch.sample_rows.append(offset + q_len - 1)
+                batch.sample_chunks.append(chunk)
+            if chunk.sampling_params.prompt_logprobs is not None:
+                self._add_prompt_rows(batch, chunk, offset)
+            offset += q_len
+        return batch
+
+    @staticmethod
+    def _add_prompt_rows(batch: FlatBatch, chunk: ScheduledChunk, offset: int) -> None:
+        # Row at position p predicts token p + 1; only prompt tokens are targets.
+        last = min(chunk.start_pos + chunk.num_tokens, len(chunk.prompt_token_ids) - 1)
+        count = last - chunk.start_pos
+        if count <= 0:
+            return
+        n = chunk.sampling_params.prompt_logprobs
+        batch.prompt_spans[chunk.request_id] = (chunk.start_pos, len(batch.prompt_rows), count, n)
+        batch.prompt_rows.extend(range(offset, offset + count))
+        batch.prompt_targets.extend(chunk.prompt_token_ids[chunk.start_pos + 1:last + 1])
+
+    def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
+        params = [c.sampling_params for c in chunks]
+        dev = self.device
+
+        def column(name: str, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=dev)
+
+        return SamplingBatch(
+            temperature=column("temperature"),
+            top_k=column("top_k", torch.long),
+            top_p=column("top_p"),
+            min_p=column("min_p"),
+            repetition_penalty=column("repetition_penalty"),
+            frequency_penalty=column("frequency_penalty"),
+            presence_penalty=column("presence_penalty"),
+            prompt_token_ids=[c.prompt_token_ids for c in chunks],
+            output_token_ids=[c.output_token_ids for c in chunks],
+            banned_token_ids=[_banned_tokens(c) for c in chunks],
+            generators=[self._generator(c) for c in chunks],
+            num_logprobs=max((-1 if p.logprobs is None else p.logprobs) for p in params),
+        )
+
+    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
+        seed = chunk.sampling_params.seed
+        if seed is None or chunk.sampling_params.greedy:
+            return None
+        if chunk.request_id not in self.generators:
+            self.generators[chunk.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return self.generators[chunk.request_id]
+
+    # -- outputs ---------------------------------------------------------------------------
+    @staticmethod
+    def _collect_samples(chunks: list[ScheduledChunk], sampled: SamplerOutput, out: ModelRunnerOutput) -> None:
+        tokens = sampled.token_ids.tolist()
+        logprobs = None if sampled.logprobs is None else sampled.logprobs.tolist()
+        ids = None if sampled.logprob_token_ids is None else sampled.logprob_token_ids.tolist()
+        ranks = None if sampled.sampled_ranks is None else sampled.sampled_ranks.tolist()
+        for i, chunk in enumerate(chunks):
+            out.sampled[chunk.request_id] = tokens[i]
+            n = chunk.sampling_params.logprobs
+            if n is not None:
+                out.logprobs[chunk.request_id] = PositionLogprobs(ids[i][:n + 1], logprobs[i][:n + 1], ranks[i])
+
+    @staticmethod
+    def _collect_prompt_logprobs(batch: FlatBatch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        logprobs = logits.log_softmax(dim=-1)
+        targets = torch.tensor(batch.prompt_targets, device=logits.device)[:, None]
+        target_lp = logprobs.gather(1, targets)
+        ranks = ((logprobs > target_lp).sum(dim=-1) + 1).tolist()
+        num_top = max(span[3] for span in batch.prompt_spans.values())
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        ids = torch.cat([targets, top_ids], 1).tolist()
+        values = torch.cat([target_lp, top_values], 1).tolist()
+        for request_id, (first_pos, first, count, n) in batch.prompt_spans.items():
+            rows = range(first, first + count)
+            out.prompt_logprobs[request_id] = (first_pos + 1, [PositionLogprobs(ids[j][:n + 1], values[j][:n + 1], ranks[j]) for j in rows])
+
+
+def _banned_tokens(chunk: ScheduledChunk) -> list[int]:
+    params = chunk.sampling_params
+    if len(chunk.output_token_ids) >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned.extend(chunk.eos_token_ids)
+    return banned

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import pytest
+
+from kvflow.config import SchedulerConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.request import Request, RequestStatus
+from kvflow.core.scheduler import Scheduler
+from kvflow.sampling_params import SamplingParams
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({0}))
+
+
+def _scheduler(budget=64, max_seqs=8, blocks=64, block_size=4, max_len=256) -> Scheduler:
+    return Scheduler(SchedulerConfig(budget, max_seqs), KVCacheManager(blocks, block_size), max_len)
+
+
+def _run_step(s: Scheduler, token: int = 5):
+    out = s.schedule()
+    s.update_from_output(out, {c.request_id: token for c in out.chunks if c.sample})
+    return out
+
+
+def test_prompt_is_chunked_to_the_token_budget():
+    s = _scheduler(budget=10)
+    s.add_request(_request("a", 25))
+    sizes = [c.num_tokens for c in (_run_step(s).chunks[0], _run_step(s).chunks[0], _run_step(s).chunks[0])]
+    assert sizes == [10, 10, 5]
+    assert s.requests["a"].output_token_ids == [5]  # only the chunk that reached the end sampled
+
+
+def test_decodes_come_first_and_share_the_step_with_a_prompt_chunk():
+    s = _scheduler(budget=8)
+    s.add_request(_request("a", 3))
+    _run_step(s)  # a: prefill + first token
+    s.add_request(_request("b", 20))
+    out = _run_step(s)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 7)]
+
+
+def test_max_num_seqs_caps_running_requests():
+    s = _scheduler(max_seqs=2)
+    for rid in "abc":
+        s.add_request(_request(rid, 4))
+    out = s.schedule()
+    assert {c.request_id for c in out.chunks} == {"a", "b"}
+    assert s.num_waiting == 1
+
+
+def test_newest_running_request_is_preempted_and_recomputed():
+    s = _scheduler(blocks=4, block_size=4)
+    s.add_request(_request("old", 7, max_tokens=8))
+    s.add_request(_request("new", 7, max_tokens=8))
+    _run_step(s)  # both prefilled (positions 0-6): 2 blocks each, pool full
+    assert _run_step(s).preempted_request_ids == []  # position 7 still fits in block 2
+    out = _run_step(s)  # position 8 needs a third block each
+    assert out.preempted_request_ids == ["new"]
+    new = [r for r in s.waiting if r.request_id == "new"][0]
+    assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert new.output_token_ids == [5, 5]  # its output so far is kept and recomputed, not resampled
+    while s.has_unfinished_requests():
+        _run_step(s)
+    assert s.kv_cache.usage == 0.0
+
+
+def test_admission_refuses_requests_that_can_never_fit():
+    s = _scheduler(blocks=4, block_size=4, max_len=100)
+    with pytest.raises(ValueError, match=r"prompt \(98 tokens\) \+ max_tokens \(4\) = 102 tokens exceeds max_model_len \(100\)"):
+        s.add_request(_request("long", 98))
+    with pytest.raises(ValueError, match="needs 5 KV blocks"):
+        s.add_request(_request("big", 15, max_tokens=6))
+    assert not s.has_unfinished_requests()
+
+
+def test_finishing_frees_blocks_and_reports_the_id_once():
+    s = _scheduler()
+    s.add_request(_request("a", 5, max_tokens=2))
+    _run_step(s)
+    _run_step(s)
+    assert not s.has_unfinished_requests()
+    assert s.kv_cache.usage == 0.0
+    assert s.schedule().finished_request_ids == {"a"}
+    assert s.schedule().finished_request_ids == set()
+
+
+def test_eos_stops_only_after_min_tokens():
+    s = _scheduler()
+    r = Request("a", [1, 2], SamplingParams(max_tokens=5, min_tokens=2), 5, frozenset({0}))
+    s.add_request(r)
+    _run_step(s, token=0)
+    assert r.status is RequestStatus.RUNNING
+    _run_step(s, token=0)
+    assert r.status is RequestStatus.FINISHED_STOPPED

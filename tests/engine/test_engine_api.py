@@ -1,0 +1,142 @@
+"""The engine's public behaviour: output shapes, n > 1, seeds, streaming deltas, abort, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow import LLM, LLMEngine, EngineArgs, RequestOutputKind, SamplingParams
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    make_tiny_model("qwen2-bias", path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256, num_kv_blocks=64)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _drain(engine: LLMEngine) -> list:
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    return outs
+
+
+def test_request_output_shape(llm):
+    out = llm.generate([_prompt(5)], SamplingParams(max_tokens=6, logprobs=2, seed=1), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert out.prompt_token_ids == _prompt(5) and out.finished
+    assert len(c.token_ids) == 6 and c.finish_reason == "length" and c.index == 0
+    assert len(c.logprobs) == 6 and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
+    assert all(len(lp) in (2, 3) for lp in c.logprobs)  # the sampled token plus the top 2 (may overlap)
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)), abs=1e-5)
+    m = out.metrics
+    assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234)
+    alone = llm.generate([_prompt(8)], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [_prompt(n, seed=n) for n in (3, 20, 11)]
+    noisy = SamplingParams(temperature=1.0, max_tokens=7)
+    mixed = llm.generate(others[:2] + [_prompt(8)] + others[2:], [noisy, noisy, params, noisy], use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+    different = llm.generate([_prompt(8)], params.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    assert different != alone  # the seed matters (12 tokens from a 97-token vocabulary)
+
+
+def test_n_completions_each_equal_a_seeded_single_request(llm):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=10)
+    out = llm.generate([_prompt(6)], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        single = llm.generate([_prompt(6)], params.clone(n=1, seed=10 + c.index), use_tqdm=False)[0]
+        assert c.token_ids == single.outputs[0].token_ids
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    greedy = llm.generate([_prompt(4)], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    stop_at = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_at)
+    out = llm.generate([_prompt(4)], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy.token_ids[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
+
+
+def test_delta_outputs_concatenate_to_the_final_output(model_dir):
+    engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True))
+    engine.add_request("d", _prompt(5), SamplingParams(temperature=0, max_tokens=9, output_kind=RequestOutputKind.DELTA))
+    deltas = [o.outputs[0].token_ids for o in _drain(engine)]
+    engine.add_request("f", _prompt(5), SamplingParams(temperature=0, max_tokens=9, output_kind=RequestOutputKind.FINAL_ONLY))
+    finals = _drain(engine)
+    assert len(finals) == 1 and all(len(d) == 1 for d in deltas)
+    assert sum(deltas, []) == finals[0].outputs[0].token_ids
+
+
+def test_abort_frees_blocks_and_leaves_others_untouched(model_dir):
+    engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True))
+    params = SamplingParams(temperature=0, max_tokens=10, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("keep", _prompt(12), params)
+    expected = _drain(engine)[0].outputs[0].token_ids
+    engine.add_request("keep2", _prompt(12), params)
+    engine.add_request("drop", _prompt(30, seed=3), params)
+    engine.step()
+    aborted = engine.abort_request("drop")
+    assert aborted[0].outputs[0].finish_reason == "abort"
+    assert _drain(engine)[0].outputs[0].token_ids == expected
+    assert engine.kv_cache_usage == 0.0
+
+
+BAD_REQUESTS = [
+    ([], SamplingParams(), "prompt is empty"),
+    ([5, 97], SamplingParams(), r"token id 97 is not an integer in \[0, 97\)"),
+    ([5, -1], SamplingParams(), "token id -1"),
+    ([5, "x"], SamplingParams(), "token id 'x'"),
+    (_prompt(250), SamplingParams(max_tokens=10), r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 tokens exceeds max_model_len \(256\)"),
+    (_prompt(300), SamplingParams(max_tokens=None), r"exceeds max_model_len \(256\)"),
+    ("text without a tokenizer", SamplingParams(), "need a tokenizer"),
+    ({"neither": 1}, SamplingParams(), "needs 'prompt' or 'prompt_token_ids'"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,message", BAD_REQUESTS)
+def test_bad_request_is_refused_and_others_are_unaffected(model_dir, prompt, params, message):
+    engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256))
+    good = SamplingParams(temperature=0, max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("good", _prompt(9), good)
+    engine.step()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    outs = _drain(engine)
+    assert [o.request_id for o in outs] == ["good"] and len(outs[0].outputs[0].token_ids) == 6
+    assert engine.kv_cache_usage == 0.0
+
+
+def test_request_larger_than_the_whole_cache_is_refused(model_dir):
+    llm = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="needs 3 KV blocks"):
+        llm.generate([_prompt(8)], SamplingParams(max_tokens=4))
+
+
+def test_llm_generate_refuses_the_whole_batch_and_names_the_prompt(llm):
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate([_prompt(3), []], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_duplicate_request_id_is_refused(model_dir):
+    engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True))
+    engine.add_request("x", _prompt(3), SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", _prompt(3), SamplingParams(max_tokens=2))

@@ -1,0 +1,48 @@
+"""The transformers oracle for the default model.
+
+transformers reads the default GGUF slowly (it dequantizes every tensor, ~15 s), so it is done once
+and saved as a plain float32 HF directory under `<repo>/.cache`; tests then reload that directory
+in well under a second with `from_pretrained(default_model_hf_dir())`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from kvflow.model.default_model import default_model_path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HF_DIR = REPO_ROOT / ".cache" / "hf-smollm2-135m"
+# Written last: a directory without it was interrupted mid-save and is rebuilt.
+_COMPLETE = ".complete"
+
+
+def default_gguf_path() -> Path:
+    return default_model_path()
+
+
+def default_model_hf_dir() -> Path:
+    """A float32 HF directory (model + tokenizer) that transformers made from the default GGUF."""
+    if (HF_DIR / _COMPLETE).is_file():
+        return HF_DIR
+    if HF_DIR.exists():
+        shutil.rmtree(HF_DIR)
+    _convert_with_transformers(default_gguf_path(), HF_DIR)
+    (HF_DIR / _COMPLETE).write_text("ok\n")
+    return HF_DIR
+
+
+def _convert_with_transformers(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The weights are already dequantized; drop the GGUF marker so the saved dir loads as plain HF.
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,123 @@
+"""The sampler on crafted logits, where the right answer is known exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvflow.model.layers.sampler import Sampler, SamplingBatch, apply_penalties, filter_logits
+from kvflow.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+def _batch(rows: int, vocab: int, **overrides) -> SamplingBatch:
+    fields = dict(
+        temperature=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.long), top_p=torch.ones(rows),
+        min_p=torch.zeros(rows), repetition_penalty=torch.ones(rows), frequency_penalty=torch.zeros(rows),
+        presence_penalty=torch.zeros(rows), prompt_token_ids=[[] for _ in range(rows)],
+        output_token_ids=[[] for _ in range(rows)], banned_token_ids=[[] for _ in range(rows)],
+        generators=[None] * rows, num_logprobs=-1,
+    )
+    fields.update(overrides)
+    return SamplingBatch(**fields)
+
+
+def _kept(logits: torch.Tensor) -> list[int]:
+    return torch.nonzero(logits[0] > NEG_INF).flatten().tolist()
+
+
+def test_top_k_keeps_exactly_k_best():
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0, 2.5]])
+    out = filter_logits(logits, torch.tensor([2]), torch.tensor([1.0]), torch.tensor([0.0]))
+    assert _kept(out) == [1, 4]
+
+
+def test_top_p_keeps_smallest_set_reaching_mass():
+    probs = torch.tensor([[0.5, 0.25, 0.15, 0.1]])
+    logits = probs.log()
+    keep = lambda p: _kept(filter_logits(logits, torch.tensor([0]), torch.tensor([p]), torch.tensor([0.0])))
+    assert keep(0.5) == [0]  # the first token alone reaches 0.5
+    assert keep(0.6) == [0, 1]
+    assert keep(0.9) == [0, 1, 2]
+    assert keep(0.01) == [0]  # the best token always survives
+    assert keep(1.0) == [0, 1, 2, 3]
+
+
+def test_min_p_scales_with_the_best_token():
+    logits = torch.tensor([[0.6, 0.3, 0.05, 0.05]]).log()
+    keep = lambda m: _kept(filter_logits(logits, torch.tensor([0]), torch.tensor([1.0]), torch.tensor([m])))
+    assert keep(0.1) == [0, 1]  # threshold 0.06 cuts the 0.05s
+    assert keep(0.08) == [0, 1, 2, 3]  # threshold 0.048 keeps them
+    assert keep(0.6) == [0]  # threshold 0.36 cuts 0.3
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = torch.tensor([[2.0, -2.0, 2.0, 1.0]])
+    batch = _batch(1, 4, repetition_penalty=torch.tensor([2.0]), prompt_token_ids=[[0]], output_token_ids=[[1]])
+    assert apply_penalties(logits, batch).tolist() == [[1.0, -4.0, 2.0, 1.0]]
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only():
+    logits = torch.zeros(1, 4)
+    batch = _batch(1, 4, frequency_penalty=torch.tensor([0.5]), presence_penalty=torch.tensor([1.0]),
+                   prompt_token_ids=[[3, 3]], output_token_ids=[[1, 1, 1, 2]])
+    assert apply_penalties(logits, batch).tolist() == [[0.0, -2.5, -1.5, 0.0]]
+
+
+def test_greedy_and_banned_tokens():
+    logits = torch.tensor([[1.0, 5.0, 3.0]])
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    assert sampler(logits.clone(), _batch(1, 3, temperature=torch.zeros(1))).token_ids.tolist() == [1]
+    banned = _batch(1, 3, temperature=torch.zeros(1), banned_token_ids=[[1]])
+    assert sampler(logits.clone(), banned).token_ids.tolist() == [2]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    rows = 6000
+    tokens = sampler(probs.log().repeat(rows, 1), _batch(rows, 3)).token_ids
+    freq = torch.bincount(tokens, minlength=3).float() / rows
+    # 5 standard errors: this fails only for a wrong distribution, not by chance.
+    assert torch.allclose(freq, probs, atol=5 * math.sqrt(0.25 / rows))
+
+
+def test_seeded_row_ignores_its_neighbours():
+    logits = torch.randn(1, 50)
+    def draw(extra_rows: int) -> int:
+        gens = [torch.Generator().manual_seed(42)] + [None] * extra_rows
+        batch = _batch(1 + extra_rows, 50, generators=gens)
+        all_logits = torch.cat([logits, torch.randn(extra_rows, 50)])
+        return Sampler(torch.Generator().manual_seed(extra_rows))(all_logits, batch).token_ids[0].item()
+    assert draw(0) == draw(3) == draw(7)
+
+
+def test_logprobs_are_raw_and_ranked():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    out = Sampler(torch.Generator())(logits.clone(), _batch(1, 3, temperature=torch.zeros(1), num_logprobs=2,
+                                                            repetition_penalty=torch.tensor([5.0]),
+                                                            output_token_ids=[[1]]))
+    raw = logits.log_softmax(-1)[0]
+    assert out.token_ids.tolist() == [2]  # the penalty moved the choice...
+    assert out.logprob_token_ids.tolist() == [[2, 1, 2]]
+    torch.testing.assert_close(out.logprobs[0], raw[[2, 1, 2]])  # ...but logprobs are the model's
+    assert out.sampled_ranks.tolist() == [2]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0),
+    ("max_tokens", 0), ("min_tokens", -1), ("repetition_penalty", 0.0), ("frequency_penalty", 3.0),
+    ("presence_penalty", -2.5), ("logprobs", 21), ("prompt_logprobs", -1), ("stop", [""]), ("seed", 1.5),
+    ("temperature", float("nan")), ("max_tokens", True),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)

@@ -1,0 +1,41 @@
+"""Tiny random HF checkpoints of every supported architecture, written at test time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.3)
+
+# name → (transformers config class name, extra config fields)
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama-mha-tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama-gqa-llama3-rope": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=50000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64))),
+    "llama-mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)),
+    "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
+                                             tie_word_embeddings=False)),
+    "qwen2-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3-qknorm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         tie_word_embeddings=False)),
+}
+
+
+def make_tiny_model(name: str, directory: Path, seed: int = 0):
+    """Write a random checkpoint to `directory` and return the transformers model (float32, eager)."""
+    import transformers
+
+    cls_name, extra = TINY_CONFIGS[name]
+    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # HF zero-inits biases; random ones make the bias path matter
+        for name_, p in model.named_parameters():
+            if name_.endswith("bias") or "norm" in name_:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
