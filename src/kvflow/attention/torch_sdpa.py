@@ -1,8 +1,11 @@
-"""The CPU fast path: torch's fused scaled_dot_product_attention over the paged cache.
+"""The CPU fast path over the paged cache, in plain torch.
 
-Decodes (one query each) are gathered into one padded batch and run as a single SDPA call;
-prompt chunks run one SDPA call each, and a chunk that starts a prompt attends to its own
-keys directly, without reading the cache back.
+- A chunk that starts a prompt (nothing cached before it) attends to its own keys with SDPA's
+  fused causal kernel, without reading the cache back.
+- Everything else (decodes, prompt chunks after a cached prefix) gathers its keys from the
+  blocks and runs grouped-query attention as two batched matmuls: on CPU this is several times
+  faster than SDPA with an explicit mask in bfloat16. Decodes are batched in buckets of similar
+  context length, so the padding each bucket gathers stays small.
 """
 
 from __future__ import annotations
@@ -10,7 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, allowed_keys, gather_kv, write_kv
+from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, write_kv
+
+# A decode joins the current bucket while its context is at least this fraction of the bucket's
+# longest: bounds padded work to 1 / BUCKET_RATIO of the real work, with few buckets.
+BUCKET_RATIO = 0.6
 
 
 class TorchSDPABackend:
@@ -19,51 +26,67 @@ class TorchSDPABackend:
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta)
         out = torch.empty_like(q)
-        decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if decodes:
-            self._decode_batch(q, kv_cache, meta, layer, decodes, out)
         starts = meta.query_start_loc.tolist()
-        for i, q_len in enumerate(meta.query_lens_cpu):
-            if q_len > 1:
-                s, e = starts[i], starts[i + 1]
-                out[s:e] = self._prompt_chunk(q[s:e], k[s:e], v[s:e], kv_cache, meta, layer, i)
+        decodes = []
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            s, e = starts[i], starts[i + 1]
+            if q_len == 1:
+                decodes.append(i)
+            elif q_len == seq_len and layer.sliding_window is None:
+                out[s:e] = _causal_prompt(q[s:e], k[s:e], v[s:e], layer)
+            else:
+                out[s:e] = self._attend_cached([i], q[s:e].unsqueeze(0), kv_cache, meta, layer).squeeze(0)
+        for bucket in _length_buckets(decodes, meta.seq_lens_cpu):
+            rows = [starts[i] for i in bucket]
+            out[rows] = self._attend_cached(bucket, q[rows].unsqueeze(1), kv_cache, meta, layer).squeeze(1)
         return out
 
-    def _prompt_chunk(self, q, k, v, kv_cache, meta, layer, i) -> torch.Tensor:
-        q_len, seq_len = q.shape[0], meta.seq_lens_cpu[i]
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        if seq_len == q_len:  # nothing cached before this chunk: its own K/V are the whole context
-            keys, values = k, v
-        else:
-            n_blocks = -(-seq_len // meta.block_size)
-            keys, values = gather_kv(kv_cache, meta.block_tables[i, :n_blocks], seq_len)
-        if seq_len == q_len and layer.sliding_window is None:
-            mask = None  # plain causal: let SDPA pick its fused causal kernel
-        else:
-            mask = allowed_keys(query_pos, seq_len, layer.sliding_window).unsqueeze(0)
-        return _sdpa(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, layer).squeeze(0)
-
-    def _decode_batch(self, q, kv_cache, meta, layer, rows: list[int], out: torch.Tensor) -> None:
-        idx = torch.tensor(rows, device=q.device)
-        seq_lens = meta.seq_lens[idx]
-        max_len = max(meta.seq_lens_cpu[i] for i in rows)
+    @staticmethod
+    def _attend_cached(requests: list[int], q, kv_cache, meta: AttentionMetadata, layer) -> torch.Tensor:
+        """q [B, n, H, D] for requests with equal query length n → [B, n, H, D]."""
+        batch, n = q.shape[:2]
+        max_len = max(meta.seq_lens_cpu[i] for i in requests)
         n_blocks = -(-max_len // meta.block_size)
-        tables = meta.block_tables[idx, :n_blocks]
-        keys = kv_cache[0, tables].flatten(1, 2)  # [B, n_blocks * block_size, Hkv, D]
-        values = kv_cache[1, tables].flatten(1, 2)
+        blocks = meta.block_tables[requests, :n_blocks].flatten()
+        keys = kv_cache[0].index_select(0, blocks).view(batch, -1, layer.num_kv_heads, layer.head_dim)
+        values = kv_cache[1].index_select(0, blocks).view(batch, -1, layer.num_kv_heads, layer.head_dim)
+        seq_lens = meta.seq_lens[requests]
+        query_pos = seq_lens[:, None] - n + torch.arange(n, device=q.device)  # [B, n]
         key_pos = torch.arange(keys.shape[1], device=q.device)
-        mask = key_pos[None, :] < seq_lens[:, None]
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]
         if layer.sliding_window is not None:
-            mask &= (seq_lens[:, None] - 1) - key_pos[None, :] < layer.sliding_window
-        token_rows = meta.query_start_loc[idx]
-        out[token_rows] = _sdpa(q[token_rows].unsqueeze(1), keys, values, mask.unsqueeze(1), layer).squeeze(1)
+            mask &= query_pos[:, :, None] - key_pos[None, None, :] < layer.sliding_window
+        return grouped_attention(q, keys, values, mask, layer)
 
 
-def _sdpa(q, k, v, mask: torch.Tensor | None, layer: AttentionLayerSpec) -> torch.Tensor:
-    """q [B, n, H, D], k/v [B, L, Hkv, D], mask [B or 1, n, L] (None: causal) → [B, n, H, D]."""
+def grouped_attention(q, k, v, mask, layer: AttentionLayerSpec) -> torch.Tensor:
+    """q [B, n, H, D], k/v [B, L, Hkv, D], mask [B, n, L] → [B, n, H, D]. The G = H / Hkv query
+    heads that share a KV head are stacked, so K and V are read once per KV head."""
+    batch, n, heads, dim = q.shape
+    kv_heads = layer.num_kv_heads
+    group = heads // kv_heads
+    q = q.view(batch, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * n, dim)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * layer.scale  # [B, Hkv, G*n, L]
+    scores = scores.view(batch, kv_heads, group, n, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype).view(batch, kv_heads, group * n, -1)
+    out = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G*n, D]
+    return out.view(batch, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(batch, n, heads, dim)
+
+
+def _causal_prompt(q, k, v, layer: AttentionLayerSpec) -> torch.Tensor:
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=None if mask is None else mask.unsqueeze(1), is_causal=mask is None,
-        scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads,
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        is_causal=True, scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads,
     )
-    return out.transpose(1, 2)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _length_buckets(requests: list[int], seq_lens: list[int]) -> list[list[int]]:
+    buckets: list[list[int]] = []
+    longest = 0
+    for i in sorted(requests, key=lambda r: seq_lens[r], reverse=True):
+        if not buckets or seq_lens[i] < BUCKET_RATIO * longest:
+            buckets.append([])
+            longest = seq_lens[i]
+        buckets[-1].append(i)
+    return buckets
