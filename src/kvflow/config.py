@@ -54,7 +54,7 @@ class EngineArgs:
     load_format: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float = 2.0
     num_kv_blocks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128

@@ -44,7 +44,8 @@ class LLMEngine:
             param.data = param.data.to(device=device, dtype=dtype)
         model.to(device).eval()
         cache = self.config.cache
-        self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype)
+        useful = -(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
+        self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype, useful)
         kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, cache.block_size, device, self.config.model.seed)
         self.scheduler = Scheduler(

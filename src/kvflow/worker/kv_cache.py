@@ -14,7 +14,9 @@ def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) ->
     return per_token * block_size
 
 
-def num_kv_blocks(cache: CacheConfig, arch: ArchConfig, dtype: torch.dtype) -> int:
+def num_kv_blocks(cache: CacheConfig, arch: ArchConfig, dtype: torch.dtype, max_useful_blocks: int) -> int:
+    """Blocks that fit in the memory budget, but never more than `max_useful_blocks` (what
+    max_num_seqs requests of max_model_len tokens could ever hold)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     budget = int(cache.kv_cache_memory_gb * 1024**3)
@@ -22,7 +24,7 @@ def num_kv_blocks(cache: CacheConfig, arch: ArchConfig, dtype: torch.dtype) -> i
     if blocks < 1:
         raise ValueError(f"kv_cache_memory_gb={cache.kv_cache_memory_gb} holds no KV block of "
                          f"{kv_bytes_per_block(arch, cache.block_size, dtype)} bytes")
-    return blocks
+    return min(blocks, max_useful_blocks)
 
 
 def allocate_kv_caches(arch: ArchConfig, num_blocks: int, block_size: int, dtype, device) -> list[torch.Tensor]:

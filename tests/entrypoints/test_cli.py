@@ -1,0 +1,73 @@
+"""The `kvflow` command as a user runs it: a real process, real stdin/stdout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tiny_models import make_tiny_model
+
+KVFLOW = [sys.executable, "-m", "kvflow.entrypoints.cli"]
+
+
+def run(args: list[str], stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(KVFLOW + args, input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_model("llama-gqa-llama3-rope", path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_generate_streams_the_same_text_as_llm_generate():
+    from kvflow import LLM, SamplingParams
+
+    proc = run(["generate", "The capital of France is", "--max-tokens", "12"])
+    assert proc.returncode == 0, proc.stderr
+    expected = LLM().generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12))
+    assert proc.stdout == expected[0].outputs[0].text + "\n"
+
+
+@pytest.mark.slow
+def test_chat_is_multi_turn_and_exits_cleanly():
+    proc = run(["chat", "--temperature", "0", "--max-tokens", "16"], stdin="What is 2+2?\n/reset\nSay hi.\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    replies = [line for line in proc.stdout.split("> ") if line.strip()]
+    assert len(replies) >= 3  # banner + two answers
+    assert all(r.strip() for r in replies[1:])
+
+
+def test_bad_flag_value_is_a_clear_error(tiny_dir):
+    proc = run(["generate", "hi", "--model", tiny_dir, "--block-size", "3"])
+    assert proc.returncode == 1
+    assert "block_size must be a power of two" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    proc = run(["generate", "hi", "--model", str(tmp_path / "missing")])
+    assert proc.returncode == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_throughput_json(tiny_dir):
+    proc = run(["bench", "throughput", "--model", tiny_dir, "--skip-tokenizer-init", "--num-prompts", "6",
+                "--min-input-len", "4", "--max-input-len", "30", "--output-len", "5", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["num_prompts"] == 6 and r["output_tokens"] == 30
+    assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["elapsed_s"])
+    assert r["total_tok_s"] == pytest.approx((r["prompt_tokens"] + 30) / r["elapsed_s"])
+
+
+def test_bench_latency_json(tiny_dir):
+    proc = run(["bench", "latency", "--model", tiny_dir, "--skip-tokenizer-init", "--input-len", "8",
+                "--output-len", "6", "--num-iters", "2", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"ttft_ms", "decode_tok_s", "itl_ms_p50", "itl_ms_p99"} <= r.keys()
+    assert r["ttft_ms"] > 0 and r["decode_tok_s"] > 0 and r["itl_ms_p50"] <= r["itl_ms_p99"]
