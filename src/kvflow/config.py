@@ -30,12 +30,14 @@ class CacheConfig:
     block_size: int
     kv_cache_memory_gb: float
     num_kv_blocks: int | None  # overrides the memory budget exactly (tests)
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
+    policy: str = "fcfs"  # "fcfs" | "priority"
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,10 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory_gb: float = 2.0
     num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    scheduling_policy: str = "fcfs"
     seed: int = 0
     skip_tokenizer_init: bool = False
     attention_backend: str = "torch_sdpa"
@@ -82,6 +86,7 @@ class EngineArgs:
         _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1")
         _require(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
+        _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs or priority")
         _require(
             self.attention_backend in ("torch_sdpa", "torch_reference"),
             "attention_backend", "torch_sdpa or torch_reference",
@@ -95,8 +100,8 @@ class EngineArgs:
                 seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
             ),
-            cache=CacheConfig(self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks),
-            scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
+            cache=CacheConfig(self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching),
+            scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.scheduling_policy),
             attention_backend=self.attention_backend,
             device=self.device,
         )
@@ -113,8 +118,10 @@ class EngineArgs:
         g.add_argument("--block-size", type=int, default=d.block_size)
         g.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
         g.add_argument("--num-kv-blocks", type=int, default=None)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--skip-tokenizer-init", action="store_true")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=["torch_sdpa", "torch_reference"])

@@ -9,12 +9,15 @@ from kvflow.core.scheduler import Scheduler
 from kvflow.sampling_params import SamplingParams
 
 
-def _request(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({0}))
+def _request(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, first: int | None = None) -> Request:
+    # Distinct prompts unless `first` is given: equal prompts share (and wait for) cached blocks.
+    first = sum(map(ord, rid)) * 1000 if first is None else first
+    return Request(rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens), max_tokens,
+                   frozenset({0}), priority=priority)
 
 
-def _scheduler(budget=64, max_seqs=8, blocks=64, block_size=4, max_len=256) -> Scheduler:
-    return Scheduler(SchedulerConfig(budget, max_seqs), KVCacheManager(blocks, block_size), max_len)
+def _scheduler(budget=64, max_seqs=8, blocks=64, block_size=4, max_len=256, policy="fcfs") -> Scheduler:
+    return Scheduler(SchedulerConfig(budget, max_seqs, policy), KVCacheManager(blocks, block_size), max_len)
 
 
 def _run_step(s: Scheduler, token: int = 5):
@@ -93,3 +96,48 @@ def test_eos_stops_only_after_min_tokens():
     assert r.status is RequestStatus.RUNNING
     _run_step(s, token=0)
     assert r.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_equal_prompt_waits_for_the_twin_and_then_hits_the_cache():
+    s = _scheduler(budget=64, block_size=4)
+    s.add_request(_request("a", 10, first=1))
+    s.add_request(_request("b", 10, first=1))
+    out = _run_step(s)
+    assert [c.request_id for c in out.chunks] == ["a"]  # b's first block is being computed by a
+    out = _run_step(s)
+    chunks = {c.request_id: c for c in out.chunks}
+    assert chunks["b"].start_pos == 8 and chunks["b"].num_tokens == 2  # two cached blocks reused
+    assert s.requests["b"].num_cached_tokens == 8
+    assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (20, 8)
+
+
+def test_priority_request_preempts_lower_priority_when_the_pool_is_full():
+    s = _scheduler(blocks=4, block_size=4, policy="priority")
+    s.add_request(_request("low", 12, max_tokens=4, priority=5))
+    _run_step(s)  # low holds 3 of 4 blocks
+    s.add_request(_request("high", 8, max_tokens=4, priority=0))
+    out = _run_step(s)
+    assert out.preempted_request_ids == ["low"]
+    assert [c.request_id for c in out.chunks] == ["high"]
+    while s.has_unfinished_requests():
+        _run_step(s)
+    assert s.kv_cache.usage == 0.0
+
+
+def test_fcfs_never_preempts_for_a_waiting_request():
+    s = _scheduler(blocks=4, block_size=4)
+    s.add_request(_request("old", 12, max_tokens=4, priority=5))
+    _run_step(s)
+    s.add_request(_request("new", 8, max_tokens=4, priority=0))  # priority is ignored under fcfs
+    out = _run_step(s)
+    assert out.preempted_request_ids == [] and [c.request_id for c in out.chunks] == ["old"]
+
+
+def test_priority_orders_the_waiting_queue_fcfs_within_a_level():
+    s = _scheduler(max_seqs=1, policy="priority")
+    for rid, prio in [("a", 2), ("b", 1), ("c", 2), ("d", 1)]:
+        s.add_request(_request(rid, 3, max_tokens=1, priority=prio))
+    order = []
+    while s.has_unfinished_requests():
+        order += [c.request_id for c in _run_step(s).chunks]
+    assert order == ["b", "d", "a", "c"]

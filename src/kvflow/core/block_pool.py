@@ -1,21 +1,28 @@
-"""The physical KV blocks: which are free, and how many owners each one has.
+"""The physical KV blocks: reference counts, the prefix cache, and the free list.
 
-Block ids index the first dimension of every layer's KV tensor. A block is free when its
-reference count is zero; the free list hands out the least recently freed block first.
+A block is free when no request holds it. A free block that was cached keeps its hash and its
+contents, so a later request with the same prefix can take it back (a prefix-cache hit) until
+its memory is needed. Free blocks are handed out least recently freed first (LRU), and only then
+is a cached block's hash forgotten.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+
+from kvflow.core.block_hash import BlockHash
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # hash → block holding that content
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
@@ -23,21 +30,53 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use (kvflow:kv_cache_usage_perc)."""
+        """Fraction of blocks held by requests (kvflow:kv_cache_usage_perc)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for b in blocks:
-            self.ref_counts[b] = 1
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def take(self, blocks: list[int]) -> None:
+        """Add an owner to cached blocks found by `lookup` (free ones leave the free list)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+
+    def cache(self, block: int, block_hash: BlockHash) -> None:
+        """Record that `block` now holds the content `block_hash` names."""
+        if not self.enable_caching or self.block_hashes[block] is not None:
+            return
+        self.block_hashes[block] = block_hash
+        self.cached.setdefault(block_hash, block)  # a twin computed earlier stays the one found
+
     def release(self, blocks: list[int]) -> None:
+        """Drop an owner from each block, in order: the first freed is the first reused."""
         for b in blocks:
             if self.ref_counts[b] <= 0:
                 raise RuntimeError(f"KV block {b} released twice")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._free):
+            self._forget(block)
+
+    def _forget(self, block: int) -> None:
+        block_hash = self.block_hashes[block]
+        if block_hash is not None:
+            self.block_hashes[block] = None
+            if self.cached.get(block_hash) == block:
+                del self.cached[block_hash]

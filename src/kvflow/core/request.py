@@ -45,9 +45,18 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    priority: int = 0  # lower runs first (priority scheduling)
+    arrival_seq: int = 0  # set by the scheduler: the order of arrival, ties broken
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    block_hashes: list[bytes] = field(default_factory=list)  # of every full block of all_token_ids
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def cache_extra_keys(self) -> tuple:
+        return () if self.cache_salt is None else (self.cache_salt,)
 
     @property
     def num_prompt_tokens(self) -> int:

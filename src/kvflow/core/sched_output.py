@@ -35,9 +35,17 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: list[str] = field(default_factory=list)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    num_batched_tokens: int = 0
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.num_batched_tokens += chunk.num_tokens
+
+    def drop(self, request_id: str) -> None:
+        """Take back a request's chunk (it was preempted later in the same step)."""
+        kept = [c for c in self.chunks if c.request_id != request_id]
+        self.num_batched_tokens -= sum(c.num_tokens for c in self.chunks) - sum(c.num_tokens for c in kept)
+        self.chunks = kept
 
     @property
     def empty(self) -> bool:

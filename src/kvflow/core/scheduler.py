@@ -2,14 +2,19 @@
 
 Every request catches its `num_computed_tokens` up to `num_tokens`. Each step spends one token
 budget: running requests first (decodes, then unfinished prompt chunks), then waiting requests in
-arrival order, their prompts cut to what the budget leaves (chunked prefill). When the pool runs
-out of blocks the newest running request is preempted: its blocks are freed and it is recomputed
-later from its prompt and the tokens it already produced, so its output does not change.
+order, their prompts cut to what the budget leaves (chunked prefill) and started from their
+longest cached prefix. When the pool runs out of blocks the last request in order is preempted:
+its blocks are freed (cached ones stay findable) and it is recomputed later from its prompt and
+the tokens it already produced, so its output does not change.
+
+Order is one key for both policies: arrival for "fcfs"; (priority, arrival) for "priority",
+where a waiting request may also preempt running requests that come after it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 
 from kvflow.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -23,10 +28,14 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # sorted by _order
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
+        self._arrivals = itertools.count()
         self.num_preemptions_total = 0
+
+    def _order(self, request: Request) -> tuple[int, int]:
+        return (request.priority if self.config.policy == "priority" else 0, request.arrival_seq)
 
     # -- admission -------------------------------------------------------------------------
     def admission_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
@@ -48,8 +57,12 @@ class Scheduler:
             raise ValueError(error)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.arrival_seq = next(self._arrivals)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._order)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -66,59 +79,75 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
-        budget = self.config.max_num_batched_tokens
-        # Decodes (one uncomputed token) before unfinished prompts; stable, so FCFS within each.
+        # Decodes (one uncomputed token) before unfinished prompts; stable, so in order within each.
         for request in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
+            budget = self._budget_left(out)
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_uncomputed_tokens, budget)
-            num_preempted = len(out.preempted_request_ids)
-            reserved = self._reserve_or_preempt(request, num_new, out)
-            if len(out.preempted_request_ids) > num_preempted:
-                # A victim may have been scheduled earlier in this loop: take its chunk back.
-                gone = set(out.preempted_request_ids)
-                out.chunks = [c for c in out.chunks if c.request_id not in gone]
-                budget = self.config.max_num_batched_tokens - out.num_batched_tokens
-            if reserved:
-                out.chunks.append(self._chunk(request, num_new))
-                budget -= num_new
-        if not out.preempted_request_ids:  # the pool is tight: admit nobody new this step
-            budget = self._admit_waiting(budget, out)
+            if self._reserve_or_preempt(request, num_new, out):
+                out.add(self._chunk(request, num_new))
+        if not out.preempted_request_ids or self.config.policy == "priority":
+            self._admit_waiting(out)
         return out
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_uncomputed_tokens, budget)
-            if not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        return self.config.max_num_batched_tokens - out.num_batched_tokens
+
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
+        held_back = []  # requests whose prefix another request is computing right now
+        while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.pop(0)
+            cached = self.kv_cache.find_cached_prefix(request)
+            if self.kv_cache.prefix_in_flight(request, len(cached)):
+                held_back.append(request)
+                continue
+            num_cached = len(cached) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached, self._budget_left(out))
+            if not self._allocate_for_waiting(request, num_cached + num_new, cached, out):
+                self._enqueue(request)
                 break
-            self.waiting.popleft()
+            self.kv_cache.record_lookup(request.num_tokens, num_cached)
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
-        return budget
+            out.add(self._chunk(request, num_new))
+        for request in held_back:
+            self._enqueue(request)
+
+    def _allocate_for_waiting(self, request: Request, num_tokens: int, cached: list[int], out: SchedulerOutput) -> bool:
+        """Under the priority policy a waiting request may preempt running ones behind it."""
+        while not self.kv_cache.allocate_slots(request, num_tokens, cached):
+            victim = max(self.running, key=self._order, default=None)
+            if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
+                return False
+            self._preempt(victim, out)
+        return True
 
     def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate blocks for `request`, preempting the newest running requests as needed.
+        """Allocate blocks for `request`, preempting the last running requests in order as needed.
         False if `request` itself had to be preempted."""
-        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-            victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted_request_ids.append(victim.request_id)
+        while not self.kv_cache.allocate_slots(request, request.num_computed_tokens + num_new):
+            victim = max(self.running, key=self._order)
+            self._preempt(victim, out)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request.request_id)
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        out.preempted_request_ids.append(request.request_id)
+        out.drop(request.request_id)  # it may have been scheduled earlier in this step
+        self._enqueue(request)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -144,6 +173,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += chunk.num_tokens
+            self.kv_cache.cache_computed_blocks(request)
             if not chunk.sample:
                 continue
             request.append_output_token(sampled[chunk.request_id])
@@ -165,6 +195,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache.free(request.request_id)
+        self.kv_cache.free(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)

@@ -16,6 +16,7 @@ from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
+from kvflow.engine.stats import EngineStats
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.resolve import load_checkpoint
@@ -49,12 +50,16 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, cache.block_size, device, self.config.model.seed)
         self.scheduler = Scheduler(
-            self.config.scheduler, KVCacheManager(self.num_kv_blocks, cache.block_size), self.config.model.max_model_len
+            self.config.scheduler,
+            KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching),
+            self.config.model.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
         self._children: dict[str, list[str]] = {}  # user request id → engine request ids
         self._ids = itertools.count()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -67,8 +72,10 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Queue a request. Raises ValueError, with nothing queued, if it can never run."""
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
+        """Queue a request. Raises ValueError, with nothing queued, if it can never run.
+        `priority`: lower runs first under scheduling_policy="priority". `cache_salt`: only
+        requests with the same salt share prefix-cache blocks."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._children:
@@ -84,10 +91,12 @@ class LLMEngine:
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + index)
-            request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival)
+            request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival,
+                              priority=priority, cache_salt=cache_salt)
             self.scheduler.add_request(request)
             self.output_processor.add_request(request, parent, index)
         self._children[request_id] = child_ids
+        self._prompt_tokens_total += len(token_ids)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -104,6 +113,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled)
+        self._generation_tokens_total += len(produced)
         outputs, stopped = self.output_processor.process(produced, runner_out)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:
@@ -138,4 +148,16 @@ class LLMEngine:
     @property
     def kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache.usage
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_usage,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prefix_cache_queries_total=self.scheduler.kv_cache.prefix_cache_queries,
+            prefix_cache_hits_total=self.scheduler.kv_cache.prefix_cache_hits,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
 

@@ -148,6 +148,7 @@ class OutputProcessor:
             outputs=[self._completion(s) for s in states],
             finished=parent.finished,
             metrics=parent.metrics,
+            num_cached_tokens=parent.children[0].request.num_cached_tokens,
         )
 
     def _completion(self, state: RequestState) -> CompletionOutput:

@@ -1,0 +1,32 @@
+"""Content hashes of full KV blocks, chained: a block's hash covers its tokens, its parent's
+hash and any extra keys (LoRA adapter, cache salt), so equal hashes mean equal prefixes.
+
+SHA-256 makes an accidental collision, which would silently serve another prompt's KV,
+practically impossible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+BlockHash = bytes
+ROOT_HASH: BlockHash = b""
+
+
+def hash_block(parent: BlockHash, token_ids: list[int], extra_keys: tuple = ()) -> BlockHash:
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int, extra_keys: tuple = ()) -> None:
+    """Append the hashes of every full block of `token_ids` not yet in `hashes`. Extra keys enter
+    the first block only; the chain carries them to every later one."""
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        if hashes:
+            hashes.append(hash_block(hashes[-1], token_ids[start:start + block_size]))
+        else:
+            hashes.append(hash_block(ROOT_HASH, token_ids[start:start + block_size], extra_keys))
