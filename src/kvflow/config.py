@@ -31,6 +31,7 @@ class CacheConfig:
     kv_cache_memory_gb: float
     num_kv_blocks: int | None  # overrides the memory budget exactly (tests)
     enable_prefix_caching: bool = True
+    swap_space_gb: float = 0.0  # host memory for preempted requests' KV (preemption_mode="swap")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     policy: str = "fcfs"  # "fcfs" | "priority"
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space_gb: float = 4.0
+    disable_log_stats: bool = False
     seed: int = 0
     skip_tokenizer_init: bool = False
     attention_backend: str = "torch_sdpa"
@@ -87,6 +92,8 @@ class EngineArgs:
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1")
         _require(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs or priority")
+        _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
+        _require(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         _require(
             self.attention_backend in ("torch_sdpa", "torch_reference"),
             "attention_backend", "torch_sdpa or torch_reference",
@@ -100,8 +107,13 @@ class EngineArgs:
                 seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
             ),
-            cache=CacheConfig(self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching),
-            scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.scheduling_policy),
+            cache=CacheConfig(
+                self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
+                self.swap_space_gb if self.preemption_mode == "swap" else 0.0,
+            ),
+            scheduler=SchedulerConfig(
+                self.max_num_batched_tokens, self.max_num_seqs, self.scheduling_policy, self.preemption_mode
+            ),
             attention_backend=self.attention_backend,
             device=self.device,
         )
@@ -122,6 +134,9 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+        g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
+        g.add_argument("--swap-space-gb", type=float, default=d.swap_space_gb)
+        g.add_argument("--disable-log-stats", action="store_true")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--skip-tokenizer-init", action="store_true")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=["torch_sdpa", "torch_reference"])

@@ -24,7 +24,7 @@ def random_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype, w
     total_blocks = sum(-(-(c + n) // block_size) for c, n in cases) + 5
     physical = list(range(total_blocks))
     rng.shuffle(physical)
-    cache = torch.randn(2, total_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    cache = torch.randn(2, total_blocks, kv_heads, block_size, dim, generator=gen).to(dtype)
     tables, slots, positions = [], [], []
     for cached, new in cases:
         table = [physical.pop() for _ in range(-(-(cached + new) // block_size))]

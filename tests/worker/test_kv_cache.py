@@ -35,5 +35,5 @@ def test_explicit_block_count_wins_and_tiny_budget_is_an_error():
 def test_allocated_tensors_have_the_paged_layout():
     caches = allocate_kv_caches(SMOLLM2, 5, 16, torch.bfloat16, "cpu")
     assert len(caches) == 30
-    assert caches[0].shape == (2, 5, 16, 3, 64) and caches[0].dtype == torch.bfloat16
+    assert caches[0].shape == (2, 5, 3, 16, 64) and caches[0].dtype == torch.bfloat16
     assert not caches[0].any()  # zeroed: masked-out padding must never inject NaN

@@ -17,7 +17,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_dim]
         meta: AttentionMetadata,
         layer: AttentionLayerSpec,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]

@@ -34,17 +34,24 @@ class AttentionLayerSpec:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store the new tokens' K and V. kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-    flat[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+    """Store the new tokens' K and V. kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim]
+    (head-major inside a block, so a request's keys gather into contiguous [heads, len, dim])."""
+    blocks, offsets = meta.slot_mapping // meta.block_size, meta.slot_mapping % meta.block_size
+    kv_cache[0].transpose(1, 2)[blocks, offsets] = k.to(kv_cache.dtype)
+    kv_cache[1].transpose(1, 2)[blocks, offsets] = v.to(kv_cache.dtype)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's first `length` cached keys and values: [length, num_kv_heads, head_dim] each."""
-    k = kv_cache[0, block_ids].flatten(0, 1)[:length]
-    v = kv_cache[1, block_ids].flatten(0, 1)[:length]
-    return k, v
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached keys and values of a batch of requests: block_tables [B, n] → K and V as
+    [B, num_kv_heads, n * block_size, head_dim], contiguous."""
+    batch, n = block_tables.shape
+    _, _, heads, block_size, dim = kv_cache.shape
+    flat = block_tables.flatten()
+    return tuple(
+        kv_cache[i].index_select(0, flat).view(batch, n, heads, block_size, dim)
+        .transpose(1, 2).reshape(batch, heads, n * block_size, dim)
+        for i in (0, 1)
+    )
 
 
 def allowed_keys(query_pos: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:

@@ -21,9 +21,9 @@ class TorchReferenceBackend:
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             n_blocks = -(-seq_len // meta.block_size)
-            keys, values = gather_kv(kv_cache, meta.block_tables[i, :n_blocks], seq_len)
-            keys = keys.float().repeat_interleave(group, dim=1)  # [L, H, D]
-            values = values.float().repeat_interleave(group, dim=1)
+            keys, values = gather_kv(kv_cache, meta.block_tables[i:i + 1, :n_blocks])  # [1, Hkv, L', D]
+            keys = keys[0, :, :seq_len].transpose(0, 1).float().repeat_interleave(group, dim=1)  # [L, H, D]
+            values = values[0, :, :seq_len].transpose(0, 1).float().repeat_interleave(group, dim=1)
             queries = q[start:start + q_len].float()  # [n, H, D]
             scores = torch.einsum("nhd,lhd->hnl", queries, keys) * layer.scale
             query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, write_kv
+from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, gather_kv, write_kv
 
 # A decode joins the current bucket while its context is at least this fraction of the bucket's
 # longest: bounds padded work to 1 / BUCKET_RATIO of the real work, with few buckets.
@@ -47,12 +47,10 @@ class TorchSDPABackend:
         batch, n = q.shape[:2]
         max_len = max(meta.seq_lens_cpu[i] for i in requests)
         n_blocks = -(-max_len // meta.block_size)
-        blocks = meta.block_tables[requests, :n_blocks].flatten()
-        keys = kv_cache[0].index_select(0, blocks).view(batch, -1, layer.num_kv_heads, layer.head_dim)
-        values = kv_cache[1].index_select(0, blocks).view(batch, -1, layer.num_kv_heads, layer.head_dim)
+        keys, values = gather_kv(kv_cache, meta.block_tables[requests, :n_blocks])  # [B, Hkv, L, D]
         seq_lens = meta.seq_lens[requests]
         query_pos = seq_lens[:, None] - n + torch.arange(n, device=q.device)  # [B, n]
-        key_pos = torch.arange(keys.shape[1], device=q.device)
+        key_pos = torch.arange(keys.shape[2], device=q.device)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]
         if layer.sliding_window is not None:
             mask &= query_pos[:, :, None] - key_pos[None, None, :] < layer.sliding_window
@@ -60,16 +58,16 @@ class TorchSDPABackend:
 
 
 def grouped_attention(q, k, v, mask, layer: AttentionLayerSpec) -> torch.Tensor:
-    """q [B, n, H, D], k/v [B, L, Hkv, D], mask [B, n, L] → [B, n, H, D]. The G = H / Hkv query
-    heads that share a KV head are stacked, so K and V are read once per KV head."""
+    """q [B, n, H, D], k/v [B, Hkv, L, D] contiguous, mask [B, n, L] → [B, n, H, D]. The G = H / Hkv
+    query heads that share a KV head are stacked, so K and V are read once per KV head."""
     batch, n, heads, dim = q.shape
     kv_heads = layer.num_kv_heads
     group = heads // kv_heads
     q = q.view(batch, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * n, dim)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * layer.scale  # [B, Hkv, G*n, L]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * layer.scale  # [B, Hkv, G*n, L]
     scores = scores.view(batch, kv_heads, group, n, -1).masked_fill(~mask[:, None, None], float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype).view(batch, kv_heads, group * n, -1)
-    out = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G*n, D]
+    out = torch.matmul(probs, v)  # [B, Hkv, G*n, D]
     return out.view(batch, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(batch, n, heads, dim)
 
 

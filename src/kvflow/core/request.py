@@ -16,7 +16,8 @@ from kvflow.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # KV freed: recomputed on resumption
+    SWAPPED = "swapped"  # KV copied to host memory: copied back on resumption
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -50,6 +51,7 @@ class Request:
     cache_salt: str | None = None  # requests with different salts never share cached blocks
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of every full block of all_token_ids
+    host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

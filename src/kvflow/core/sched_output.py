@@ -34,6 +34,9 @@ class SchedulerOutput:
     # Requests that ended since the last step: the worker drops their per-request state.
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # (device block, host block) copies, done before the forward pass: swap-outs, then swap-ins.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     num_batched_tokens: int = 0
 
@@ -49,4 +52,4 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.swap_out and not self.swap_in

@@ -8,7 +8,9 @@ its blocks are freed (cached ones stay findable) and it is recomputed later from
 the tokens it already produced, so its output does not change.
 
 Order is one key for both policies: arrival for "fcfs"; (priority, arrival) for "priority",
-where a waiting request may also preempt running requests that come after it.
+where a waiting request may also preempt running requests that come after it. With
+preemption_mode="swap" a preempted request's KV is copied to host blocks instead of being
+recomputed, when the host pool has room.
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ import bisect
 import itertools
 
 from kvflow.config import SchedulerConfig
+from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 host_pool: BlockPool | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.host_pool = host_pool  # swap space, in blocks
+        self._host_blocks_read = []  # swapped in this step: reusable once the step's copies are done
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by _order
         self.running: list[Request] = []
@@ -91,6 +97,9 @@ class Scheduler:
                 out.add(self._chunk(request, num_new))
         if not out.preempted_request_ids or self.config.policy == "priority":
             self._admit_waiting(out)
+        if self._host_blocks_read:
+            self.host_pool.release(self._host_blocks_read)
+            self._host_blocks_read = []
         return out
 
     def _budget_left(self, out: SchedulerOutput) -> int:
@@ -100,16 +109,20 @@ class Scheduler:
         held_back = []  # requests whose prefix another request is computing right now
         while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop(0)
-            cached = self.kv_cache.find_cached_prefix(request)
-            if self.kv_cache.prefix_in_flight(request, len(cached)):
+            swapped = request.status is RequestStatus.SWAPPED
+            cached = [] if swapped else self.kv_cache.find_cached_prefix(request)
+            if not swapped and self.kv_cache.prefix_in_flight(request, len(cached)):
                 held_back.append(request)
                 continue
-            num_cached = len(cached) * self.kv_cache.block_size
+            num_cached = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, self._budget_left(out))
             if not self._allocate_for_waiting(request, num_cached + num_new, cached, out):
                 self._enqueue(request)
                 break
-            self.kv_cache.record_lookup(request.num_tokens, num_cached)
+            if swapped:
+                self._swap_in(request, out)
+            else:
+                self.kv_cache.record_lookup(request.num_tokens, num_cached)
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
@@ -140,14 +153,32 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        if self.config.preemption_mode == "swap" and self._swap_out(request, out):
+            request.status = RequestStatus.SWAPPED
+        else:
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
         self.kv_cache.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         out.preempted_request_ids.append(request.request_id)
         out.drop(request.request_id)  # it may have been scheduled earlier in this step
         self._enqueue(request)
+
+    def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
+        """Copy the blocks holding the request's computed tokens to host memory, if there is room."""
+        blocks = self.kv_cache.block_ids(request.request_id)[:self.kv_cache.blocks_needed(request.num_computed_tokens)]
+        if self.host_pool is None or len(blocks) > self.host_pool.num_free_blocks:
+            return False
+        request.host_blocks = self.host_pool.allocate(len(blocks))
+        out.swap_out.extend(zip(blocks, request.host_blocks))
+        return True
+
+    def _swap_in(self, request: Request, out: SchedulerOutput) -> None:
+        device = self.kv_cache.block_ids(request.request_id)
+        out.swap_in.extend(zip(device, request.host_blocks))
+        self._host_blocks_read.extend(request.host_blocks)
+        request.host_blocks = []
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -196,5 +227,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_cache.free(request)
+        if request.host_blocks:
+            self.host_pool.release(request.host_blocks)
+            request.host_blocks = []
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)

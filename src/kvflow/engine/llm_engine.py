@@ -11,19 +11,20 @@ import time
 
 from kvflow.attention.backend import get_attention_backend
 from kvflow.config import EngineArgs, EngineConfig
+from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
-from kvflow.engine.stats import EngineStats
+from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from kvflow.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_kv_blocks
 from kvflow.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
@@ -48,11 +49,14 @@ class LLMEngine:
         useful = -(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
         self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype, useful)
         kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
-        self.runner = ModelRunner(model, kv_caches, cache.block_size, device, self.config.model.seed)
+        num_host_blocks = int(cache.swap_space_gb * 1024**3) // kv_bytes_per_block(self.arch, cache.block_size, dtype)
+        host_caches = allocate_kv_caches(self.arch, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
+        self.runner = ModelRunner(model, kv_caches, cache.block_size, device, self.config.model.seed, host_caches)
         self.scheduler = Scheduler(
             self.config.scheduler,
             KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching),
             self.config.model.max_model_len,
+            BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
@@ -60,6 +64,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self.stats_logger = None if args.disable_log_stats else StatsLogger()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -119,6 +124,8 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
+        if self.stats_logger is not None:
+            self.stats_logger.maybe_log(self.get_stats())
         return outputs
 
     # -- helpers ---------------------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+
+logger = logging.getLogger("kvflow")
 
 
 @dataclass(frozen=True)
@@ -15,3 +19,30 @@ class EngineStats:
     prefix_cache_hits_total: int  # of those, tokens found cached
     prompt_tokens_total: int  # prompt tokens of admitted requests (once per request, whatever n)
     generation_tokens_total: int  # tokens sampled
+
+
+class StatsLogger:
+    """Logs one line every `interval` seconds while the engine is busy: the gauges, the prefix
+    cache hit rate so far, and prompt / generation throughput since the previous line."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last_time = time.monotonic()
+        self._last: EngineStats | None = None
+
+    def maybe_log(self, stats: EngineStats, now: float | None = None) -> str | None:
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._last_time
+        if elapsed < self.interval:
+            return None
+        last = self._last
+        prompt_rate = (stats.prompt_tokens_total - (last.prompt_tokens_total if last else 0)) / elapsed
+        gen_rate = (stats.generation_tokens_total - (last.generation_tokens_total if last else 0)) / elapsed
+        hit_rate = stats.prefix_cache_hits_total / stats.prefix_cache_queries_total if stats.prefix_cache_queries_total else 0.0
+        line = (f"running: {stats.num_running}, waiting: {stats.num_waiting}, "
+                f"KV cache usage: {stats.kv_cache_usage:.1%}, prefix cache hit rate: {hit_rate:.1%}, "
+                f"prompt throughput: {prompt_rate:.1f} tok/s, generation throughput: {gen_rate:.1f} tok/s, "
+                f"preemptions: {stats.num_preemptions_total}")
+        logger.info(line)
+        self._last_time, self._last = now, stats
+        return line

@@ -1,5 +1,7 @@
-"""The KV tensors: one `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer,
-sized from a memory budget. Block b of every layer belongs to the same request."""
+"""The KV tensors: one `[2, num_blocks, num_kv_heads, block_size, head_dim]` tensor per layer,
+sized from a memory budget. Block b of every layer belongs to the same request. Heads come before
+positions inside a block so that a request's keys gather into the contiguous [heads, len, dim]
+operand a batched matmul reads fastest."""
 
 from __future__ import annotations
 
@@ -28,5 +30,5 @@ def num_kv_blocks(cache: CacheConfig, arch: ArchConfig, dtype: torch.dtype, max_
 
 
 def allocate_kv_caches(arch: ArchConfig, num_blocks: int, block_size: int, dtype, device) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    shape = (2, num_blocks, arch.num_kv_heads, block_size, arch.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]

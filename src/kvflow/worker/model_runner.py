@@ -32,9 +32,11 @@ class FlatBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int) -> None:
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int,
+                 host_kv_caches: list[torch.Tensor] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.host_kv_caches = host_kv_caches  # swap space, same layout, in host memory
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
@@ -44,7 +46,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
-        if sched.empty:
+        self._swap(sched.swap_out, to_host=True)
+        self._swap(sched.swap_in, to_host=False)
+        if not sched.chunks:
             return ModelRunnerOutput()
         batch = self.prepare(sched.chunks)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
@@ -55,6 +59,17 @@ class ModelRunner:
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, self.model.compute_logits(hidden[batch.prompt_rows]), out)
         return out
+
+    def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        if not pairs:
+            return
+        device_ids = torch.tensor([d for d, _ in pairs], device=self.device)
+        host_ids = torch.tensor([h for _, h in pairs])
+        for device_cache, host_cache in zip(self.kv_caches, self.host_kv_caches):
+            if to_host:
+                host_cache[:, host_ids] = device_cache[:, device_ids].to("cpu")
+            else:
+                device_cache[:, device_ids] = host_cache[:, host_ids].to(self.device)
 
     # -- inputs ----------------------------------------------------------------------------
     def prepare(self, chunks: list[ScheduledChunk]) -> FlatBatch:
