@@ -3,7 +3,7 @@ long its context is, where its KV blocks are, and which cache slot each new toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,9 @@ class AttentionMetadata:
     # Host copies, so backends can branch and slice without a device sync per request.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # What a backend derives from this batch once and reuses in every layer (gather indices,
+    # masks): keyed by backend name, filled on the first layer's call.
+    plans: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_requests(self) -> int:
@@ -33,10 +36,16 @@ class AttentionLayerSpec:
     sliding_window: int | None  # a query at p sees keys k with p - k < window
 
 
+def slot_blocks_and_offsets(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    if "slots" not in meta.plans:
+        meta.plans["slots"] = (meta.slot_mapping // meta.block_size, meta.slot_mapping % meta.block_size)
+    return meta.plans["slots"]
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store the new tokens' K and V. kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim]
     (head-major inside a block, so a request's keys gather into contiguous [heads, len, dim])."""
-    blocks, offsets = meta.slot_mapping // meta.block_size, meta.slot_mapping % meta.block_size
+    blocks, offsets = slot_blocks_and_offsets(meta)
     kv_cache[0].transpose(1, 2)[blocks, offsets] = k.to(kv_cache.dtype)
     kv_cache[1].transpose(1, 2)[blocks, offsets] = v.to(kv_cache.dtype)
 
@@ -47,11 +56,11 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch
     batch, n = block_tables.shape
     _, _, heads, block_size, dim = kv_cache.shape
     flat = block_tables.flatten()
-    return tuple(
-        kv_cache[i].index_select(0, flat).view(batch, n, heads, block_size, dim)
-        .transpose(1, 2).reshape(batch, heads, n * block_size, dim)
-        for i in (0, 1)
-    )
+    k, v = (kv_cache[i].index_select(0, flat).view(batch, n, heads, block_size, dim) for i in (0, 1))
+    if n == 1:  # one block each: already [B, heads, block_size, dim]
+        return k.view(batch, heads, block_size, dim), v.view(batch, heads, block_size, dim)
+    return (k.transpose(1, 2).reshape(batch, heads, n * block_size, dim),
+            v.transpose(1, 2).reshape(batch, heads, n * block_size, dim))
 
 
 def allowed_keys(query_pos: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:

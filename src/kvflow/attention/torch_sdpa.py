@@ -6,9 +6,14 @@
   blocks and runs grouped-query attention as two batched matmuls: on CPU this is several times
   faster than SDPA with an explicit mask in bfloat16. Decodes are batched in buckets of similar
   context length, so the padding each bucket gathers stays small.
+
+Which rows go where, the gather indices and the masks depend only on the batch, so they are
+planned once per step (on the first layer) and reused by every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,52 +25,78 @@ from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, gat
 BUCKET_RATIO = 0.6
 
 
+@dataclass(frozen=True)
+class _Group:
+    """Requests with equal query length n, attended together over their gathered blocks."""
+
+    rows: slice | torch.Tensor  # rows of q / out, in request order
+    blocks: torch.Tensor  # [B, n_blocks]
+    mask: torch.Tensor | None  # [B, n, n_blocks * block_size]; None when every key is visible
+    n: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    fresh_prompts: list[slice]
+    groups: list[_Group]
+
+
 class TorchSDPABackend:
     name = "torch_sdpa"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta)
+        plan = meta.plans.get(self.name)
+        if plan is None:
+            plan = meta.plans[self.name] = _make_plan(meta, layer.sliding_window)
         out = torch.empty_like(q)
-        starts = meta.query_start_loc.tolist()
-        decodes = []
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            s, e = starts[i], starts[i + 1]
-            if q_len == 1:
-                decodes.append(i)
-            elif q_len == seq_len and layer.sliding_window is None:
-                out[s:e] = _causal_prompt(q[s:e], k[s:e], v[s:e], layer)
-            else:
-                out[s:e] = self._attend_cached([i], q[s:e].unsqueeze(0), kv_cache, meta, layer).squeeze(0)
-        for bucket in _length_buckets(decodes, meta.seq_lens_cpu):
-            rows = [starts[i] for i in bucket]
-            out[rows] = self._attend_cached(bucket, q[rows].unsqueeze(1), kv_cache, meta, layer).squeeze(1)
+        for rows in plan.fresh_prompts:
+            out[rows] = _causal_prompt(q[rows], k[rows], v[rows], layer)
+        for g in plan.groups:
+            keys, values = gather_kv(kv_cache, g.blocks)  # padded to whole blocks: the mask hides the rest
+            queries = q[g.rows].view(len(g.blocks), g.n, layer.num_heads, layer.head_dim)
+            out[g.rows] = grouped_attention(queries, keys, values, g.mask, layer).flatten(0, 1)
         return out
 
-    @staticmethod
-    def _attend_cached(requests: list[int], q, kv_cache, meta: AttentionMetadata, layer) -> torch.Tensor:
-        """q [B, n, H, D] for requests with equal query length n → [B, n, H, D]."""
-        batch, n = q.shape[:2]
-        max_len = max(meta.seq_lens_cpu[i] for i in requests)
-        n_blocks = -(-max_len // meta.block_size)
-        keys, values = gather_kv(kv_cache, meta.block_tables[requests, :n_blocks])  # [B, Hkv, L, D]
-        seq_lens = meta.seq_lens[requests]
-        query_pos = seq_lens[:, None] - n + torch.arange(n, device=q.device)  # [B, n]
-        key_pos = torch.arange(keys.shape[2], device=q.device)
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]
-        if layer.sliding_window is not None:
-            mask &= query_pos[:, :, None] - key_pos[None, None, :] < layer.sliding_window
-        return grouped_attention(q, keys, values, mask, layer)
+
+def _make_plan(meta: AttentionMetadata, window: int | None) -> _Plan:
+    starts = meta.query_start_loc.tolist()
+    fresh, groups, decodes = [], [], []
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if q_len == 1:
+            decodes.append(i)
+        elif q_len == seq_len and window is None:
+            fresh.append(slice(starts[i], starts[i + 1]))
+        else:
+            groups.append(_group(meta, [i], slice(starts[i], starts[i + 1]), q_len, window))
+    for bucket in _length_buckets(decodes, meta.seq_lens_cpu):
+        rows = torch.tensor([starts[i] for i in bucket], device=meta.seq_lens.device)
+        groups.append(_group(meta, bucket, rows, 1, window))
+    return _Plan(fresh, groups)
 
 
-def grouped_attention(q, k, v, mask, layer: AttentionLayerSpec) -> torch.Tensor:
-    """q [B, n, H, D], k/v [B, Hkv, L, D] contiguous, mask [B, n, L] → [B, n, H, D]. The G = H / Hkv
-    query heads that share a KV head are stacked, so K and V are read once per KV head."""
+def _group(meta: AttentionMetadata, requests: list[int], rows, n: int, window: int | None) -> _Group:
+    n_blocks = -(-max(meta.seq_lens_cpu[i] for i in requests) // meta.block_size)
+    index = torch.tensor(requests, device=meta.seq_lens.device)
+    seq_lens = meta.seq_lens[index]
+    query_pos = seq_lens[:, None] - n + torch.arange(n, device=seq_lens.device)  # [B, n]
+    key_pos = torch.arange(n_blocks * meta.block_size, device=seq_lens.device)
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]
+    if window is not None:
+        mask &= query_pos[:, :, None] - key_pos[None, None, :] < window
+    return _Group(rows, meta.block_tables[index, :n_blocks], None if bool(mask.all()) else mask, n)
+
+
+def grouped_attention(q, k, v, mask: torch.Tensor | None, layer: AttentionLayerSpec) -> torch.Tensor:
+    """q [B, n, H, D], k/v [B, Hkv, L, D] contiguous, mask [B, n, L] or None → [B, n, H, D]. The
+    G = H / Hkv query heads that share a KV head are stacked, so K and V are read once per KV head."""
     batch, n, heads, dim = q.shape
     kv_heads = layer.num_kv_heads
     group = heads // kv_heads
     q = q.view(batch, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * n, dim)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * layer.scale  # [B, Hkv, G*n, L]
-    scores = scores.view(batch, kv_heads, group, n, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    if mask is not None:
+        scores = scores.view(batch, kv_heads, group, n, -1).masked_fill(~mask[:, None, None], float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype).view(batch, kv_heads, group * n, -1)
     out = torch.matmul(probs, v)  # [B, Hkv, G*n, D]
     return out.view(batch, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(batch, n, heads, dim)
