@@ -20,6 +20,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
                                              tie_word_embeddings=False)),
     "qwen2-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-hybrid-window": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                                                use_sliding_window=True, sliding_window=10, max_window_layers=1,
+                                                tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                          tie_word_embeddings=False)),
 }
@@ -30,7 +33,7 @@ def make_tiny_model(name: str, directory: Path, seed: int = 0):
     import transformers
 
     cls_name, extra = TINY_CONFIGS[name]
-    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():  # HF zero-inits biases; random ones make the bias path matter

@@ -50,17 +50,21 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Att
     kv_cache[1].transpose(1, 2)[blocks, offsets] = v.to(kv_cache.dtype)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_index(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Rows of the cache viewed as [num_blocks * heads, block_size, head_dim] that, in order, form
+    [B, heads, n * block_size, head_dim]: one copy gathers a batch straight into matmul layout."""
+    heads = torch.arange(num_kv_heads, device=block_tables.device)
+    return (block_tables[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+
+
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, index: torch.Tensor | None = None):
     """The cached keys and values of a batch of requests: block_tables [B, n] → K and V as
-    [B, num_kv_heads, n * block_size, head_dim], contiguous."""
+    [B, num_kv_heads, n * block_size, head_dim], contiguous. `index`: gather_index(), if precomputed."""
     batch, n = block_tables.shape
-    _, _, heads, block_size, dim = kv_cache.shape
-    flat = block_tables.flatten()
-    k, v = (kv_cache[i].index_select(0, flat).view(batch, n, heads, block_size, dim) for i in (0, 1))
-    if n == 1:  # one block each: already [B, heads, block_size, dim]
-        return k.view(batch, heads, block_size, dim), v.view(batch, heads, block_size, dim)
-    return (k.transpose(1, 2).reshape(batch, heads, n * block_size, dim),
-            v.transpose(1, 2).reshape(batch, heads, n * block_size, dim))
+    _, num_blocks, heads, block_size, dim = kv_cache.shape
+    index = gather_index(block_tables, heads) if index is None else index
+    return tuple(kv_cache[i].view(num_blocks * heads, block_size, dim).index_select(0, index)
+                 .view(batch, heads, n * block_size, dim) for i in (0, 1))
 
 
 def allowed_keys(query_pos: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:

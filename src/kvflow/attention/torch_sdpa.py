@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, gather_kv, write_kv
+from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, gather_index, gather_kv, write_kv
 
 # A decode joins the current bucket while its context is at least this fraction of the bucket's
 # longest: bounds padded work to 1 / BUCKET_RATIO of the real work, with few buckets.
@@ -31,6 +31,7 @@ class _Group:
 
     rows: slice | torch.Tensor  # rows of q / out, in request order
     blocks: torch.Tensor  # [B, n_blocks]
+    index: torch.Tensor  # gather_index(blocks)
     mask: torch.Tensor | None  # [B, n, n_blocks * block_size]; None when every key is visible
     n: int
 
@@ -46,20 +47,21 @@ class TorchSDPABackend:
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta)
-        plan = meta.plans.get(self.name)
+        key = (self.name, layer.sliding_window, layer.num_kv_heads)  # layers may differ in both
+        plan = meta.plans.get(key)
         if plan is None:
-            plan = meta.plans[self.name] = _make_plan(meta, layer.sliding_window)
+            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads)
         out = torch.empty_like(q)
         for rows in plan.fresh_prompts:
             out[rows] = _causal_prompt(q[rows], k[rows], v[rows], layer)
         for g in plan.groups:
-            keys, values = gather_kv(kv_cache, g.blocks)  # padded to whole blocks: the mask hides the rest
+            keys, values = gather_kv(kv_cache, g.blocks, g.index)  # whole blocks: the mask hides the rest
             queries = q[g.rows].view(len(g.blocks), g.n, layer.num_heads, layer.head_dim)
             out[g.rows] = grouped_attention(queries, keys, values, g.mask, layer).flatten(0, 1)
         return out
 
 
-def _make_plan(meta: AttentionMetadata, window: int | None) -> _Plan:
+def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int) -> _Plan:
     starts = meta.query_start_loc.tolist()
     fresh, groups, decodes = [], [], []
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
@@ -68,14 +70,14 @@ def _make_plan(meta: AttentionMetadata, window: int | None) -> _Plan:
         elif q_len == seq_len and window is None:
             fresh.append(slice(starts[i], starts[i + 1]))
         else:
-            groups.append(_group(meta, [i], slice(starts[i], starts[i + 1]), q_len, window))
+            groups.append(_group(meta, [i], slice(starts[i], starts[i + 1]), q_len, window, kv_heads))
     for bucket in _length_buckets(decodes, meta.seq_lens_cpu):
         rows = torch.tensor([starts[i] for i in bucket], device=meta.seq_lens.device)
-        groups.append(_group(meta, bucket, rows, 1, window))
+        groups.append(_group(meta, bucket, rows, 1, window, kv_heads))
     return _Plan(fresh, groups)
 
 
-def _group(meta: AttentionMetadata, requests: list[int], rows, n: int, window: int | None) -> _Group:
+def _group(meta: AttentionMetadata, requests: list[int], rows, n: int, window: int | None, kv_heads: int) -> _Group:
     n_blocks = -(-max(meta.seq_lens_cpu[i] for i in requests) // meta.block_size)
     index = torch.tensor(requests, device=meta.seq_lens.device)
     seq_lens = meta.seq_lens[index]
@@ -84,7 +86,8 @@ def _group(meta: AttentionMetadata, requests: list[int], rows, n: int, window: i
     mask = key_pos[None, None, :] <= query_pos[:, :, None]
     if window is not None:
         mask &= query_pos[:, :, None] - key_pos[None, None, :] < window
-    return _Group(rows, meta.block_tables[index, :n_blocks], None if bool(mask.all()) else mask, n)
+    blocks = meta.block_tables[index, :n_blocks]
+    return _Group(rows, blocks, gather_index(blocks, kv_heads), None if bool(mask.all()) else mask, n)
 
 
 def grouped_attention(q, k, v, mask: torch.Tensor | None, layer: AttentionLayerSpec) -> torch.Tensor:
