@@ -56,3 +56,43 @@ def test_text_prompt_tokenizes_like_transformers(llm, hf):
     tokenizer = llm.get_tokenizer()
     for text in ["The quick brown fox", "  spaces  and\nnewlines", "数字 123 and émojis 🎉"]:
         assert tokenizer.encode(text) == hf_tok(text)["input_ids"]
+
+
+def _spanning_stop(tokenizer, token_ids: list[int], text: str, skip: int = 2) -> tuple[str, int]:
+    """A 4-character stop string that straddles a token boundary and first occurs there."""
+    bounds = [len(tokenizer.decode(token_ids[:i], skip_special_tokens=True)) for i in range(len(token_ids) + 1)]
+    for k in range(skip, len(bounds) - 1):
+        left, right = bounds[k] - bounds[k - 1], bounds[k + 1] - bounds[k]
+        stop = text[bounds[k] - 2:bounds[k] + 2]
+        if left >= 2 and right >= 2 and text.find(stop) == bounds[k] - 2:
+            return stop, bounds[k] - 2
+    raise AssertionError(f"no token boundary to test in {text!r}")
+
+
+@pytest.mark.slow
+def test_stop_string_across_tokens_ends_the_output_exactly(llm):
+    prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Write one sentence about the sea."}],
+                                                     tokenize=True)
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    stop, start = _spanning_stop(llm.get_tokenizer(), full.token_ids, full.text)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (full.text[:start], "stop", stop)
+
+
+@pytest.mark.slow
+def test_streamed_deltas_concatenate_to_the_final_text_and_never_leak_a_stop_string(llm):
+    from kvflow import RequestOutputKind
+
+    prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "List five fruits, one per line."}],
+                                                     tokenize=True)
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0].outputs[0]
+    stop, start = _spanning_stop(llm.get_tokenizer(), full.token_ids, full.text, skip=8)
+    engine = llm.engine
+    engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=48, stop=[stop],
+                                                   output_kind=RequestOutputKind.DELTA))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [o.outputs[0].text for o in engine.step()]
+    assert "".join(deltas) == full.text[:start]
+    # Text that could begin the stop string was held back: no prefix of the stream ever shows it.
+    assert all(stop[:2] not in "".join(deltas[:i])[start - 1:] for i in range(len(deltas) + 1))
