@@ -175,3 +175,18 @@ def test_no_deadlock_with_a_pool_of_a_few_blocks(model_dir, mode, policy):
         steps += 1
         assert steps < 2000, "the engine stopped making progress"
     assert done == 6 and engine.kv_cache_usage == 0.0
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only(model_dir):
+    engine = _engine(model_dir)
+    prompt = _tokens(40, 90)
+    _run(engine, [prompt])
+    engine.reset_prefix_cache()
+    assert engine.scheduler.kv_cache.find_cached_prefix(_request_like(prompt)) == []
+    assert _run(engine, [prompt])["0"].num_cached_tokens == 0
+
+
+def _request_like(tokens: list[int]):
+    from kvflow.core.request import Request
+
+    return Request("probe", tokens, GREEDY, 1, frozenset())

@@ -60,6 +60,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", metavar="PATH", help="also write a roofline PNG here")
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="predict W1/W2 from this machine's ceilings, run them, print predicted vs measured",
+    )
+    parser.add_argument(
+        "--ceilings-json",
+        metavar="FILE",
+        help="with --validate: ceilings from `kvflow bench ceilings --json` instead of measuring",
+    )
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -80,6 +90,8 @@ def _spec_params(args: argparse.Namespace) -> SpecParams | None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.validate:
+        return run_validate(args)
     try:
         model = resolve_model(args.model)
         hw = get_hardware(args.hardware, args.dtype)
@@ -99,6 +111,18 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"kvflow plan: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_json(), indent=2) if args.json else format_plan(result))
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from kvflow.analysis.validate import format_validation, validate  # runs the engine: heavy
+
+    try:
+        result = validate(args.model, args.dtype, args.ceilings_json)
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"kvflow plan --validate: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_validation(result))
     return 0
 
 

@@ -5,48 +5,102 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 
+from kvflow.bench.ceilings import Ceilings
+from kvflow.bench.mbu import (
+    EngineShape,
+    Utilization,
+    add_ceilings_argument,
+    batch_work,
+    get_ceilings,
+    utilization,
+)
 from kvflow.bench.workloads import random_prompts
 from kvflow.config import EngineArgs
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(frozen=True)
+class ThroughputWorkload:
+    """W1 with its defaults: 128 prompts of 32..512 random tokens, 128 output tokens each."""
+
+    num_prompts: int = 128
+    min_input_len: int = 32
+    max_input_len: int = 512
+    output_len: int = 128
+    seed: int = 0
 
 
 def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
+    d = ThroughputWorkload()
     p = subparsers.add_parser("throughput", help="offline throughput: many requests at once")
-    p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--min-input-len", type=int, default=32)
-    p.add_argument("--max-input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    p.add_argument("--min-input-len", type=int, default=d.min_input_len)
+    p.add_argument("--max-input-len", type=int, default=d.max_input_len)
+    p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_ceilings_argument(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_throughput)
     return p
 
 
-def run_throughput(args: argparse.Namespace) -> int:
-    from kvflow.entrypoints.llm import LLM
+def generate_counting_steps(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[int], int]:
+    """Run all prompts to the end; (output tokens of each request in order, engine steps taken).
 
-    engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**vars(engine_args))
-    prompts = random_prompts(args.num_prompts, args.min_input_len, args.max_input_len,
-                             llm.engine.arch.vocab_size, args.seed)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], params.clone(max_tokens=4), use_tqdm=False)  # warm-up
+    Drives the engine itself rather than `LLM.generate` because MBU needs the step count: every
+    step reads all the weights once, however many requests it holds."""
+    params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    produced: dict[str, int] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                produced[out.request_id] = len(out.outputs[0].token_ids)
+    return [produced[i] for i in ids], steps
+
+
+def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings) -> dict:
+    w = workload
+    prompts = random_prompts(w.num_prompts, w.min_input_len, w.max_input_len, engine.arch.vocab_size, w.seed)
+    params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
+    generate_counting_steps(engine, prompts[:2], params.clone(max_tokens=4))  # warm-up
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    outputs, steps = generate_counting_steps(engine, prompts, params)
     elapsed = time.perf_counter() - start
-    prompt_tokens = sum(len(p) for p in prompts)
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result = {
+    shape = EngineShape.from_engine(engine)
+    lengths = [(len(p), n) for p, n in zip(prompts, outputs)]
+    util = utilization(batch_work(shape.spec, lengths, steps, shape.dtype_bytes), elapsed, ceilings)
+    prompt_tokens, output_tokens = sum(len(p) for p in prompts), sum(outputs)
+    return {
         "num_prompts": len(prompts),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "elapsed_s": elapsed,
         "output_tok_s": output_tokens / elapsed,
         "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
-        "dtype": str(llm.engine.config.model.dtype).removeprefix("torch."),
+        "num_steps": steps,
+        "mbu": util.mbu,
+        "mfu": util.mfu,
+        "dtype": shape.dtype,
+        "ceilings": ceilings.to_json(),
     }
-    print(json.dumps(result) if args.json else
-          f"{len(prompts)} requests, {prompt_tokens} prompt + {output_tokens} output tokens in {elapsed:.2f} s\n"
-          f"output: {result['output_tok_s']:.1f} tok/s   total: {result['total_tok_s']:.1f} tok/s")
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from kvflow.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    shape = EngineShape.from_engine(engine)
+    ceilings = get_ceilings(args.ceilings_json, shape.dtype, shape.device)
+    workload = ThroughputWorkload(args.num_prompts, args.min_input_len, args.max_input_len, args.output_len, args.seed)
+    r = measure_throughput(engine, workload, ceilings)
+    print(json.dumps(r) if args.json else
+          f"{r['num_prompts']} requests, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens "
+          f"in {r['elapsed_s']:.2f} s ({r['num_steps']} steps)\n"
+          f"output: {r['output_tok_s']:.1f} tok/s   total: {r['total_tok_s']:.1f} tok/s   "
+          f"{Utilization(r['mbu'], r['mfu']).describe()}")
     return 0

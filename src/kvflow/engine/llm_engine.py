@@ -113,6 +113,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (e.g. between benchmark runs)."""
+        self.scheduler.kv_cache.pool.reset_prefix_cache()
+
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

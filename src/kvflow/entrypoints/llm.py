@@ -30,6 +30,9 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.get_tokenizer()
 
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
