@@ -1,9 +1,15 @@
 """Run kvflow and its peers on the same workloads, one after another, and print one ratio table.
 
-    .venv/bin/python benchmarks/compare_cpu.py [--llamacpp-python /path/to/python] [--quick]
+    .venv/bin/python benchmarks/compare_cpu.py [--llamacpp-python /work/peers/bin/python]
+                                               [--vllm-python /work/vllm-venv/bin/python] [--quick]
 
-Peers are optional: one that is not installed is reported as absent, never estimated. Each
-engine runs alone (two benchmarks at once on 2 cores spoil both).
+W1 = `kvflow bench throughput` defaults (128 prompts of 32..512 random tokens, 128 out), W2 =
+`kvflow bench latency` defaults (32 in, 128 out, batch 1); every engine gets the same token ids
+(kvflow.bench.workloads, seed 0). Peers: HF transformers generate() (static batches of 16),
+llama.cpp through llama-cpp-python on the same GGUF (W2 only: its Python API has no batching
+across requests), vLLM's CPU build on the float32 HF directory of the same weights. Peers are
+optional: one without an interpreter, or whose run fails, is reported as absent, never estimated.
+Each engine runs alone (two benchmarks at once on 2 cores spoil both).
 """
 
 from __future__ import annotations
@@ -15,11 +21,23 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvflow.bench.workloads import random_prompts
-from kvflow.model.default_model import default_model_path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from hf_oracle import default_model_hf_dir  # noqa: E402
+
+from kvflow.bench.ceilings import measure_ceilings  # noqa: E402
+from kvflow.bench.workloads import random_prompts  # noqa: E402
+from kvflow.model.default_model import default_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 49152  # SmolLM2's; the peers draw the same ids from the same seed
+PEERS = (("hf", "HF generate()"), ("llama.cpp", "llama.cpp"), ("vllm", "vLLM"))
+# (label, workload, field, higher is better)
+ROWS = (
+    ("W1 throughput, output tok/s", "throughput", "output_tok_s", True),
+    ("W1 throughput, total tok/s", "throughput", "total_tok_s", True),
+    ("W2 batch-1 decode tok/s", "latency", "decode_tok_s", True),
+    ("W2 batch-1 TTFT ms (32 tokens)", "latency", "ttft_ms", False),
+)
 
 
 def run_json(cmd: list[str]) -> dict | None:
@@ -34,9 +52,16 @@ def run_json(cmd: list[str]) -> dict | None:
     return result
 
 
+def write_json(directory: Path, name: str, data: object) -> str:
+    path = directory / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--llamacpp-python", default=None, help="an interpreter with llama_cpp installed")
+    parser.add_argument("--vllm-python", default=None, help="an interpreter with vllm (CPU build) installed")
     parser.add_argument("--quick", action="store_true", help="32 prompts instead of 128")
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "compare_cpu.json"))
     args = parser.parse_args()
@@ -44,48 +69,71 @@ def main() -> None:
     py, kv = sys.executable, [sys.executable, "-m", "kvflow.entrypoints.cli", "bench"]
     tput = ["--num-prompts", str(n), "--min-input-len", "32", "--max-input-len", "512", "--output-len", "128"]
     lat = ["--input-len", "32", "--output-len", "128"]
+    tmp = Path(tempfile.mkdtemp(prefix="kvflow-compare-"))
+    # Measure the ceilings once, so both kvflow runs state MBU / MFU against the same numbers.
+    ceilings = measure_ceilings().to_json()
+    ceil_args = ["--ceilings-json", write_json(tmp, "ceilings.json", ceilings)]
     results: dict[str, dict | None] = {
-        "kvflow latency": run_json(kv + ["latency", *lat, "--json"]),
+        "ceilings": ceilings,
+        "kvflow latency": run_json(kv + ["latency", *lat, *ceil_args, "--json"]),
         "hf latency": run_json([py, str(ROOT / "benchmarks/hf_peer.py"), "latency", *lat, "--json"]),
-        "kvflow throughput": run_json(kv + ["throughput", *tput, "--json"]),
+        "kvflow throughput": run_json(kv + ["throughput", *tput, *ceil_args, "--json"]),
         "hf throughput": run_json([py, str(ROOT / "benchmarks/hf_peer.py"), "throughput", *tput, "--json"]),
     }
+    w1 = write_json(tmp, "w1.json", random_prompts(n, 32, 512, VOCAB, 0))
+    w2 = write_json(tmp, "w2.json", random_prompts(1, 32, 32, VOCAB, 0))
+    # A peer without an interpreter is recorded as absent (None), not left out of the table.
+    results["llama.cpp latency"] = None
     if args.llamacpp_python:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(random_prompts(1, 32, 32, VOCAB, 0), f)
-        results["llama.cpp latency"] = run_json([args.llamacpp_python, str(ROOT / "benchmarks/llamacpp_peer.py"), "latency",
-                                                 "--model", str(default_model_path()), "--prompts", f.name])
+        results["llama.cpp latency"] = run_json([args.llamacpp_python, str(ROOT / "benchmarks/llamacpp_peer.py"),
+                                                 "latency", "--model", str(default_model_path()), "--prompts", w2])
+    results["vllm throughput"] = results["vllm latency"] = None
+    if args.vllm_python:
+        vllm = [args.vllm_python, str(ROOT / "benchmarks/vllm_peer.py")]
+        model = ["--model", str(default_model_hf_dir())]
+        results["vllm throughput"] = run_json([*vllm, "throughput", *model, "--prompts", w1, "--output-len", "128"])
+        results["vllm latency"] = run_json([*vllm, "latency", *model, "--prompts", w2, "--output-len", "128"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(table(results))
 
 
 def table(r: dict[str, dict | None]) -> str:
-    def value(key: str, field: str) -> float | None:
-        return None if r.get(key) is None else r[key][field]
+    """Markdown: each engine's figure, and kvflow's speed relative to each peer (> 1 = kvflow
+    faster; for TTFT that is peer TTFT / kvflow TTFT)."""
 
-    def fmt(x: float | None, unit: str = "") -> str:
-        return "absent" if x is None else f"{x:.1f}{unit}"
+    def value(engine: str, workload: str, field: str) -> float | None:
+        found = r.get(f"{engine} {workload}")
+        return None if found is None else found.get(field)
 
-    def ratio(a: float | None, b: float | None) -> str:
-        return "—" if a is None or b is None else f"{a / b:.2f}×"
+    def cell(engine: str, workload: str, field: str) -> str:
+        if f"{engine} {workload}" not in r:
+            return "not run"  # e.g. llama.cpp W1: its Python API cannot batch requests
+        return fmt(value(engine, workload, field))
 
-    ours_tp, hf_tp = value("kvflow throughput", "output_tok_s"), value("hf throughput", "output_tok_s")
-    ours_dec, hf_dec = value("kvflow latency", "decode_tok_s"), value("hf latency", "decode_tok_s")
-    lc_dec = value("llama.cpp latency", "decode_tok_s")
-    rows = [
-        "| workload | kvflow | HF generate() | kvflow / HF | llama.cpp | kvflow / llama.cpp |",
-        "|---|---|---|---|---|---|",
-        f"| throughput, output tok/s | {fmt(ours_tp)} | {fmt(hf_tp)} | {ratio(ours_tp, hf_tp)} | — | — |",
-        f"| throughput, total tok/s | {fmt(value('kvflow throughput', 'total_tok_s'))} | "
-        f"{fmt(value('hf throughput', 'total_tok_s'))} | "
-        f"{ratio(value('kvflow throughput', 'total_tok_s'), value('hf throughput', 'total_tok_s'))} | — | — |",
-        f"| batch-1 decode tok/s | {fmt(ours_dec)} | {fmt(hf_dec)} | {ratio(ours_dec, hf_dec)} | {fmt(lc_dec)} | {ratio(ours_dec, lc_dec)} |",
-        f"| batch-1 TTFT ms (32 tokens) | {fmt(value('kvflow latency', 'ttft_ms'))} | {fmt(value('hf latency', 'ttft_ms'))} | "
-        f"{ratio(value('hf latency', 'ttft_ms'), value('kvflow latency', 'ttft_ms'))} (HF / kvflow) | "
-        f"{fmt(value('llama.cpp latency', 'ttft_ms'))} | — |",
-    ]
-    return "\n".join(rows)
+    def ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> str:
+        if ours is None or theirs is None:
+            return "—"
+        return f"{(ours / theirs if higher_is_better else theirs / ours):.2f}×"
+
+    def fmt(x: float | None) -> str:
+        return "absent" if x is None else f"{x:.1f}"
+
+    header = ["workload", "kvflow", *(f"{name} | kvflow vs {name}" for _, name in PEERS)]
+    lines = ["| " + " | ".join(header) + " |", "|---" * (2 + 2 * len(PEERS)) + "|"]
+    for label, workload, field, higher in ROWS:
+        ours = value("kvflow", workload, field)
+        cells = [label, fmt(ours)]
+        for key, _ in PEERS:
+            theirs = value(key, workload, field)
+            cells += [cell(key, workload, field), ratio(ours, theirs, higher)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for workload in ("throughput", "latency"):
+        mbu, mfu = value("kvflow", workload, "mbu"), value("kvflow", workload, "mfu")
+        if mbu is not None and mfu is not None:
+            lines.append(f"kvflow {workload}: MBU {100 * mbu:.3g}%, MFU {100 * mfu:.3g}%")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

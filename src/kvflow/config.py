@@ -48,7 +48,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    attention_backend: str  # "torch_sdpa" (fast CPU path) | "torch_reference" (the oracle)
+    attention_backend: str  # "torch_sdpa" (fast CPU path) | "torch_reference" (the oracle) | "triton" (GPU)
     device: str
 
 
@@ -96,8 +96,8 @@ class EngineArgs:
         _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         _require(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         _require(
-            self.attention_backend in ("torch_sdpa", "torch_reference"),
-            "attention_backend", "torch_sdpa or torch_reference",
+            self.attention_backend in ("torch_sdpa", "torch_reference", "triton"),
+            "attention_backend", "torch_sdpa, torch_reference or triton",
         )
         return EngineConfig(
             model=ModelConfig(
@@ -140,7 +140,8 @@ class EngineArgs:
         g.add_argument("--disable-log-stats", action="store_true")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--skip-tokenizer-init", action="store_true")
-        g.add_argument("--attention-backend", default=d.attention_backend, choices=["torch_sdpa", "torch_reference"])
+        g.add_argument("--attention-backend", default=d.attention_backend,
+                       choices=["torch_sdpa", "torch_reference", "triton"])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -212,7 +212,8 @@ def test_datasets_are_seeded_and_shaped():
     assert a == build_dataset(DatasetConfig("random", 50, inp, out, seed=3))
     assert all(50 <= r.prompt_len == len(r.prompt) <= 150 and r.output_len == 7 for r in a)
     assert all(1000 <= t < 49152 for r in a for t in r.prompt)
-    shared = build_dataset(DatasetConfig("shared-prefix", 6, LengthDist("fixed", 5), out, prefix_len=20, num_prefixes=2))
+    five = LengthDist("fixed", 5)
+    shared = build_dataset(DatasetConfig("shared-prefix", 6, five, out, prefix_len=20, num_prefixes=2))
     assert [r.prompt[:20] == shared[i % 2].prompt[:20] for i, r in enumerate(shared)] == [True] * 6
     assert shared[0].prompt[:20] != shared[1].prompt[:20] and all(r.prompt_len == 25 for r in shared)
     assert parse_length_dist("normal:0.2", 64) == LengthDist("normal", 64, 0.2)
@@ -220,3 +221,11 @@ def test_datasets_are_seeded_and_shaped():
         parse_length_dist("zipf", 64)
     with pytest.raises(ValueError, match="neither"):
         build_dataset(DatasetConfig("/no/such/file", 1, inp, out))
+
+
+def test_bad_loads_are_refused_before_sending(capsys):
+    for bad in (dict(concurrency=0), dict(request_rate=0.0), dict(), dict(concurrency=2, request_rate=1.0)):
+        with pytest.raises(ValueError):
+            Load(**bad)
+    assert main_serve(["--num-prompts", "2", "--request-rate", "-1"]) == 2
+    assert "request rate must be > 0" in capsys.readouterr().err

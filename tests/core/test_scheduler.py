@@ -106,9 +106,10 @@ def test_equal_prompt_waits_for_the_twin_and_then_hits_the_cache():
     assert [c.request_id for c in out.chunks] == ["a"]  # b's first block is being computed by a
     out = _run_step(s)
     chunks = {c.request_id: c for c in out.chunks}
-    assert chunks["b"].start_pos == 8 and chunks["b"].num_tokens == 2  # two cached blocks reused
-    assert s.requests["b"].num_cached_tokens == 8
-    assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (20, 8)
+    assert chunks["b"].start_pos == 9 and chunks["b"].num_tokens == 1  # the whole prompt but its last token
+    assert s.requests["b"].num_cached_tokens == 9
+    assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (20, 9)
+    assert out.block_copies == [(2, 3)]  # b copies the tail block it recomputes a token in; a writes past it
 
 
 def test_priority_request_preempts_lower_priority_when_the_pool_is_full():

@@ -29,7 +29,22 @@ def get_attention_backend(name: str) -> AttentionBackend:
     from kvflow.attention.torch_reference import TorchReferenceBackend
     from kvflow.attention.torch_sdpa import TorchSDPABackend
 
+    if name == "triton":
+        return _triton_backend()
     backends = {b.name: b for b in (TorchReferenceBackend, TorchSDPABackend)}
     if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(backends)}")
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join([*backends, 'triton'])}")
     return backends[name]()
+
+
+def _triton_backend() -> AttentionBackend:
+    # Imported only when asked for: triton is an optional (GPU) dependency.
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "attention backend 'triton' needs the triton package: pip install 'kvflow[gpu]'"
+        ) from e
+    from kvflow.attention.triton_backend import TritonBackend
+
+    return TritonBackend()

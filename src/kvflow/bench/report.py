@@ -72,7 +72,7 @@ def stats_ms(values_s: Sequence[float]) -> dict[str, float] | None:
     if not values_s:
         return None
     ms = [v * 1e3 for v in values_s]
-    return {"mean": statistics.fmean(ms), "p50": percentile(ms, 50), "p90": percentile(ms, 90), "p99": percentile(ms, 99)}
+    return {"mean": statistics.fmean(ms), **{f"p{q}": percentile(ms, q) for q in (50, 90, 99)}}
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None) -> dict[str, Any]:
@@ -120,7 +120,8 @@ def format_report(report: dict[str, Any]) -> str:
         *(_stat_line(k.upper(), report[f"{k}_ms"]) for k in ("ttft", "itl", "tpot", "e2e")),
     ]
     if good := report.get("goodput"):
-        lines.append(f"goodput {good['request_throughput']:.2f} req/s ({good['requests']} requests met {good['slo_ms']})")
+        met = f"{good['requests']} requests met {good['slo_ms']}"
+        lines.append(f"goodput {good['request_throughput']:.2f} req/s ({met})")
     lines += [f"error: {e}" for e in report["error_samples"]]
     return "\n".join(lines)
 

@@ -48,6 +48,14 @@ class Load:
     duration_s: float | None = None  # no request starts after this
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if (self.concurrency is None) == (self.request_rate is None):
+            raise ValueError("give exactly one of concurrency and request_rate")
+        if any(n is not None and n < 1 for n in (self.concurrency, self.max_concurrency)):
+            raise ValueError("concurrency and max_concurrency must be >= 1")
+        if self.request_rate is not None and self.request_rate <= 0:
+            raise ValueError(f"request rate must be > 0 (inf: all at once); got {self.request_rate}")
+
 
 def check_loopback(url: str, allow_remote: bool) -> None:
     host = urlsplit(url).hostname or ""
@@ -71,7 +79,9 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return offsets
 
 
-async def _closed_loop(send: Send, requests: Sequence[SampleRequest], load: Load, deadline: float) -> list:
+async def _closed_loop(
+    send: Send, requests: Sequence[SampleRequest], load: Load, deadline: float
+) -> list[RequestRecord]:
     pending = iter(requests)  # shared by the workers: each takes the next request when free
     records: list[RequestRecord] = []
 
@@ -85,7 +95,9 @@ async def _closed_loop(send: Send, requests: Sequence[SampleRequest], load: Load
     return records
 
 
-async def _open_loop(send: Send, requests: Sequence[SampleRequest], load: Load, deadline: float) -> list:
+async def _open_loop(
+    send: Send, requests: Sequence[SampleRequest], load: Load, deadline: float
+) -> list[RequestRecord]:
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
 
     async def limited(request: SampleRequest) -> RequestRecord:

@@ -20,7 +20,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        # A block can be found under several hashes: a prompt's tail, then the full block it grows into.
+        self.block_hashes: list[list[BlockHash]] = [[] for _ in range(num_blocks)]
+        self.cached_tokens = [0] * num_blocks  # how many leading slots its cached content covers
         self.cached: dict[BlockHash, int] = {}  # hash → block holding that content
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
 
@@ -54,12 +56,18 @@ class BlockPool:
                 del self._free[b]
             self.ref_counts[b] += 1
 
-    def cache(self, block: int, block_hash: BlockHash) -> None:
-        """Record that `block` now holds the content `block_hash` names."""
-        if not self.enable_caching or self.block_hashes[block] is not None:
+    def cache(self, block: int, block_hash: BlockHash, num_tokens: int) -> None:
+        """Record that the first `num_tokens` slots of `block` hold the content `block_hash` names.
+        If another block already holds it, that one stays the one found."""
+        if not self.enable_caching or block_hash in self.cached:
             return
-        self.block_hashes[block] = block_hash
-        self.cached.setdefault(block_hash, block)  # a twin computed earlier stays the one found
+        self.block_hashes[block].append(block_hash)
+        self.cached_tokens[block] = max(self.cached_tokens[block], num_tokens)
+        self.cached[block_hash] = block
+
+    def overwrites_cached(self, block: int, offset: int) -> bool:
+        """Would writing slot `offset` of `block` change content the cache promises?"""
+        return offset < self.cached_tokens[block]
 
     def release(self, blocks: list[int]) -> None:
         """Drop an owner from each block, in order: the first freed is the first reused."""
@@ -75,8 +83,8 @@ class BlockPool:
             self._forget(block)
 
     def _forget(self, block: int) -> None:
-        block_hash = self.block_hashes[block]
-        if block_hash is not None:
-            self.block_hashes[block] = None
+        for block_hash in self.block_hashes[block]:
             if self.cached.get(block_hash) == block:
                 del self.cached[block_hash]
+        self.block_hashes[block] = []
+        self.cached_tokens[block] = 0

@@ -37,6 +37,9 @@ class SchedulerOutput:
     # (device block, host block) copies, done before the forward pass: swap-outs, then swap-ins.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # (source, destination) device block copies: copy-on-write of cached blocks, done after the
+    # swap-outs and before the swap-ins.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     num_batched_tokens: int = 0
 
@@ -52,4 +55,4 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not self.chunks and not self.swap_out and not self.swap_in
+        return not (self.chunks or self.swap_out or self.swap_in or self.block_copies)

@@ -100,6 +100,7 @@ class Scheduler:
         if self._host_blocks_read:
             self.host_pool.release(self._host_blocks_read)
             self._host_blocks_read = []
+        out.block_copies = self.kv_cache.take_block_copies()
         return out
 
     def _budget_left(self, out: SchedulerOutput) -> int:
@@ -110,13 +111,12 @@ class Scheduler:
         while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop(0)
             swapped = request.status is RequestStatus.SWAPPED
-            cached = [] if swapped else self.kv_cache.find_cached_prefix(request)
+            cached, num_cached = ([], request.num_computed_tokens) if swapped else self.kv_cache.find_cached_prefix(request)
             if not swapped and self.kv_cache.prefix_in_flight(request, len(cached)):
                 held_back.append(request)
                 continue
-            num_cached = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, self._budget_left(out))
-            if not self._allocate_for_waiting(request, num_cached + num_new, cached, out):
+            if not self._allocate_for_waiting(request, num_cached, num_new, cached, out):
                 self._enqueue(request)
                 break
             if swapped:
@@ -132,9 +132,10 @@ class Scheduler:
         for request in held_back:
             self._enqueue(request)
 
-    def _allocate_for_waiting(self, request: Request, num_tokens: int, cached: list[int], out: SchedulerOutput) -> bool:
+    def _allocate_for_waiting(self, request: Request, num_cached: int, num_new: int, cached: list[int],
+                              out: SchedulerOutput) -> bool:
         """Under the priority policy a waiting request may preempt running ones behind it."""
-        while not self.kv_cache.allocate_slots(request, num_tokens, cached):
+        while not self.kv_cache.allocate_slots(request, num_cached, num_new, cached):
             victim = max(self.running, key=self._order, default=None)
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
                 return False
@@ -144,7 +145,7 @@ class Scheduler:
     def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for `request`, preempting the last running requests in order as needed.
         False if `request` itself had to be preempted."""
-        while not self.kv_cache.allocate_slots(request, request.num_computed_tokens + num_new):
+        while not self.kv_cache.allocate_slots(request, request.num_computed_tokens, num_new):
             victim = max(self.running, key=self._order)
             self._preempt(victim, out)
             if victim is request:

@@ -1,8 +1,9 @@
-"""The `kvflow` command: generate, chat, bench, plan."""
+"""The `kvflow` command: serve, generate, chat, bench, plan."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvflow.config import EngineArgs
@@ -33,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="LLM inference with a paged KV cache and continuous batching")
     sub = parser.add_subparsers(title="commands")
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, models, metrics)")
+    add_server_args(serve)
+    EngineArgs.add_cli_args(serve)
+    serve.set_defaults(func=run_serve)
+
     gen = sub.add_parser("generate", help="stream a completion of one prompt")
     gen.add_argument("prompt")
     add_sampling_args(gen)
@@ -52,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_ceilings_parser(bench_sub)
     add_plan_parser(sub)
     return parser
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port; the URL is printed)")
+    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $KVFLOW_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
+    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128, temperature: float = 0.0) -> None:
@@ -89,6 +106,12 @@ def stream(engine, prompt, params: SamplingParams, out=sys.stdout) -> str:
         engine.abort_request(request_id)
     out.write("\n")
     return "".join(pieces)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvflow.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
 
 
 def run_generate(args: argparse.Namespace) -> int:

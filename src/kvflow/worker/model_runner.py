@@ -46,7 +46,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+        # Order matters: a block may be swapped out, then reused as a copy's destination or a
+        # swap-in's, all before the forward pass writes the step's new K/V.
         self._swap(sched.swap_out, to_host=True)
+        self._copy_blocks(sched.block_copies)
         self._swap(sched.swap_in, to_host=False)
         if not sched.chunks:
             return ModelRunnerOutput()
@@ -59,6 +62,14 @@ class ModelRunner:
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, self.model.compute_logits(hidden[batch.prompt_rows]), out)
         return out
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
 
     def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         if not pairs:

@@ -1,0 +1,144 @@
+"""AsyncLLM: the engine loop runs in the background; each request is an async stream of outputs.
+
+    llm = AsyncLLM.from_engine_args(EngineArgs())
+    async for out in llm.generate("Hello", SamplingParams(output_kind=RequestOutputKind.DELTA), "req-1"):
+        print(out.outputs[0].text, end="")
+
+Requests from any number of event loops and tasks share one engine thread (see engine_thread.py).
+Bad input raises ValueError from `add_request` (or the first step of `generate`) before any output
+exists. Leaving a stream early — cancellation, `break`, a client that went away — aborts the
+request, and its KV blocks are freed before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from kvflow.config import EngineArgs
+from kvflow.engine.engine_thread import (
+    AbortCommand, AddCommand, EngineDeadError, EngineThread, Item, RequestFailedError, StopCommand,
+)
+from kvflow.engine.llm_engine import LLMEngine, PromptType
+from kvflow.engine.outputs import RequestOutput
+from kvflow.engine.request_timing import FinishedRequest
+from kvflow.engine.stats import EngineStats
+from kvflow.model.tokenizer import Tokenizer
+from kvflow.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "RequestStream", "EngineDeadError", "RequestFailedError"]
+
+
+class RequestStream:
+    """One request's outputs in order; an iterator that ends after the finished output and raises
+    the error that ended the request, if one did. `close()` before the end aborts the request."""
+
+    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._pending: deque[RequestOutput] = deque()  # the rest of the step being read
+        self._abort = abort
+        self.finished = False  # the engine is done with it (or it failed): nothing to abort
+
+    def put(self, item: Item) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._pending:
+            if self.finished:
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self._pending.extend(item)
+            self.finished = item[-1].finished
+        return self._pending.popleft()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        # Read-only facts copied out now: the engine itself belongs to its thread from here on.
+        self.tokenizer: Tokenizer | None = engine.tokenizer
+        self.max_model_len: int = engine.config.model.max_model_len
+        self.vocab_size: int = engine.arch.vocab_size
+        self._listeners: tuple[Callable[[FinishedRequest], None], ...] = ()
+        self._thread = EngineThread(engine, self._on_finished)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        return cls(LLMEngine(args))
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this engine was started without a tokenizer (skip_tokenizer_init)")
+        return self.tokenizer
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def get_stats(self) -> EngineStats:
+        """The engine's gauges and counters as of its last iteration."""
+        return self._thread.stats
+
+    def add_finish_listener(self, callback: Callable[[FinishedRequest], None]) -> None:
+        """`callback` runs on the engine thread for every request that finishes (not aborted);
+        it must be quick and thread-safe (prometheus-client metrics are)."""
+        self._listeners = (*self._listeners, callback)  # swapped whole: the engine thread reads it unlocked
+
+    # -- requests --------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """Queue a request and wait until the engine took it. Raises ValueError for bad input
+        (nothing queued) and EngineDeadError when the engine is not running."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self.abort)
+        accepted = loop.create_future()
+        self._thread.submit(AddCommand(request_id, prompt, params, time.monotonic(), priority, cache_salt,
+                                       loop, stream.put, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added just as we stopped waiting
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, priority, cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:  # cancelled, closed early (GeneratorExit) or failed: free the request's blocks
+            stream.close()
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort from any thread; a no-op for unknown or finished requests and a dead engine."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        try:
+            self._thread.submit(AbortCommand(ids))
+        except EngineDeadError:
+            pass  # nothing is running any more
+
+    def shutdown(self, wait: bool = True, timeout: float = 30.0) -> None:
+        """Stop taking requests, end those in flight (they finish as aborted), stop the thread."""
+        try:
+            self._thread.submit(StopCommand())
+        except EngineDeadError:
+            pass
+        if wait:
+            self._thread.join(timeout)
+
+    def _on_finished(self, finished: FinishedRequest) -> None:
+        for listener in self._listeners:
+            listener(finished)

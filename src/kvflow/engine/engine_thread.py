@@ -1,0 +1,250 @@
+"""The one background thread that drives an LLMEngine for AsyncLLM.
+
+The engine is not thread-safe, so this thread is its only caller. Commands (add, abort, stop) come
+in through a queue and are applied between steps; the thread steps while there is work and blocks
+on the queue when there is none. Everything it hands back (acceptances, outputs, errors) goes to
+the caller's event loop through `call_soon_threadsafe`, batched per loop so that one wake-up
+carries a whole step.
+
+Faults are contained at the smallest scope the engine allows: a request that fails to be added
+fails alone; a step that raises fails the requests it could have touched (everything not still
+waiting) and the loop goes on; only a fault in the loop itself (or in abort, which means the
+engine's state is lost) stops the thread, and then every caller is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvflow.engine.llm_engine import LLMEngine, PromptType
+from kvflow.engine.outputs import RequestOutput
+from kvflow.engine.request_timing import FinishedRequest, RequestTiming
+from kvflow.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvflow")
+
+Item = list[RequestOutput] | BaseException  # one step's outputs of one request, or why it ended
+Deliver = Callable[[Item], None]  # runs on the request's event loop
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shut down or died); no request can run."""
+
+
+class RequestFailedError(RuntimeError):
+    """An internal fault ended this request; the engine goes on serving the others."""
+
+
+@dataclass
+class AddCommand:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+    cache_salt: str | None
+    loop: asyncio.AbstractEventLoop
+    deliver: Deliver
+    accepted: asyncio.Future  # resolved (or failed with the ValueError) before any output
+
+
+@dataclass
+class AbortCommand:
+    request_ids: list[str]
+
+
+@dataclass
+class StopCommand:
+    """Abort everything in flight, hand back the aborted outputs, and end the thread."""
+
+
+@dataclass
+class _Live:
+    loop: asyncio.AbstractEventLoop
+    deliver: Deliver
+    n: int
+    timing: RequestTiming
+
+
+@dataclass
+class _Outbox:
+    """What one loop iteration hands back, grouped by event loop."""
+
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable, object]]] = field(default_factory=dict)
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable, arg: object) -> None:
+        self.by_loop.setdefault(loop, []).append((fn, arg))
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[FinishedRequest], None]) -> None:
+        self.engine = engine
+        self.stats = engine.get_stats()  # replaced whole after every iteration: readers need no lock
+        self._on_finished = on_finished
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders "closed?" checks against the final drain of the queue
+        self._closed_reason: str | None = None
+        self._live: dict[str, _Live] = {}
+        self._outbox = _Outbox()
+        self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------------------
+    def submit(self, command: AddCommand | AbortCommand | StopCommand) -> None:
+        with self._lock:
+            if self._closed_reason is not None:
+                raise EngineDeadError(self._closed_reason)
+            self._commands.put(command)
+
+    def is_alive(self) -> bool:
+        return self._closed_reason is None and self._thread.is_alive()
+
+    def join(self, timeout: float | None) -> None:
+        self._thread.join(timeout)
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        reason = "the engine is shut down"
+        try:
+            while self._serve_once():
+                pass
+        except BaseException:
+            logger.exception("the engine loop died")
+            reason = "the engine loop died; see the server log"
+        finally:
+            self._close(reason)
+
+    def _serve_once(self) -> bool:
+        for command in self._take(block=not self.engine.has_unfinished_requests()):
+            if isinstance(command, StopCommand):
+                self._abort(list(self._live))
+                self._flush()
+                return False
+            if isinstance(command, AddCommand):
+                self._add(command)
+            else:
+                self._abort(command.request_ids)
+        self._flush()  # acceptances go out now, not after the next step
+        if self.engine.has_unfinished_requests():
+            self._step()
+        self.stats = self.engine.get_stats()
+        self._flush()
+        return True
+
+    def _take(self, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        while not self._commands.empty():
+            commands.append(self._commands.get_nowait())
+        return commands
+
+    def _add(self, cmd: AddCommand) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority, cmd.cache_salt)
+        except ValueError as e:  # bad input: the engine queued nothing
+            self._outbox.post(cmd.loop, _settle(cmd.accepted), e)
+            return
+        except Exception:
+            logger.exception("adding request %s failed", cmd.request_id)
+            self.engine.abort_request(cmd.request_id)  # undo whatever part of it was queued
+            self._outbox.post(cmd.loop, _settle(cmd.accepted), RequestFailedError("internal error while adding the request"))
+            return
+        self._live[cmd.request_id] = _Live(cmd.loop, cmd.deliver, cmd.params.n, RequestTiming(cmd.request_id))
+        self._outbox.post(cmd.loop, _settle(cmd.accepted), None)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            live = self._live.pop(request_id, None)
+            outputs = self.engine.abort_request(request_id)
+            if live is not None and outputs:
+                self._outbox.post(live.loop, live.deliver, outputs)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            logger.exception("engine step failed; failing the requests it was running")
+            self._fail_touched()
+            return
+        self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_request: dict[str, list[RequestOutput]] = {}
+        for out in outputs:  # n > 1: a step can finish several completions of one request
+            by_request.setdefault(out.request_id, []).append(out)
+        for request_id, outs in by_request.items():
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            finished = live.timing.observe(outs)
+            if outs[-1].finished:
+                del self._live[request_id]
+            if finished is not None:
+                self._notify(finished)
+            self._outbox.post(live.loop, live.deliver, outs)
+
+    def _fail_touched(self) -> None:
+        """After a failed step: fail every request that was not still waiting (the step may have
+        left them half-updated) and free their blocks; requests that never ran keep their place."""
+        waiting = {r.request_id for r in self.engine.scheduler.waiting}
+        victims = [rid for rid, live in self._live.items() if not waiting.issuperset(_engine_ids(rid, live.n))]
+        self.engine.abort_request(victims)
+        for request_id in victims:
+            live = self._live.pop(request_id)
+            self._outbox.post(live.loop, live.deliver, RequestFailedError("internal error while running the request"))
+
+    def _notify(self, finished: FinishedRequest) -> None:
+        try:
+            self._on_finished(finished)
+        except Exception:  # a faulty metrics hook must not stop the engine
+            logger.exception("request-finished hook failed")
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, _Outbox()
+        for loop, items in outbox.by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, items)
+            except RuntimeError:  # that event loop is closed: nobody will read its requests
+                orphans = [rid for rid, live in self._live.items() if live.loop is loop]
+                for request_id in orphans:
+                    del self._live[request_id]
+                self.engine.abort_request(orphans)
+
+    def _close(self, reason: str) -> None:
+        with self._lock:
+            self._closed_reason = reason
+        while not self._commands.empty():
+            cmd = self._commands.get_nowait()
+            if isinstance(cmd, AddCommand):
+                self._outbox.post(cmd.loop, _settle(cmd.accepted), EngineDeadError(reason))
+        for live in self._live.values():
+            self._outbox.post(live.loop, live.deliver, EngineDeadError(reason))
+        self._live.clear()
+        self._flush()
+
+
+def _engine_ids(request_id: str, n: int) -> list[str]:
+    # LLMEngine runs an n > 1 request as children named "<id>#<i>". Were that to change, a request
+    # would merely be counted as touched by a failed step: the safe side.
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+def _settle(future: asyncio.Future) -> Callable[[BaseException | None], None]:
+    def settle(error: BaseException | None) -> None:
+        if future.done():  # the caller gave up waiting (cancelled)
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    return settle
+
+
+def _run_all(items: list[tuple[Callable, object]]) -> None:
+    for fn, arg in items:
+        fn(arg)

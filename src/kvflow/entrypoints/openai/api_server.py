@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP server: `build_app` (FastAPI) and `run_server` (`kvflow serve`).
+
+Bodies are read by hand rather than by FastAPI's body parsing so that every way a body can be
+wrong — too big, not UTF-8, not JSON, wrong types, out of range — gets OpenAI's error shape and
+the right status (413 before reading more than the limit; 400, never 422, for the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from pydantic import BaseModel, ValidationError
+
+from kvflow.config import EngineArgs
+from kvflow.engine.async_llm import AsyncLLM
+from kvflow.entrypoints.openai.errors import APIError, from_exception, from_validation, install_error_handlers
+from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.entrypoints.openai.responses import ModelCard, ModelList
+from kvflow.entrypoints.openai.serving_chat import ChatServing
+from kvflow.entrypoints.openai.serving_completion import CompletionServing
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="kvflow", openapi_url=None)
+    install_error_handlers(app)
+    metrics = ServerMetrics(async_llm.get_stats, served_model_name)
+    async_llm.add_finish_listener(metrics.observe)
+    chat = ChatServing(async_llm, served_model_name)
+    completions = CompletionServing(async_llm, served_model_name)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_llm.is_alive() else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_key(api_key))] if api_key else [])
+
+    @v1.get("/models")
+    async def models() -> Response:
+        return _json(ModelList(data=[ModelCard(id=served_model_name, max_model_len=async_llm.max_model_len)]))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _answer(request, ChatCompletionRequest, chat.create, max_body_bytes)
+
+    @v1.post("/completions")
+    async def create_completions(request: Request) -> Response:
+        return await _answer(request, CompletionRequest, completions.create, max_body_bytes)
+
+    app.include_router(v1)
+    return app
+
+
+async def _answer(request: Request, body_type: type[Body], create: Callable[[Body], Awaitable[BaseModel | Response]],
+                  max_body_bytes: int) -> Response:
+    """Every failure is answered here, not by Starlette's last-resort handler, which would also
+    drop the client's keep-alive connection."""
+    try:
+        body = await read_body(request, body_type, max_body_bytes)
+        result = await until_disconnected(request, create(body))
+    except Exception as e:
+        return from_exception(e).response()
+    return result if isinstance(result, Response) else _json(result)  # a Response: a stream, or a client that left
+
+
+def _json(result: BaseModel) -> Response:
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):  # constant time: the key is not guessable by timing
+            raise APIError(401, "missing or wrong API key; send it as 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    return check
+
+
+async def read_body(request: Request, model: type[Body], limit: int) -> Body:
+    too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        raise from_validation(e) from None
+
+
+async def until_disconnected(request: Request, work: Awaitable[BaseModel | Response]) -> BaseModel | Response:
+    """Run `work`, cancelling it (which aborts its engine requests) if the client leaves first.
+    A stream watches for disconnects itself once it has started."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        return await task
+    return Response(status_code=499)  # nobody is there to read it
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: prints its URL once bound; ends in-flight requests as soon as shutdown
+    begins (so connections close at once); and a signal ends it with status 0 rather than being
+    re-raised after shutdown, as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], banner: str) -> None:
+        super().__init__(config)
+        self.on_shutdown = on_shutdown
+        self.banner = banner
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host
+            print(f"kvflow: {self.banner} on http://{host}:{port} (OpenAI API at /v1)", flush=True)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.on_shutdown()
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread; an embedding caller stops us by should_exit
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def served_name(model: str | None) -> str:
+    from kvflow.model.default_model import default_model_path
+
+    return model if model else default_model_path().stem
+
+
+def run_server(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    async_llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    name = args.served_model_name or served_name(args.model)
+    app = build_app(async_llm, name, args.api_key, args.max_body_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    server = _Server(config, on_shutdown=lambda: async_llm.shutdown(wait=False), banner=f"serving {name}")
+    try:
+        server.run()
+    finally:
+        async_llm.shutdown()
+    return 0

@@ -1,0 +1,88 @@
+"""Errors as OpenAI shapes them: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure a client can cause becomes a 4xx with a message naming what to fix; anything else
+is a 500 whose message says only that the fault is ours (the details go to the server log, never
+to the client). The engine keeps serving after either.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvflow.engine.async_llm import EngineDeadError, RequestFailedError
+
+logger = logging.getLogger("kvflow")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(error: ValueError) -> APIError:
+    """The engine or SamplingParams refused the input; their messages name the field and range."""
+    return APIError(400, str(error))
+
+
+def internal_error() -> APIError:
+    return APIError(500, "internal server error; the request was not completed", code="internal_error")
+
+
+def from_validation(error: ValidationError | RequestValidationError) -> APIError:
+    """The first problem pydantic found, with its field path as `param`."""
+    first = error.errors()[0]
+    path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_branch(p)]
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON (UTF-8): {message.removeprefix('Invalid JSON: ')}")
+    param = ".".join(path) or None
+    return APIError(400, f"{param or 'request body'}: {message}", param=param)
+
+
+def _is_union_branch(part: object) -> bool:
+    # pydantic names the branch of a union it tried ("str", "list[str]") inside the location.
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
+
+
+def from_exception(error: BaseException) -> APIError:
+    """What a client is told about an exception raised while serving its request."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, (ValidationError, RequestValidationError)):
+        return from_validation(error)
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"the engine is not running: {error}", code="engine_unavailable")
+    if not isinstance(error, RequestFailedError):
+        logger.error("internal error while serving a request", exc_info=error)
+    return internal_error()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response()
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    for kind in (APIError, ValidationError, RequestValidationError, EngineDeadError, RequestFailedError):
+        app.add_exception_handler(kind, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, api_error)  # the last resort: a 500 with no trace

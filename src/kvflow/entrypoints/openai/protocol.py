@@ -1,0 +1,187 @@
+"""Request bodies of the OpenAI API, with OpenAI's field names, defaults and ranges.
+
+Validation is strict (a string is not a number, 1.0 is not an integer) so that a wrong type is an
+error rather than a guess. Fields OpenAI has and kvflow does not support are refused by name;
+kvflow's own sampling knobs (top_k, min_p, ...) are accepted as extra fields, as vLLM accepts
+them; any other unknown field is ignored, as OpenAI's clients send new ones first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_N = 128  # OpenAI's limit
+_INT64 = 2**63
+
+
+class OpenAIBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(OpenAIBody):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIBody):
+    """What chat and completion requests share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # kvflow's extras, with vLLM's names.
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}")
+        if not all(stops):
+            raise ValueError("must be non-empty strings")
+        return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids: list[int]) -> list[int]:
+        if any(i < 0 for i in ids):
+            raise ValueError("must be token ids >= 0")
+        return ids
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(OpenAIBody):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBody):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_content(cls, content: Any) -> str | None:
+        """A string, or a list of text parts (joined); images and audio are not supported."""
+        if content is None or isinstance(content, str):
+            return content
+        try:
+            parts = [TextPart.model_validate(p) for p in content] if isinstance(content, list) else None
+        except ValidationError:
+            parts = None
+        if parts is None:
+            raise ValueError("must be a string or a list of {'type': 'text', 'text': ...} parts")
+        return "".join(p.text for p in parts)
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def for_template(self) -> dict:
+        # Chat templates know "system"; "developer" is OpenAI's newer name for it.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    tools: list | None = None
+
+    @model_validator(mode="after")
+    def _chat_only(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        # None: up to the end of the context, as OpenAI does for chat.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+TokenIds = list[int]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> str | list[str] | TokenIds | list[TokenIds]:
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(prompt, str) or ids(prompt) and prompt:
+            return prompt
+        if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(ids(p) for p in prompt)):
+            return prompt
+        raise ValueError("must be a string, a non-empty list of strings, a list of token ids, "
+                         "or a list of token-id lists")
+
+    @model_validator(mode="after")
+    def _completion_only(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (other than best_of == n)")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | TokenIds]:
+        """One entry per prompt: the text or the token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)

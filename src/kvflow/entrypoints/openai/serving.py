@@ -1,0 +1,157 @@
+"""What chat and completions serving share: the model check, SamplingParams from a request,
+starting one engine request per prompt, merging their output streams, and SSE framing.
+
+Every output is a DELTA, streamed or not: the non-streaming path sums the deltas itself, and the
+engine thread sees every token of every request, which is where the latency metrics come from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvflow.engine.async_llm import AsyncLLM, RequestStream
+from kvflow.engine.llm_engine import PromptType
+from kvflow.engine.outputs import CompletionOutput, PositionLogprobDict, RequestOutput
+from kvflow.entrypoints.openai.errors import APIError, bad_request, from_exception
+from kvflow.entrypoints.openai.protocol import SamplingFields
+from kvflow.sampling_params import RequestOutputKind, SamplingParams
+
+SSE_DONE = "data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
+
+
+def sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class Choice:
+    """One completion summed from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobDict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+class Serving:
+    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+        self.async_llm = async_llm
+        self.model_name = model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature,
+                top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, seed=req.seed,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output, output_kind=RequestOutputKind.DELTA,
+            )
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    async def start(self, request_id: str, prompts: list[PromptType], params: SamplingParams) -> list[RequestStream]:
+        """One engine request per prompt, all or none: the first refusal closes the others."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(*(self.async_llm.add_request(i, p, params) for i, p in zip(ids, prompts)),
+                                       return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if not failed:
+            return streams
+        close_all(streams)
+        index, error = failed[0]
+        if isinstance(error, ValueError):
+            prefix = f"prompt {index}: " if len(prompts) > 1 else ""
+            raise bad_request(ValueError(prefix + str(error))) from None
+        raise error
+
+    def token_text(self, token_id: int) -> str:
+        tokenizer = self.async_llm.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer else f"token_id:{token_id}"
+
+    def event_stream(self, events: AsyncIterator[str], streams: list[RequestStream]) -> EventStreamResponse:
+        return EventStreamResponse(_with_errors(events), on_close=lambda: close_all(streams))
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+            queue.put_nowait((index, None))
+        except Exception as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                remaining -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def _with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once a stream has started the status is sent: an error becomes an event carrying the
+    OpenAI error object, followed by the usual end marker."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:
+        yield sse(from_exception(e).body())
+    yield SSE_DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose requests are closed (aborted if unfinished) however the response
+    ends: finished, failed, or the client went away."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            self._on_close()

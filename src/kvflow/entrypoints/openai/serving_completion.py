@@ -1,0 +1,112 @@
+"""POST /v1/completions: one engine request per prompt, n completions each.
+
+Choice `index` runs over prompts then completions (prompt i, completion j → i * n + j), as
+OpenAI numbers them. `echo` puts the prompt in front of the text, and with `logprobs` the prompt
+tokens' logprobs in front of the completion's (the first prompt token has none).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvflow.engine.async_llm import RequestStream
+from kvflow.engine.outputs import PositionLogprobDict, RequestOutput
+from kvflow.entrypoints.openai.protocol import CompletionRequest
+from kvflow.entrypoints.openai.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, close_all, merge, sse
+
+
+@dataclass
+class _Cursor:
+    """Where a streamed choice stands: whether its echo went out, and its text offset so far."""
+
+    echoed: bool = False
+    offset: int = 0
+
+
+class CompletionServing(Serving):
+    async def create(self, req: CompletionRequest) -> Completion | EventStreamResponse:
+        self.check_model(req.model)
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = self.sampling_params(req, req.max_new_tokens, req.logprobs, prompt_logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.start(request_id, req.prompts(), params)
+        if req.stream:
+            return self.event_stream(self._events(request_id, req, streams), streams)
+        try:
+            return await self._collect(request_id, req, streams)
+        finally:
+            close_all(streams)
+
+    async def _collect(self, request_id: str, req: CompletionRequest, streams: list[RequestStream]) -> Completion:
+        choices = [Choice() for _ in range(len(streams) * req.n)]
+        firsts: dict[int, RequestOutput] = {}
+        async for prompt_index, out in merge(streams):
+            firsts.setdefault(prompt_index, out)
+            for delta in out.outputs:
+                choices[prompt_index * req.n + delta.index].add(delta)
+        result = []
+        for index, choice in enumerate(choices):
+            cursor = _Cursor()
+            text, logprobs = self._piece(firsts[index // req.n], choice.text, choice.token_ids, choice.logprobs, req, cursor)
+            result.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason))
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in firsts.values())
+        return Completion(id=request_id, model=self.model_name, choices=result,
+                          usage=Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)))
+
+    async def _events(self, request_id: str, req: CompletionRequest, streams: list[RequestStream]) -> AsyncIterator[str]:
+        created = int(time.time())
+        cursors = [_Cursor() for _ in range(len(streams) * req.n)]
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        async for prompt_index, out in merge(streams):
+            prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+            for delta in out.outputs:
+                completion_tokens += len(delta.token_ids)
+                index = prompt_index * req.n + delta.index
+                echo_due = req.echo and not cursors[index].echoed
+                if not (delta.text or delta.finish_reason or echo_due or (req.logprobs is not None and delta.token_ids)):
+                    continue
+                text, logprobs = self._piece(out, delta.text, delta.token_ids, delta.logprobs or [], req, cursors[index])
+                choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)
+                yield sse(Completion(id=request_id, created=created, model=self.model_name, choices=[choice]))
+        if req.include_usage:
+            usage = Usage.of(sum(prompt_tokens.values()), completion_tokens)
+            yield sse(Completion(id=request_id, created=created, model=self.model_name, choices=[], usage=usage))
+
+    def _piece(self, out: RequestOutput, text: str, token_ids: list[int], positions: list[PositionLogprobDict],
+               req: CompletionRequest, cursor: _Cursor) -> tuple[str, CompletionLogprobs | None]:
+        """The text (and logprobs) of one choice from `cursor` on, the echoed prompt first."""
+        echo = req.echo and not cursor.echoed
+        cursor.echoed = True
+        prefix = self._prompt_text(out) if echo else ""
+        if req.logprobs is None:
+            return prefix + text, None
+        logprobs = CompletionLogprobs()
+        if echo:
+            prompt_positions = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            self._append(logprobs, out.prompt_token_ids, prompt_positions, req.logprobs, cursor)
+        self._append(logprobs, token_ids, positions, req.logprobs, cursor)
+        return prefix + text, logprobs
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        tokenizer = self.async_llm.tokenizer
+        return tokenizer.decode(out.prompt_token_ids) if tokenizer else ""
+
+    def _append(self, logprobs: CompletionLogprobs, token_ids: list[int], positions: list[PositionLogprobDict | None],
+                top_n: int, cursor: _Cursor) -> None:
+        for token_id, position in zip(token_ids, positions):
+            entry = position.get(token_id) if position else None
+            text = entry.decoded_token if entry and entry.decoded_token is not None else self.token_text(token_id)
+            logprobs.tokens.append(text)
+            logprobs.token_logprobs.append(None if entry is None else max(entry.logprob, MIN_LOGPROB))
+            logprobs.top_logprobs.append(None if position is None else {
+                (lp.decoded_token if lp.decoded_token is not None else self.token_text(t)): max(lp.logprob, MIN_LOGPROB)
+                for t, lp in position.items() if t == token_id or (lp.rank is not None and lp.rank <= top_n)})
+            logprobs.text_offset.append(cursor.offset)
+            cursor.offset += len(text)

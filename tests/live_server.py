@@ -1,0 +1,105 @@
+"""Live kvflow servers on 127.0.0.1 for tests: `kvflow serve` as a real process, or an app served
+by uvicorn on a thread of the test process. Both bind port 0 and report the port they got."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+
+KVFLOW = [sys.executable, "-m", "kvflow.entrypoints.cli"]
+_URL = re.compile(r"on (http://127\.0\.0\.1:\d+)")
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str = ""
+    lines: list[str] = field(default_factory=list)  # everything it printed so far
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout)
+
+
+def start_process(args: list[str], timeout: float = 180) -> ServerProcess:
+    """Start `kvflow serve --port 0 ARGS` and wait for the URL it prints."""
+    cmd = [*KVFLOW, "serve", "--port", "0", "--uvicorn-log-level", "warning", "--disable-log-stats", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = ServerProcess(proc)
+    threading.Thread(target=_drain, args=(server,), daemon=True).start()  # the pipe must never fill
+    deadline = time.monotonic() + timeout
+    while not server.url:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"kvflow serve did not come up:\n{server.output}")
+        time.sleep(0.1)
+    return server
+
+
+def _drain(server: ServerProcess) -> None:
+    for line in server.proc.stdout:
+        server.lines.append(line)
+        match = _URL.search(line)
+        if match and not server.url:
+            server.url = match.group(1)
+
+
+@dataclass
+class ServerThread:
+    server: uvicorn.Server
+    thread: threading.Thread
+    url: str
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def start_thread(app, timeout: float = 30) -> ServerThread:
+    """Serve an ASGI app in this process (the engine it wraps is already loaded)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("in-process server did not start")
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return ServerThread(server, thread, f"http://127.0.0.1:{port}")
+
+
+def wait_until(condition, timeout: float, interval: float = 0.05) -> bool:
+    """Poll `condition` until it is true or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → {name: value} for unlabelled-or-single-labelled samples (labels dropped)."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name.split("{")[0]] = float(value)
+    return values
