@@ -142,3 +142,13 @@ def test_priority_orders_the_waiting_queue_fcfs_within_a_level():
     while s.has_unfinished_requests():
         order += [c.request_id for c in _run_step(s).chunks]
     assert order == ["b", "d", "a", "c"]
+
+
+def test_whole_prompt_hit_that_cannot_afford_its_copy_falls_back_to_whole_blocks():
+    s = _scheduler(blocks=3, block_size=4)
+    s.add_request(_request("a", 12, max_tokens=1, first=1))
+    _run_step(s)  # a computes 12 tokens in all 3 blocks, samples its only token, frees them (cached)
+    s.add_request(_request("b", 12, max_tokens=1, first=1))
+    out = _run_step(s)  # 3 cached blocks + 1 for the copy do not fit in 3: reuse 2 blocks instead
+    assert [(c.request_id, c.start_pos, c.num_tokens) for c in out.chunks] == [("b", 8, 4)]
+    assert out.block_copies == [] and not s.has_unfinished_requests()

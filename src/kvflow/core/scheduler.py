@@ -110,31 +110,44 @@ class Scheduler:
         held_back = []  # requests whose prefix another request is computing right now
         while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop(0)
-            swapped = request.status is RequestStatus.SWAPPED
-            cached, num_cached = ([], request.num_computed_tokens) if swapped else self.kv_cache.find_cached_prefix(request)
-            if not swapped and self.kv_cache.prefix_in_flight(request, len(cached)):
+            starts = self._start_points(request)
+            if request.status is not RequestStatus.SWAPPED and self.kv_cache.prefix_in_flight(request, len(starts[0][0])):
                 held_back.append(request)
                 continue
-            num_new = min(request.num_tokens - num_cached, self._budget_left(out))
-            if not self._allocate_for_waiting(request, num_cached, num_new, cached, out):
+            start = next((n for blocks, n in starts if self._allocate_for_waiting(request, n, blocks, out)), None)
+            if start is None:
                 self._enqueue(request)
                 break
-            if swapped:
-                self._swap_in(request, out)
-            else:
-                self.kv_cache.record_lookup(request.num_tokens, num_cached)
-            if request.status is RequestStatus.WAITING:
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.add(self._chunk(request, num_new))
+            self._start_running(request, start, out)
         for request in held_back:
             self._enqueue(request)
 
-    def _allocate_for_waiting(self, request: Request, num_cached: int, num_new: int, cached: list[int],
-                              out: SchedulerOutput) -> bool:
-        """Under the priority policy a waiting request may preempt running ones behind it."""
+    def _start_points(self, request: Request) -> list[tuple[list[int], int]]:
+        """Where a waiting request may resume: (cached blocks to reuse, tokens they cover), best
+        first. A whole-prompt hit needs a spare block for its copy; whole blocks alone need none."""
+        if request.status is RequestStatus.SWAPPED:
+            return [([], request.num_computed_tokens)]
+        blocks, num_cached = self.kv_cache.find_cached_prefix(request)
+        whole_blocks = blocks[:(request.num_tokens - 1) // self.kv_cache.block_size]
+        fallback = (whole_blocks, len(whole_blocks) * self.kv_cache.block_size)
+        return [(blocks, num_cached)] if fallback[1] == num_cached else [(blocks, num_cached), fallback]
+
+    def _start_running(self, request: Request, start: int, out: SchedulerOutput) -> None:
+        if request.status is RequestStatus.SWAPPED:
+            self._swap_in(request, out)
+        else:
+            self.kv_cache.record_lookup(request.num_tokens, start)
+        if request.status is RequestStatus.WAITING:
+            request.num_cached_tokens = start
+        request.num_computed_tokens = start
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.add(self._chunk(request, min(request.num_tokens - start, self._budget_left(out))))
+
+    def _allocate_for_waiting(self, request: Request, num_cached: int, cached: list[int], out: SchedulerOutput) -> bool:
+        """Blocks for the first chunk. Under the priority policy a waiting request may preempt
+        running ones behind it."""
+        num_new = min(request.num_tokens - num_cached, self._budget_left(out))
         while not self.kv_cache.allocate_slots(request, num_cached, num_new, cached):
             victim = max(self.running, key=self._order, default=None)
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
