@@ -1,13 +1,14 @@
 """kvflow: an LLM inference engine with a paged KV cache and continuous batching."""
 
 from kvflow.config import EngineArgs
+from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.entrypoints.llm import LLM
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
-    "LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind",
+    "LLM", "LLMEngine", "AsyncLLM", "EngineArgs", "SamplingParams", "RequestOutputKind",
     "RequestOutput", "CompletionOutput", "Logprob",
 ]
 __version__ = "0.1.0"

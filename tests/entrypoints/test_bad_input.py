@@ -167,6 +167,14 @@ def test_over_context_message_gives_both_numbers(http, async_llm, path, body):
     assert str(prompt_len) in message and str(async_llm.max_model_len) in message
 
 
+def test_null_means_default_and_unknown_fields_are_ignored(http):
+    nulls = dict(temperature=None, top_p=None, n=None, stop=None, seed=None, stream=None, logprobs=None, user=None)
+    for path, body in ((C, chat(**nulls, some_future_field=1)), (P, comp(**nulls, max_tokens=None))):
+        response = send(http, path, body)
+        assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 16  # completions' default max_tokens
+
+
 def test_streamed_oversized_body_without_length_is_a_413(http):
     chunks = (b"x" * 65536 for _ in range(BODY_LIMIT // 65536 + 2))  # chunked: no content-length to check
     assert_openai_error(http.post(P, content=chunks), 413)

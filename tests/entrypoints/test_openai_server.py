@@ -1,13 +1,20 @@
 """`kvflow serve` as a user runs it (a real process on 127.0.0.1, the default model), driven by the
 official `openai` client; greedy and seeded outputs are checked against `LLM` in this process.
 
-float32 on both sides, so that batching and prefix-cache hits cannot change a greedy argmax.
+Both sides run bf16 without prefix caching, so a request alone computes exactly the same batches
+in either (a prefix-cache hit or a different batch changes bf16 rounding, and can flip an argmax).
 The last test stops the server with SIGTERM while a stream is in flight.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -19,13 +26,14 @@ from live_server import parse_metrics, start_process
 
 pytestmark = pytest.mark.slow
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = "Once upon a time, in a small village,"
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc = start_process(["--dtype", "float32"])
+    proc = start_process(["--no-enable-prefix-caching"])
     yield proc
     proc.stop()
 
@@ -37,7 +45,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", disable_log_stats=True)
+    return LLM(enable_prefix_caching=False, disable_log_stats=True)
 
 
 @pytest.fixture(scope="module")
@@ -77,32 +85,35 @@ def test_chat_stream_equals_non_stream(client, model):
 
 
 def test_completion_greedy_equals_llm_generate_streamed_or_not(client, llm, model):
-    want = llm.generate(STORY, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
-    got = client.completions.create(model=model, prompt=STORY, temperature=0, max_tokens=16)
+    want = llm.generate(STORY, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model=model, prompt=STORY, temperature=0, max_tokens=10)
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
     assert got.object == "text_completion" and got.usage.completion_tokens == len(want.token_ids)
-    stream = client.completions.create(model=model, prompt=STORY, temperature=0, max_tokens=16, stream=True)
+    stream = client.completions.create(model=model, prompt=STORY, temperature=0, max_tokens=10, stream=True)
     assert "".join(c.choices[0].text for c in stream) == want.text
 
 
 def test_completion_prompt_forms_n_and_echo(client, llm, model):
     ids = llm.get_tokenizer().encode(STORY)
-    single = client.completions.create(model=model, prompt=ids, temperature=0, max_tokens=6)
-    batch = client.completions.create(model=model, prompt=[ids, ids[:5]], temperature=0, max_tokens=6, n=2)
+    args = dict(model=model, temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
+    by_text = client.completions.create(prompt=STORY, **args).choices[0].text
+    assert client.completions.create(prompt=ids, **args).choices[0].text == by_text
+    batch = client.completions.create(prompt=[ids, ids[:5]], n=2, **args)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
-    assert batch.choices[0].text == batch.choices[1].text == single.choices[0].text  # greedy: n copies agree
-    assert batch.usage.prompt_tokens == len(ids) + 5
-    texts = client.completions.create(model=model, prompt=[STORY, "Hello"], temperature=0, max_tokens=6, echo=True)
-    assert texts.choices[0].text.startswith(STORY) and texts.choices[1].text.startswith("Hello")
-    assert texts.choices[0].text == STORY + single.choices[0].text
+    assert batch.choices[0].text == batch.choices[1].text and batch.choices[2].text == batch.choices[3].text
+    assert batch.usage.prompt_tokens == len(ids) + 5 and batch.usage.completion_tokens == 4 * 6
+    # The same batch with echo: the same completions, each behind its prompt.
+    plain = client.completions.create(prompt=[STORY, "Hello"], **args)
+    echoed = client.completions.create(prompt=[STORY, "Hello"], echo=True, **args)
+    assert [c.text for c in echoed.choices] == [STORY + plain.choices[0].text, "Hello" + plain.choices[1].text]
 
 
 def test_n2_seeded_sampling_is_reproducible_and_equals_llm(client, llm, model):
-    args = dict(model=model, messages=QUESTION, n=2, temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
+    args = dict(model=model, messages=QUESTION, n=2, temperature=1.0, top_p=0.9, seed=1234, max_tokens=10)
     first = client.chat.completions.create(**args)
     again = client.chat.completions.create(**args)
     assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
-    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=1234, max_tokens=10)
     want = llm.chat(QUESTION, params, use_tqdm=False)[0]
     assert [c.message.content for c in first.choices] == [o.text for o in want.outputs]
     other = client.chat.completions.create(**{**args, "seed": 99})
@@ -134,9 +145,12 @@ def test_completion_logprobs_stream_and_whole_agree(client, model):
 
 
 def test_stop_strings_and_kvflow_extras(client, llm, model):
-    got = client.completions.create(model=model, prompt=STORY, temperature=0, max_tokens=32, stop=[","])
-    want = llm.generate(STORY, SamplingParams(temperature=0, max_tokens=32, stop=[","]), use_tqdm=False)[0].outputs[0]
-    assert got.choices[0].text == want.text and "," not in want.text and got.choices[0].finish_reason == "stop"
+    free = client.completions.create(model=model, prompt=STORY, temperature=0, max_tokens=24).choices[0].text
+    stop = free.split()[3]  # a word the greedy continuation is sure to reach
+    got = client.completions.create(model=model, prompt=STORY, temperature=0, max_tokens=24, stop=[stop, "@@"])
+    want = llm.generate(STORY, SamplingParams(temperature=0, max_tokens=24, stop=[stop, "@@"]), use_tqdm=False)[0]
+    assert got.choices[0].text == want.outputs[0].text == free[:free.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
     forced = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12,
                                             extra_body={"top_k": 1, "ignore_eos": True, "min_tokens": 12,
                                                         "repetition_penalty": 1.1, "min_p": 0.05})
@@ -171,7 +185,22 @@ def test_metrics_count_exactly(server, client, model):
     # Every token after a completion's first is one inter-token gap.
     assert moved("inter_token_latency_seconds_count") == sum(u.completion_tokens for u in usages) - (1 + 4 + 1)
     assert after["kvflow:num_requests_running"] == 0 and after["kvflow:kv_cache_usage_perc"] == 0
-    assert moved("prefix_cache_queries_total") >= sum(u.prompt_tokens for u in usages)
+
+
+def readme_block(language: str, marker: str) -> str:
+    blocks = re.findall(rf"```{language}\n(.*?)```", README.read_text(), re.S)
+    return next(b for b in blocks if marker in b)
+
+
+def test_readme_main_command_serves_and_its_examples_work(server):
+    assert "kvflow serve" in readme_block("bash", "./scripts/setup.sh && .venv/bin/kvflow")
+    script = readme_block("python", "from openai import OpenAI").replace("http://127.0.0.1:8000", server.url)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+    if shutil.which("curl"):
+        curl = readme_block("bash", "curl ").replace("http://127.0.0.1:8000", server.url)
+        proc = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0 and json.loads(proc.stdout)["choices"][0]["message"]["content"], proc.stderr
 
 
 def test_sigterm_ends_in_flight_streams_and_exits_zero(server, model):

@@ -19,17 +19,13 @@ from kvflow.engine.async_llm import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger("kvflow")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
-
-
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        kind = "invalid_request_error" if self.status < 500 else "server_error"  # OpenAI's two types
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:

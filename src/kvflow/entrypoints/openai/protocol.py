@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI API, with OpenAI's field names, defaults and ranges.
 
 Validation is strict (a string is not a number, 1.0 is not an integer) so that a wrong type is an
-error rather than a guess. Fields OpenAI has and kvflow does not support are refused by name;
-kvflow's own sampling knobs (top_k, min_p, ...) are accepted as extra fields, as vLLM accepts
-them; any other unknown field is ignored, as OpenAI's clients send new ones first.
+error rather than a guess; null is the same as leaving a field out. Fields OpenAI has and kvflow
+does not support are refused by name; kvflow's own sampling knobs (top_k, min_p, ...) are accepted
+as extra fields, as vLLM accepts them; any other unknown field is ignored, as OpenAI's clients
+send new ones first.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ _INT64 = 2**63
 
 class OpenAIBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # OpenAI's fields are "X or null", null meaning "the default"; some clients send it.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(OpenAIBody):
@@ -160,7 +167,7 @@ class CompletionRequest(SamplingFields):
         def ids(x: Any) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
-        if isinstance(prompt, str) or ids(prompt) and prompt:
+        if isinstance(prompt, str) or (ids(prompt) and prompt):
             return prompt
         if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(ids(p) for p in prompt)):
             return prompt

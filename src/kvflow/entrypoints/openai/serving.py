@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -133,8 +134,9 @@ async def _with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """Once a stream has started the status is sent: an error becomes an event carrying the
     OpenAI error object, followed by the usual end marker."""
     try:
-        async for event in events:
-            yield event
+        async with aclosing(events):  # closing us closes it, and the merge inside it, at once
+            async for event in events:
+                yield event
     except Exception as e:
         yield sse(from_exception(e).body())
     yield SSE_DONE

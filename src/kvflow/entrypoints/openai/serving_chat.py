@@ -14,7 +14,7 @@ from kvflow.entrypoints.openai.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, Delta,
     TokenLogprob, TopLogprob, Usage,
 )
-from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, close_all, merge, sse
+from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, sse
 
 
 class ChatServing(Serving):
@@ -23,13 +23,13 @@ class ChatServing(Serving):
         prompt = self._render(req)
         params = self.sampling_params(req, req.max_new_tokens, req.num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start(request_id, [prompt], params)
+        [stream] = await self.start(request_id, [prompt], params)
         if req.stream:
-            return self.event_stream(self._events(request_id, req, streams), streams)
+            return self.event_stream(self._events(request_id, req, stream), [stream])
         try:
-            return await self._collect(request_id, req, streams)
+            return await self._collect(request_id, req, stream)
         finally:
-            close_all(streams)
+            stream.close()
 
     def _render(self, req: ChatCompletionRequest) -> list[int]:
         try:
@@ -39,10 +39,10 @@ class ChatServing(Serving):
         except ValueError as e:  # no tokenizer or template, or the template refused the conversation
             raise bad_request(e) from None
 
-    async def _collect(self, request_id: str, req: ChatCompletionRequest, streams: list[RequestStream]) -> ChatCompletion:
+    async def _collect(self, request_id: str, req: ChatCompletionRequest, stream: RequestStream) -> ChatCompletion:
         choices = [Choice() for _ in range(req.n)]
         prompt_tokens = 0
-        async for _, out in merge(streams):
+        async for out in stream:
             prompt_tokens = len(out.prompt_token_ids)
             for delta in out.outputs:
                 choices[delta.index].add(delta)
@@ -54,7 +54,7 @@ class ChatServing(Serving):
             usage=Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)),
         )
 
-    async def _events(self, request_id: str, req: ChatCompletionRequest, streams: list[RequestStream]) -> AsyncIterator[str]:
+    async def _events(self, request_id: str, req: ChatCompletionRequest, stream: RequestStream) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
@@ -63,7 +63,7 @@ class ChatServing(Serving):
         for index in range(req.n):  # the role first, as OpenAI sends it
             yield chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
         prompt_tokens = completion_tokens = 0
-        async for _, out in merge(streams):
+        async for out in stream:
             prompt_tokens = len(out.prompt_token_ids)
             for delta in out.outputs:
                 completion_tokens += len(delta.token_ids)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from kvflow.engine.async_llm import RequestStream
-from kvflow.engine.outputs import PositionLogprobDict, RequestOutput
+from kvflow.engine.outputs import CompletionOutput, PositionLogprobDict, RequestOutput
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
 from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, close_all, merge, sse
@@ -44,10 +45,11 @@ class CompletionServing(Serving):
     async def _collect(self, request_id: str, req: CompletionRequest, streams: list[RequestStream]) -> Completion:
         choices = [Choice() for _ in range(len(streams) * req.n)]
         firsts: dict[int, RequestOutput] = {}
-        async for prompt_index, out in merge(streams):
-            firsts.setdefault(prompt_index, out)
-            for delta in out.outputs:
-                choices[prompt_index * req.n + delta.index].add(delta)
+        async with aclosing(merge(streams)) as outputs:
+            async for prompt_index, out in outputs:
+                firsts.setdefault(prompt_index, out)
+                for delta in out.outputs:
+                    choices[prompt_index * req.n + delta.index].add(delta)
         result = []
         for index, choice in enumerate(choices):
             cursor = _Cursor()
@@ -62,20 +64,26 @@ class CompletionServing(Serving):
         cursors = [_Cursor() for _ in range(len(streams) * req.n)]
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
-        async for prompt_index, out in merge(streams):
-            prompt_tokens[prompt_index] = len(out.prompt_token_ids)
-            for delta in out.outputs:
-                completion_tokens += len(delta.token_ids)
-                index = prompt_index * req.n + delta.index
-                echo_due = req.echo and not cursors[index].echoed
-                if not (delta.text or delta.finish_reason or echo_due or (req.logprobs is not None and delta.token_ids)):
-                    continue
-                text, logprobs = self._piece(out, delta.text, delta.token_ids, delta.logprobs or [], req, cursors[index])
-                choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)
-                yield sse(Completion(id=request_id, created=created, model=self.model_name, choices=[choice]))
+        async with aclosing(merge(streams)) as outputs:
+            async for prompt_index, out in outputs:
+                prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+                completion_tokens += sum(len(delta.token_ids) for delta in out.outputs)
+                choices = [c for delta in out.outputs if (c := self._delta(out, delta, prompt_index, req, cursors))]
+                if choices:
+                    yield sse(Completion(id=request_id, created=created, model=self.model_name, choices=choices))
         if req.include_usage:
             usage = Usage.of(sum(prompt_tokens.values()), completion_tokens)
             yield sse(Completion(id=request_id, created=created, model=self.model_name, choices=[], usage=usage))
+
+    def _delta(self, out: RequestOutput, delta: CompletionOutput, prompt_index: int, req: CompletionRequest,
+               cursors: list[_Cursor]) -> CompletionChoice | None:
+        """One streamed choice, or None when the step added nothing to send (text held back)."""
+        index = prompt_index * req.n + delta.index
+        echo_due = req.echo and not cursors[index].echoed
+        if not (delta.text or delta.finish_reason or echo_due or (req.logprobs is not None and delta.token_ids)):
+            return None
+        text, logprobs = self._piece(out, delta.text, delta.token_ids, delta.logprobs or [], req, cursors[index])
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)
 
     def _piece(self, out: RequestOutput, text: str, token_ids: list[int], positions: list[PositionLogprobDict],
                req: CompletionRequest, cursor: _Cursor) -> tuple[str, CompletionLogprobs | None]:
