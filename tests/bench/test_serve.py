@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvflow.bench.datasets import DatasetConfig, LengthDist, SampleRequest, build_dataset, parse_length_dist
-from kvflow.bench.report import SLO, RequestRecord, summarize
+from kvflow.bench.report import SLO, RequestRecord, format_report, summarize
 from kvflow.bench.serve import Load, arrival_offsets, benchmark, check_loopback, main_serve
 
 TTFT_S, ITL_S = 0.04, 0.02
@@ -117,6 +117,9 @@ def test_summary_percentiles_and_goodput_on_known_timings():
     assert report["output_tok_s"] == pytest.approx(10.0) and report["total_tok_s"] == pytest.approx(30.0)
     # Only the first two meet TTFT <= 250 ms, and both have TPOT <= 35 ms: 2 good in 2 s.
     assert report["goodput"] == {"slo_ms": {"ttft_ms": 250, "tpot_ms": 35}, "requests": 2, "request_throughput": 1.0}
+    text = format_report(report)
+    assert "goodput 1.00 req/s (2 requests met TTFT <= 250 ms, TPOT <= 35 ms)" in text
+    assert "TTFT   mean     250.0   p50     250.0   p90     370.0   p99     397.0 ms" in text
 
 
 def test_slo_edge_cases():
@@ -229,3 +232,15 @@ def test_bad_loads_are_refused_before_sending(capsys):
             Load(**bad)
     assert main_serve(["--num-prompts", "2", "--request-rate", "-1"]) == 2
     assert "request rate must be > 0" in capsys.readouterr().err
+
+
+def test_add_serve_bench_parser_registers_subcommand():
+    import argparse
+
+    from kvflow.bench.serve import add_serve_bench_parser, run_serve
+
+    parser = argparse.ArgumentParser(prog="kvflow")
+    bench = parser.add_subparsers().add_parser("bench")
+    add_serve_bench_parser(bench.add_subparsers())
+    args = parser.parse_args(["bench", "serve", "--num-prompts", "3", "--request-rate", "inf", "--goodput", "e2e:9"])
+    assert args.func is run_serve and args.request_rate == float("inf") and args.goodput == ["e2e:9"]

@@ -120,8 +120,8 @@ def format_report(report: dict[str, Any]) -> str:
         *(_stat_line(k.upper(), report[f"{k}_ms"]) for k in ("ttft", "itl", "tpot", "e2e")),
     ]
     if good := report.get("goodput"):
-        met = f"{good['requests']} requests met {good['slo_ms']}"
-        lines.append(f"goodput {good['request_throughput']:.2f} req/s ({met})")
+        slo = ", ".join(f"{k.removesuffix('_ms').upper()} <= {v:g} ms" for k, v in good["slo_ms"].items())
+        lines.append(f"goodput {good['request_throughput']:.2f} req/s ({good['requests']} requests met {slo})")
     lines += [f"error: {e}" for e in report["error_samples"]]
     return "\n".join(lines)
 

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.analysis.plan_cli import add_plan_parser
     from kvflow.bench.ceilings import add_ceilings_parser
     from kvflow.bench.latency import add_latency_parser
+    from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
 
     parser = argparse.ArgumentParser(prog="kvflow", description="LLM inference with a paged KV cache and continuous batching")
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_parser(bench_sub)
     add_latency_parser(bench_sub)
     add_ceilings_parser(bench_sub)
+    add_serve_bench_parser(bench_sub)
     add_plan_parser(sub)
     return parser
 
