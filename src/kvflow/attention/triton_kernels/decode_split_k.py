@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.attention.triton_kernels.paged_prefill import LOG2E, dot_precision
+from kvflow.attention.triton_kernels.paged_prefill import LOG2E, dot_precision, paged_kv_offsets
 
 BLOCK_N = 64  # keys per inner step
 MIN_SEGMENT = 256  # keys a split should have at the bound: fewer and the merge outweighs the gain
@@ -70,9 +70,8 @@ def _decode_segment_kernel(
     for key0 in range(start, end, BLOCK_N):
         keys = key0 + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        block = tl.load(block_tables_ptr + req * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        kv_offs = (block * stride_cb + kv_head * stride_ch + (keys % BLOCK_SIZE) * stride_co)[:, None] \
-            + d[None, :] * stride_cd
+        kv_offs = paged_kv_offsets(block_tables_ptr + req * stride_bt, keys, key_ok, kv_head, d,
+                                   stride_cb, stride_ch, stride_co, stride_cd, BLOCK_SIZE)
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2

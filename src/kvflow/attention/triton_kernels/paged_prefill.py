@@ -25,6 +25,14 @@ LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows per program: tokens x packed query heads
 BLOCK_N = 64  # keys per inner step
 
+@triton.jit
+def paged_kv_offsets(block_table_ptr, keys, key_ok, kv_head, d, stride_cb, stride_ch, stride_co, stride_cd,
+                     BLOCK_SIZE: tl.constexpr):
+    """Offsets of a tile of keys [N, D] of one KV head in the paged cache: each key position is
+    looked up in the request's block table, so tiles need not align with blocks."""
+    block = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    return (block * stride_cb + kv_head * stride_ch + (keys % BLOCK_SIZE) * stride_co)[:, None] + d[None, :] * stride_cd
+
 
 @triton.jit
 def _paged_prefill_kernel(
@@ -72,9 +80,8 @@ def _paged_prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
-        block = tl.load(block_tables_ptr + req * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        kv_offs = (block * stride_cb + kv_head * stride_ch + (keys % BLOCK_SIZE) * stride_co)[:, None] \
-            + d[None, :] * stride_cd
+        kv_offs = paged_kv_offsets(block_tables_ptr + req * stride_bt, keys, key_ok, kv_head, d,
+                                   stride_cb, stride_ch, stride_co, stride_cd, BLOCK_SIZE)
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
