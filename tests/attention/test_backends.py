@@ -25,7 +25,7 @@ def random_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype, w
     physical = list(range(total_blocks))
     rng.shuffle(physical)
     cache = torch.randn(2, total_blocks, kv_heads, block_size, dim, generator=gen).to(dtype)
-    tables, slots, positions = [], [], []
+    tables, slots = [], []
     for cached, new in cases:
         table = [physical.pop() for _ in range(-(-(cached + new) // block_size))]
         tables.append(table)
