@@ -22,7 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.attention.triton_kernels.paged_prefill import LOG2E, dot_precision, paged_kv_offsets
+from kvflow.attention.triton_kernels.paged_prefill import (
+    LOG2E,
+    dot_precision,
+    online_softmax_step,
+    paged_kv_offsets,
+)
 
 BLOCK_N = 64  # keys per inner step
 MIN_SEGMENT = 256  # keys a split should have at the bound: fewer and the merge outweighs the gain
@@ -76,13 +81,7 @@ def _decode_segment_kernel(
         k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_ckv + kv_offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, cache_ptr + stride_ckv + kv_offs, kv_mask, PRECISION)
 
     io_mask = g_ok[:, None] & d_ok[None, :]
     if SINGLE_SPLIT:  # the segment is the whole context: finish here, no merge launch

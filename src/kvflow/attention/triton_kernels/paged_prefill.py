@@ -35,6 +35,18 @@ def paged_kv_offsets(block_table_ptr, keys, key_ok, kv_head, d, stride_cb, strid
 
 
 @triton.jit
+def online_softmax_step(s, m_i, l_i, acc, v_ptrs, v_mask, PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores s [M, N] and its values into the running max, sum and
+    output: earlier tiles are rescaled by exp2(old max - new max)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _paged_prefill_kernel(
     q_ptr, cache_ptr, out_ptr, tiles_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
     scale_log2, window,
@@ -89,13 +101,7 @@ def _paged_prefill_kernel(
         if USE_WINDOW:
             visible = visible & (pos[:, None] - keys[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_ckv + kv_offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, cache_ptr + stride_ckv + kv_offs, kv_mask, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (row0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
