@@ -192,3 +192,15 @@ def _request_like(tokens: list[int]):
     from kvflow.core.request import Request
 
     return Request("probe", tokens, GREEDY, 1, frozenset())
+
+
+def test_prompt_logprobs_are_complete_even_when_the_prompt_is_cached(model_dir):
+    engine = _engine(model_dir)
+    prompt = _tokens(40, 95)
+    params = GREEDY.clone(prompt_logprobs=1)
+    first = _run(engine, [prompt], params)["0"]
+    second = _run(engine, [prompt], params)["0"]  # its blocks are all in the cache now
+    assert second.num_cached_tokens == 0 and engine.get_stats().prefix_cache_queries_total == 0  # no lookup made
+    assert second.prompt_logprobs[0] is None and all(lp is not None for lp in second.prompt_logprobs[1:])
+    for a, b in zip(first.prompt_logprobs[1:], second.prompt_logprobs[1:]):
+        assert {t: round(lp.logprob, 4) for t, lp in a.items()} == {t: round(lp.logprob, 4) for t, lp in b.items()}

@@ -111,7 +111,7 @@ class Scheduler:
         while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop(0)
             starts = self._start_points(request)
-            if request.status is not RequestStatus.SWAPPED and self.kv_cache.prefix_in_flight(request, len(starts[0][0])):
+            if self._reuses_cache(request) and self.kv_cache.prefix_in_flight(request, len(starts[0][0])):
                 held_back.append(request)
                 continue
             start = next((n for blocks, n in starts if self._allocate_for_waiting(request, n, blocks, out)), None)
@@ -127,15 +127,24 @@ class Scheduler:
         first. A whole-prompt hit needs a spare block for its copy; whole blocks alone need none."""
         if request.status is RequestStatus.SWAPPED:
             return [([], request.num_computed_tokens)]
+        if not self._reuses_cache(request):
+            return [([], 0)]
         blocks, num_cached = self.kv_cache.find_cached_prefix(request)
         whole_blocks = blocks[:(request.num_tokens - 1) // self.kv_cache.block_size]
         fallback = (whole_blocks, len(whole_blocks) * self.kv_cache.block_size)
         return [(blocks, num_cached)] if fallback[1] == num_cached else [(blocks, num_cached), fallback]
 
+    @staticmethod
+    def _reuses_cache(request: Request) -> bool:
+        """A swapped request brings its own KV; one that still owes prompt logprobs must compute
+        every prompt position (its blocks are still cached for others)."""
+        owes_prompt_logprobs = request.sampling_params.prompt_logprobs is not None and request.status is RequestStatus.WAITING
+        return request.status is not RequestStatus.SWAPPED and not owes_prompt_logprobs
+
     def _start_running(self, request: Request, start: int, out: SchedulerOutput) -> None:
         if request.status is RequestStatus.SWAPPED:
             self._swap_in(request, out)
-        else:
+        elif self._reuses_cache(request):
             self.kv_cache.record_lookup(request.num_tokens, start)
         if request.status is RequestStatus.WAITING:
             request.num_cached_tokens = start
