@@ -15,7 +15,7 @@ from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
-from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 
 
@@ -173,14 +173,10 @@ class ModelRunner:
 
     @staticmethod
     def _collect_prompt_logprobs(batch: FlatBatch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
-        logprobs = logits.log_softmax(dim=-1)
-        targets = torch.tensor(batch.prompt_targets, device=logits.device)[:, None]
-        target_lp = logprobs.gather(1, targets)
-        ranks = ((logprobs > target_lp).sum(dim=-1) + 1).tolist()
+        targets = torch.tensor(batch.prompt_targets, device=logits.device)
         num_top = max(span[3] for span in batch.prompt_spans.values())
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)
-        ids = torch.cat([targets, top_ids], 1).tolist()
-        values = torch.cat([target_lp, top_values], 1).tolist()
+        values, ids, ranks = gather_logprobs(logits.log_softmax(dim=-1), targets, num_top)
+        values, ids, ranks = values.tolist(), ids.tolist(), ranks.tolist()
         for request_id, (first_pos, first, count, n) in batch.prompt_spans.items():
             rows = range(first, first + count)
             out.prompt_logprobs[request_id] = (first_pos + 1, [PositionLogprobs(ids[j][:n + 1], values[j][:n + 1], ranks[j]) for j in rows])

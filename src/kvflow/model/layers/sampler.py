@@ -119,10 +119,10 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
-def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int):
-    sampled = logprobs.gather(1, tokens[:, None])
-    ranks = (logprobs > sampled).sum(dim=-1) + 1
-    if num_top == 0:
-        return sampled, tokens[:, None], ranks
+def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int) -> tuple[torch.Tensor, ...]:
+    """For each row: the logprob of `tokens[row]` followed by the top `num_top` ([R, 1 + N]), the
+    matching token ids ([R, 1 + N]), and the token's rank in the vocabulary ([R]; 1 = best)."""
+    chosen = logprobs.gather(1, tokens[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    return torch.cat([sampled, top_values], 1), torch.cat([tokens[:, None], top_ids], 1), ranks
+    return torch.cat([chosen, top_values], 1), torch.cat([tokens[:, None], top_ids], 1), ranks
