@@ -243,3 +243,18 @@ def test_finished_requests_report_their_timings(make_llm):
     assert 0 <= f.time_to_first_token <= f.e2e_latency
     assert len(f.inter_token_latencies) == 2 * (GREEDY.max_tokens - 1)  # each completion's tokens after its first
     assert all(gap >= 0 for gap in f.inter_token_latencies)
+
+
+def test_an_add_taken_in_the_same_batch_as_a_stop_is_refused_not_lost(model_dir, monkeypatch):
+    from kvflow.engine.engine_thread import AddCommand, EngineThread, StopCommand
+
+    loop = asyncio.new_event_loop()
+    accepted = loop.create_future()
+    late = AddCommand("late", prompt(3), GREEDY, 0.0, 0, None, loop, lambda item: None, accepted)
+    batches = iter([[StopCommand(), late]])
+    monkeypatch.setattr(EngineThread, "_take", lambda self, block: next(batches))
+    thread = EngineThread(LLMEngine(engine_args(model_dir)), on_finished=lambda finished: None)
+    thread.join(10)
+    with pytest.raises(EngineDeadError):
+        loop.run_until_complete(asyncio.wait_for(accepted, 10))
+    loop.close()

@@ -120,8 +120,11 @@ class EngineThread:
             self._close(reason)
 
     def _serve_once(self) -> bool:
-        for command in self._take(block=not self.engine.has_unfinished_requests()):
+        commands = self._take(block=not self.engine.has_unfinished_requests())
+        for i, command in enumerate(commands):
             if isinstance(command, StopCommand):
+                for later in commands[i + 1:]:  # back on the queue, so _close refuses them
+                    self._commands.put(later)
                 self._abort(list(self._live))
                 self._flush()
                 return False
