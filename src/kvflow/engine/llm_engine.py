@@ -129,7 +129,7 @@ class LLMEngine:
             if out.finished:
                 self._children.pop(out.request_id, None)
         if self.stats_logger is not None:
-            self.stats_logger.maybe_log(self.get_stats())
+            self.stats_logger.maybe_log(self.get_stats)
         return outputs
 
     # -- helpers ---------------------------------------------------------------------------

@@ -152,13 +152,16 @@ class OutputProcessor:
         )
 
     def _completion(self, state: RequestState) -> CompletionOutput:
-        text = state.detokenizer.text if state.detokenizer else ""
+        full = state.detokenizer.text if state.detokenizer else ""
+        end = len(full)
         if state.finish_reason is None and state.request.sampling_params.stop:
             # Hold back what could still become the start of a stop string.
-            text = text[:max(0, len(text) - state.request.sampling_params.max_stop_len + 1)]
+            end = max(0, end - state.request.sampling_params.max_stop_len + 1)
+        delta = state.kind is RequestOutputKind.DELTA
+        text = full[state.sent_text:end] if delta else full[:end]  # one slice: no per-token copy of it all
         token_ids, logprobs = state.token_ids, state.logprobs
-        if state.kind is RequestOutputKind.DELTA:
-            text, token_ids = text[state.sent_text:], token_ids[state.sent_tokens:]
+        if delta:
+            token_ids = token_ids[state.sent_tokens:]
             logprobs = None if logprobs is None else logprobs[state.sent_tokens:]
             state.sent_text += len(text)
             state.sent_tokens += len(token_ids)

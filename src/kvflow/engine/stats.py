@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger("kvflow")
@@ -30,12 +31,13 @@ class StatsLogger:
         self._last_time = time.monotonic()
         self._last: EngineStats | None = None
 
-    def maybe_log(self, stats: EngineStats, now: float | None = None) -> str | None:
+    def maybe_log(self, read_stats: Callable[[], EngineStats], now: float | None = None) -> str | None:
+        """Called every step; reads the stats only when a line is due."""
         now = time.monotonic() if now is None else now
         elapsed = now - self._last_time
         if elapsed < self.interval:
             return None
-        last = self._last
+        stats, last = read_stats(), self._last
         prompt_rate = (stats.prompt_tokens_total - (last.prompt_tokens_total if last else 0)) / elapsed
         gen_rate = (stats.generation_tokens_total - (last.generation_tokens_total if last else 0)) / elapsed
         hit_rate = stats.prefix_cache_hits_total / stats.prefix_cache_queries_total if stats.prefix_cache_queries_total else 0.0
