@@ -81,14 +81,13 @@ class KVCacheManager:
         whole but for its last token; otherwise only full blocks count, never the last token."""
         if not self.pool.enable_caching:
             return [], 0
-        found = []
-        for block_hash in self._next_hashes(request):
+        hashes, found = self._next_hashes(request), []
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             found.append(block)
-        whole = len(found) == len(self._next_hashes(request))
-        if whole and request.num_output_tokens == 0:
+        if len(found) == len(hashes) and request.num_output_tokens == 0:
             return found, request.num_tokens - 1
         found = found[:(request.num_tokens - 1) // self.block_size]
         return found, len(found) * self.block_size

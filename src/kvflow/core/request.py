@@ -45,7 +45,6 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    num_preemptions: int = 0
     priority: int = 0  # lower runs first (priority scheduling)
     arrival_seq: int = 0  # set by the scheduler: the order of arrival, ties broken
     cache_salt: str | None = None  # requests with different salts never share cached blocks

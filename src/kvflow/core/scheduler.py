@@ -182,7 +182,6 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
         self.kv_cache.free(request)
-        request.num_preemptions += 1
         self.num_preemptions_total += 1
         out.preempted_request_ids.append(request.request_id)
         out.drop(request.request_id)  # it may have been scheduled earlier in this step

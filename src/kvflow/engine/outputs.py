@@ -33,7 +33,6 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

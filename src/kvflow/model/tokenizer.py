@@ -37,10 +37,6 @@ class Tokenizer:
         if meta.eos_token is not None and backend.token_to_id(meta.eos_token) is not None:
             ids.add(backend.token_to_id(meta.eos_token))
         self.eos_token_ids: frozenset[int] = frozenset(ids)
-        self.special_token_ids: frozenset[int] = frozenset(
-            i for tok, i in backend.get_vocab(with_added_tokens=True).items()
-            if tok in {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-        )
 
     # -- HF-like surface -------------------------------------------------------------------
     @property
@@ -75,9 +71,6 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
-        return [self.backend.id_to_token(i) for i in ids]
 
     def apply_chat_template(
         self,
