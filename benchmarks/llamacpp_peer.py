@@ -35,29 +35,20 @@ def run_one(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("workload", choices=["throughput", "latency"])
+    parser.add_argument("workload", choices=["latency"])  # its Python API runs one request at a time
     parser.add_argument("--model", required=True)
-    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists (the first is used)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-iters", type=int, default=3)
     args = parser.parse_args()
-    prompts = json.load(open(args.prompts))
-    llm = load(args.model, n_ctx=max(len(p) for p in prompts) + args.output_len + 8)
-    run_one(llm, prompts[0], 4)  # warm-up
-    if args.workload == "latency":
-        runs = [run_one(llm, prompts[0], args.output_len) for _ in range(args.num_iters)]
-        ttft = statistics.median(r[0] for r in runs)
-        decode = statistics.median(r[1] - r[0] for r in runs)
-        result = {"engine": "llama.cpp", "ttft_ms": ttft * 1e3, "decode_tok_s": (args.output_len - 1) / decode}
-    else:  # one request at a time: llama-cpp-python's high-level API has no batching across requests
-        start = time.perf_counter()
-        for p in prompts:
-            run_one(llm, p, args.output_len)
-        elapsed = time.perf_counter() - start
-        out = len(prompts) * args.output_len
-        result = {"engine": "llama.cpp (sequential)", "output_tokens": out, "elapsed_s": elapsed, "output_tok_s": out / elapsed,
-                  "total_tok_s": (out + sum(map(len, prompts))) / elapsed}
-    print(json.dumps(result))
+    with open(args.prompts) as f:
+        prompt = json.load(f)[0]
+    llm = load(args.model, n_ctx=len(prompt) + args.output_len + 8)
+    run_one(llm, prompt, 4)  # warm-up
+    runs = [run_one(llm, prompt, args.output_len) for _ in range(args.num_iters)]
+    ttft = statistics.median(r[0] for r in runs)
+    decode = statistics.median(r[1] - r[0] for r in runs)
+    print(json.dumps({"engine": "llama.cpp", "ttft_ms": ttft * 1e3, "decode_tok_s": (args.output_len - 1) / decode}))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ def test_w2_prediction_by_hand():
     # 127 decode steps attending to 33..159 positions, each memory-bound.
     decode_bytes = 127 * STEP_WEIGHT_BYTES + sum(range(33, 160)) * KV_PER_TOKEN
     assert decode_tok_s == pytest.approx(127 / (decode_bytes / 10e9))
-    assert decode_tok_s == pytest.approx(36.87, abs=0.01)
 
 
 def test_w1_prediction_counts_steps_and_waves():

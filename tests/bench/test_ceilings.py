@@ -11,7 +11,6 @@ import torch
 
 from kvflow.bench import ceilings
 from kvflow.bench.ceilings import (
-    Ceilings,
     add_ceilings_parser,
     main_ceilings,
     measure_ceilings,
@@ -81,16 +80,6 @@ def test_add_ceilings_parser_registers_subcommand():
     add_ceilings_parser(bench.add_subparsers(dest="bench_command"))
     args = parser.parse_args(["bench", "ceilings", "--dtype", "float32", "--json"])
     assert args.func is run_ceilings and args.json and args.dtype == "float32"
-
-
-def test_ceilings_to_json_is_plain():
-    c = Ceilings(memory_bandwidth_gb_s=3350.0, peak_flops=989e12, dtype="bfloat16", device="cuda")
-    assert c.to_json() == {
-        "memory_bandwidth_gb_s": 3350.0,
-        "peak_flops": 989e12,
-        "dtype": "bfloat16",
-        "device": "cuda",
-    }
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

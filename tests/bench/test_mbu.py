@@ -42,7 +42,6 @@ ATTN_FLOPS_PER_POSITION = 30 * 2 * 9 * (64 + 64)  # QK^T and PV, per attended po
 
 
 def test_step_weight_bytes_are_every_matmul_weight_once():
-    assert STEP_WEIGHT_BYTES == 269_030_016
     assert step_weight_bytes(SMOLLM2, BF16) == STEP_WEIGHT_BYTES
     # Untying adds an input table that a step only gathers rows of: no more bytes per step.
     assert step_weight_bytes(replace(SMOLLM2, tie_embeddings=False), BF16) == STEP_WEIGHT_BYTES
@@ -51,11 +50,9 @@ def test_step_weight_bytes_are_every_matmul_weight_once():
 def test_decode_and_prefill_work():
     expected = Work(100 * KV_PER_TOKEN, DECODE_FLOPS + 100 * ATTN_FLOPS_PER_POSITION)
     assert decode_token_work(SMOLLM2, 100, BF16) == expected
-    assert decode_token_work(SMOLLM2, 100, BF16).flops == 275_871_744
     # A 32-token prefill: every token through every layer, the LM head once, 32·33/2 causal pairs.
     flops = 2 * LAYERS * 32 + 2 * LM_HEAD + 32 * 33 // 2 * ATTN_FLOPS_PER_POSITION
     assert prefill_work(SMOLLM2, 32, BF16) == Work(32 * KV_PER_TOKEN, flops)
-    assert flops == 6_887_890_944
 
 
 def test_latency_and_batch_work():
