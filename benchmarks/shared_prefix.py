@@ -15,13 +15,14 @@ import random
 import time
 
 from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
-from kvflow.bench.workloads import percentile
+from kvflow.bench.datasets import DEFAULT_VOCAB_SIZE
+from kvflow.bench.workloads import percentile, random_token_ids
 
 
 def workload(args) -> list[list[int]]:
     rng = random.Random(args.seed)
-    system = [rng.randrange(1000, 49152) for _ in range(args.prefix_len)]
-    return [system + [rng.randrange(1000, 49152) for _ in range(args.question_len)] for _ in range(args.num_requests)]
+    system = random_token_ids(rng, args.prefix_len, DEFAULT_VOCAB_SIZE)
+    return [system + random_token_ids(rng, args.question_len, DEFAULT_VOCAB_SIZE) for _ in range(args.num_requests)]
 
 
 def run(prompts: list[list[int]], output_len: int, caching: bool) -> dict:

@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvflow.bench.workloads import random_token_ids
+
 LENGTH_KINDS = ("fixed", "uniform", "normal", "exponential")
 DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's, kvflow's default model
 
@@ -90,9 +92,7 @@ def build_dataset(cfg: DatasetConfig) -> list[SampleRequest]:
 
 
 def _tokens(cfg: DatasetConfig, rng: random.Random, n: int) -> list[int]:
-    # Skip the lowest ids, where tokenizers keep their special tokens (as workloads.py does).
-    low = min(1000, cfg.vocab_size // 2)
-    return [rng.randrange(low, cfg.vocab_size) for _ in range(n)]
+    return random_token_ids(rng, n, cfg.vocab_size)
 
 
 def _random_request(cfg: DatasetConfig, rng: random.Random, prefix: list[int]) -> SampleRequest:
