@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_oracle import default_model_hf_dir  # noqa: E402
 
 from kvflow.bench.ceilings import measure_ceilings  # noqa: E402
+from kvflow.bench.datasets import DEFAULT_VOCAB_SIZE
 from kvflow.bench.workloads import random_prompts  # noqa: E402
 from kvflow.model.default_model import default_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 49152  # SmolLM2's; the peers draw the same ids from the same seed
 PEERS = (("hf", "HF generate()"), ("llama.cpp", "llama.cpp"), ("vllm", "vLLM"))
 # (label, workload, field, higher is better)
 ROWS = (
@@ -80,8 +80,8 @@ def main() -> None:
         "kvflow throughput": run_json(kv + ["throughput", *tput, *ceil_args, "--json"]),
         "hf throughput": run_json([py, str(ROOT / "benchmarks/hf_peer.py"), "throughput", *tput, "--json"]),
     }
-    w1 = write_json(tmp, "w1.json", random_prompts(n, 32, 512, VOCAB, 0))
-    w2 = write_json(tmp, "w2.json", random_prompts(1, 32, 32, VOCAB, 0))
+    w1 = write_json(tmp, "w1.json", random_prompts(n, 32, 512, DEFAULT_VOCAB_SIZE, 0))
+    w2 = write_json(tmp, "w2.json", random_prompts(1, 32, 32, DEFAULT_VOCAB_SIZE, 0))
     # A peer without an interpreter is recorded as absent (None), not left out of the table.
     results["llama.cpp latency"] = None
     if args.llamacpp_python:
