@@ -1,9 +1,12 @@
-"""RMSNorm, computed in float32 whatever the model dtype, as the reference models do."""
+"""RMSNorm, computed in float32 whatever the model dtype, as the reference models do; optionally
+adding the residual first, so that a decoder layer's residual add costs no pass of its own."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kvflow.model.layers.triton_ops import kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -12,8 +15,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The normed x; with a residual, (normed(x + residual), x + residual)."""
+        kernels = kernels_for(x)
+        norm = kernels.rms_norm if kernels is not None else torch_rms_norm
+        return norm(x, self.weight, self.eps, residual)
+
+
+def torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The torch code, and the reference the kernel is tested against."""
+    if residual is None:
+        return _norm(x, weight, eps)
+    x = x + residual
+    return _norm(x, weight, eps), x
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
+
+from kvflow.model.layers.triton_ops import kernels_for
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -31,6 +35,21 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(wavelen < old_len / high, inv_freq, scaled)
 
 
+@dataclass
+class Rope:
+    """One forward pass's rotary inputs, shared by all its layers."""
+
+    positions: torch.Tensor  # [T]
+    cos_table: torch.Tensor  # [max_positions, head_dim / 2] float32
+    sin_table: torch.Tensor
+
+    @cached_property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's (cos, sin), [T, 1, head_dim / 2]: the torch code's operands, looked up
+        by the first layer that needs them (the kernel looks them up itself)."""
+        return self.cos_table[self.positions].unsqueeze(1), self.sin_table[self.positions].unsqueeze(1)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -38,14 +57,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim / 2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (cos, sin) of every token's position, [T, 1, head_dim / 2]: looked up once per
-        forward pass and shared by all layers."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def forward(self, positions: torch.Tensor) -> Rope:
+        return Rope(positions, self.cos, self.sin)
 
 
-def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] (rotate-half layout), in float32."""
-    cos, sin = rope
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] (rotate-half layout), in float32."""
+    kernels = kernels_for(q)
+    if kernels is not None:
+        return kernels.rotary(q, k, rope.positions, rope.cos_table, rope.sin_table)
+    return torch_rotary(q, rope), torch_rotary(k, rope)
+
+
+def torch_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """The torch code, and the reference the kernel is tested against."""
+    cos, sin = rope.cos_sin
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

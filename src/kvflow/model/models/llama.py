@@ -3,6 +3,10 @@
 Mistral adds a sliding window, Qwen2 a bias on the q/k/v projections, Qwen3 an RMSNorm over each
 head of q and k. Each layer sees the whole flat batch `[T, hidden]`; only attention looks at
 which request a token belongs to, through the attention metadata (selective batching).
+
+The residual stream is carried beside each layer's output instead of added to it at the end of
+the layer: the next RMSNorm adds it as it normalises (one pass instead of two), and so does the
+model's final norm.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.activation import silu_and_mul
 from kvflow.model.layers.attention import Attention
 from kvflow.model.layers.norm import RMSNorm
-from kvflow.model.layers.rotary import RotaryEmbedding, apply_rotary
+from kvflow.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from kvflow.model.weights import load_stacked_weights
 
 
@@ -34,13 +38,13 @@ class LlamaAttention(nn.Module):
         spec = AttentionLayerSpec(cfg.num_heads, cfg.num_kv_heads, d, d**-0.5, cfg.sliding_windows[layer_idx])
         self.attn = Attention(spec, backend)
 
-    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         d = self.attn.spec.head_dim
         q, k = q.unflatten(-1, (-1, d)), k.unflatten(-1, (-1, d))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -62,9 +66,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, rope, hidden, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache, meta,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's output, not yet added to the residual stream; the first
+        layer gets the embeddings and no residual. Returns (output, residual stream)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -76,11 +89,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(rope, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        normed, _ = self.norm(hidden, residual)
+        return normed
 
 
 class LlamaForCausalLM(nn.Module):
