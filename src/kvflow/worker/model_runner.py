@@ -16,6 +16,7 @@ from torch import nn
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
+from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 
 
@@ -33,7 +34,7 @@ class FlatBatch:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int,
-                 host_kv_caches: list[torch.Tensor] | None = None) -> None:
+                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches  # swap space, same layout, in host memory
@@ -41,6 +42,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, for its whole life
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -54,7 +56,7 @@ class ModelRunner:
         if not sched.chunks:
             return ModelRunnerOutput()
         batch = self.prepare(sched.chunks)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        hidden = self._forward(batch)
         out = ModelRunnerOutput()
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_rows])
@@ -62,6 +64,12 @@ class ModelRunner:
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, self.model.compute_logits(hidden[batch.prompt_rows]), out)
         return out
+
+    def _forward(self, batch: FlatBatch) -> torch.Tensor:
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_replay(batch.attn.query_lens_cpu):
+            return graphs.run(batch.input_ids, batch.positions, batch.attn)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -148,6 +156,10 @@ class ModelRunner:
             banned_token_ids=[_banned_tokens(c) for c in chunks],
             generators=[self._generator(c) for c in chunks],
             num_logprobs=max((-1 if p.logprobs is None else p.logprobs) for p in params),
+            all_greedy=all(p.greedy for p in params),
+            any_penalties=any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+                              for p in params),
+            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
         )
 
     def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:

@@ -28,6 +28,11 @@ class SamplingBatch:
     banned_token_ids: list[list[int]]  # eos/stop ids while min_tokens is not reached
     generators: list[torch.Generator | None]  # None: the engine's shared generator
     num_logprobs: int  # the most top logprobs any row asked for; -1 = none
+    # Known on the host when the batch is built, so skipping unused work needs no device→host
+    # sync. The defaults are always correct, only slower.
+    all_greedy: bool = False
+    any_penalties: bool = True
+    any_top_k_or_p: bool = True
 
 
 @dataclass
@@ -55,11 +60,11 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)
-        greedy = batch.temperature < 1e-5
-        if bool(greedy.all()):
+        if batch.all_greedy:
             return greedy_tokens
+        greedy = batch.temperature < 1e-5
         temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
-        logits = filter_logits(logits / temperature[:, None], batch.top_k, batch.top_p, batch.min_p)
+        logits = filter_logits(logits / temperature[:, None], batch.top_k, batch.top_p, batch.min_p, batch.any_top_k_or_p)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in enumerate(batch.generators):
@@ -70,8 +75,7 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    active = (batch.repetition_penalty != 1) | (batch.frequency_penalty != 0) | (batch.presence_penalty != 0)
-    if not bool(active.any()):
+    if not batch.any_penalties:
         return logits
     vocab = logits.shape[1]
     counts = _token_counts(batch.output_token_ids, vocab, logits.device)
@@ -87,26 +91,34 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def _token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
     counts = torch.zeros(len(rows), vocab, device=device)
-    for i, ids in enumerate(rows):
-        if ids:
-            counts[i].index_add_(0, torch.tensor(ids, device=device), torch.ones(len(ids), device=device))
+    row_ids, token_ids = _flat_index(rows, device)
+    counts.index_put_((row_ids, token_ids), torch.ones(len(token_ids), device=device), accumulate=True)
     return counts
 
 
 def ban_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
-    for row, ids in enumerate(banned):
-        if ids:
-            logits[row, ids] = float("-inf")
+    if any(banned):
+        logits[_flat_index(banned, logits.device)] = float("-inf")
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _flat_index(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs of ragged per-row token lists, as two tensors: one host→device
+    copy for the whole batch instead of one per row."""
+    pairs = torch.tensor([(r, t) for r, ids in enumerate(rows) for t in ids], dtype=torch.long).reshape(-1, 2)
+    pairs = pairs.to(device)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  any_top_k_or_p: bool = True) -> torch.Tensor:
     """Set to -inf every token outside min-p, then top-k, then top-p (nucleus). Rows whose
-    filters are off pass through unchanged; the most likely token always survives."""
+    filters are off pass through unchanged; the most likely token always survives.
+    `any_top_k_or_p=False` (no row uses either) skips the sort."""
     probs = logits.softmax(dim=-1)
     top_prob = probs.max(dim=-1, keepdim=True).values
     logits = logits.masked_fill(probs < min_p[:, None] * top_prob, float("-inf"))
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if any_top_k_or_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(logits.shape[1], device=logits.device)[None, :]
         k = torch.where(top_k > 0, top_k, logits.shape[1])[:, None]
