@@ -26,3 +26,33 @@ def test_explicit_dtypes():
 def test_invalid_engine_args_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineArgs(**{field: value}).create_config(model_max_len=512)
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_auto_device_backend_and_graphs_follow_the_gpu(monkeypatch, cuda):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(config, "has_native_bf16", lambda device: True)
+    monkeypatch.setattr(config, "_triton_installed", lambda: True)
+    cfg = EngineArgs().create_config(model_max_len=512)
+    assert cfg.device == ("cuda" if cuda else "cpu")
+    assert cfg.attention_backend == ("triton" if cuda else "torch_sdpa")
+    assert cfg.use_cuda_graphs is cuda
+    assert cfg.model.dtype == torch.bfloat16
+
+
+def test_graphs_only_with_triton_on_cuda_and_not_when_eager(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config, "has_native_bf16", lambda device: True)
+    monkeypatch.setattr(config, "_triton_installed", lambda: True)
+    assert not EngineArgs(enforce_eager=True).create_config(512).use_cuda_graphs
+    assert not EngineArgs(attention_backend="torch_sdpa").create_config(512).use_cuda_graphs
+    monkeypatch.setattr(config, "_triton_installed", lambda: False)
+    assert EngineArgs().create_config(512).attention_backend == "torch_sdpa"  # torch runs on CUDA too
+
+
+def test_asking_for_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        EngineArgs(device="cuda").create_config(512)
+    with pytest.raises(ValueError, match="device"):
+        EngineArgs(device="tpu").create_config(512)

@@ -49,7 +49,8 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     attention_backend: str  # "torch_sdpa" (fast CPU path) | "torch_reference" (the oracle) | "triton" (GPU)
-    device: str
+    device: str  # "cpu" | "cuda[:N]", never "auto"
+    use_cuda_graphs: bool  # replay decode steps from captured graphs (CUDA + triton only)
 
 
 @dataclass
@@ -70,14 +71,28 @@ class EngineArgs:
     disable_log_stats: bool = False
     seed: int = 0
     skip_tokenizer_init: bool = False
-    attention_backend: str = "torch_sdpa"
-    device: str = "cpu"
+    attention_backend: str = "auto"  # triton on CUDA, torch_sdpa on CPU
+    device: str = "auto"  # cuda when a GPU is visible, else cpu
+    enforce_eager: bool = False  # vLLM's name: no CUDA graphs
 
-    def resolve_dtype(self) -> torch.dtype:
+    def resolve_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        _require(self.device == "cpu" or self.device.startswith("cuda"), "device", "auto, cpu or cuda[:N]")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for, but torch sees no CUDA GPU")
+        return self.device
+
+    def resolve_attention_backend(self, device: str) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if device.startswith("cuda") and _triton_installed() else "torch_sdpa"
+
+    def resolve_dtype(self, device: str | None = None) -> torch.dtype:
         if self.dtype == "auto":
             # bf16 halves the bytes each decode step reads; it is faster only where the hardware
             # multiplies bf16 natively, otherwise fp32 (emulated bf16 loses on compute).
-            return torch.bfloat16 if has_native_bf16(self.device) else torch.float32
+            return torch.bfloat16 if has_native_bf16(device or self.resolve_device()) else torch.float32
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         return _DTYPES[self.dtype]
@@ -96,13 +111,15 @@ class EngineArgs:
         _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         _require(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         _require(
-            self.attention_backend in ("torch_sdpa", "torch_reference", "triton"),
-            "attention_backend", "torch_sdpa, torch_reference or triton",
+            self.attention_backend in ("auto", "torch_sdpa", "torch_reference", "triton"),
+            "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
+        device = self.resolve_device()
+        backend = self.resolve_attention_backend(device)
         return EngineConfig(
             model=ModelConfig(
                 model=self.model or "",
-                dtype=self.resolve_dtype(),
+                dtype=self.resolve_dtype(device),
                 load_format=self.load_format,
                 max_model_len=max_len,
                 seed=self.seed,
@@ -115,8 +132,11 @@ class EngineArgs:
             scheduler=SchedulerConfig(
                 self.max_num_batched_tokens, self.max_num_seqs, self.scheduling_policy, self.preemption_mode
             ),
-            attention_backend=self.attention_backend,
-            device=self.device,
+            attention_backend=backend,
+            device=device,
+            # Graphs remove launch overhead, which only a GPU has; the triton backend is the one
+            # whose decode grid is static.
+            use_cuda_graphs=device.startswith("cuda") and backend == "triton" and not self.enforce_eager,
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -141,7 +161,9 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--skip-tokenizer-init", action="store_true")
         g.add_argument("--attention-backend", default=d.attention_backend,
-                       choices=["torch_sdpa", "torch_reference", "triton"])
+                       choices=["auto", "torch_sdpa", "torch_reference", "triton"])
+        g.add_argument("--device", default=d.device, help="auto (cuda when a GPU is visible), cpu, or cuda[:N]")
+        g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -156,6 +178,14 @@ def has_native_bf16(device: str) -> bool:
     except OSError:  # not Linux: stay with the dtype that is fast everywhere
         return False
     return any(f in flags for f in (" avx512_bf16", " amx_bf16", " bf16"))  # x86 AVX-512/AMX, Arm BF16
+
+
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _require(ok: bool, name: str, allowed: str) -> None:

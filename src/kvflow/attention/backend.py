@@ -25,19 +25,20 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, static_max_context_len: int | None = None) -> AttentionBackend:
+    """`static_max_context_len`: fix the triton decode grid for this bound (CUDA graph replay)."""
     from kvflow.attention.torch_reference import TorchReferenceBackend
     from kvflow.attention.torch_sdpa import TorchSDPABackend
 
     if name == "triton":
-        return _triton_backend()
+        return _triton_backend(static_max_context_len)
     backends = {b.name: b for b in (TorchReferenceBackend, TorchSDPABackend)}
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join([*backends, 'triton'])}")
     return backends[name]()
 
 
-def _triton_backend() -> AttentionBackend:
+def _triton_backend(static_max_context_len: int | None) -> AttentionBackend:
     # Imported only when asked for: triton is an optional (GPU) dependency.
     try:
         import triton  # noqa: F401
@@ -47,4 +48,4 @@ def _triton_backend() -> AttentionBackend:
         ) from e
     from kvflow.attention.triton_backend import TritonBackend
 
-    return TritonBackend()
+    return TritonBackend(static_max_context_len)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import time
 
+import torch
+
 from kvflow.attention.backend import get_attention_backend
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
@@ -25,6 +27,7 @@ from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_kv_blocks
+from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
@@ -32,26 +35,16 @@ PromptType = str | list[int] | dict
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init)
+        dummy = args.load_format == "dummy"
+        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy)
         self.arch = ArchConfig.from_hf(checkpoint.hf_config)
         self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
-        model = build_model(self.arch, get_attention_backend(self.config.attention_backend))
-        if self.config.model.load_format == "dummy":
-            init_dummy_weights(model, self.config.model.seed)
-        else:
-            model.load_weights(checkpoint.weights)
-        dtype, device = self.config.model.dtype, self.config.device
-        for param in model.parameters():  # buffers (RoPE tables) stay float32
-            param.data = param.data.to(device=device, dtype=dtype)
-        model.to(device).eval()
+        model = self._load_model(checkpoint, dummy)
         cache = self.config.cache
         useful = -(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
-        self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype, useful)
-        kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
-        num_host_blocks = int(cache.swap_space_gb * 1024**3) // kv_bytes_per_block(self.arch, cache.block_size, dtype)
-        host_caches = allocate_kv_caches(self.arch, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
-        self.runner = ModelRunner(model, kv_caches, cache.block_size, device, self.config.model.seed, host_caches)
+        self.num_kv_blocks = num_kv_blocks(cache, self.arch, self.config.model.dtype, useful)
+        self.runner, num_host_blocks = self._make_runner(model)
         self.scheduler = Scheduler(
             self.config.scheduler,
             KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching),
@@ -65,6 +58,31 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
+
+    def _load_model(self, checkpoint, dummy: bool) -> torch.nn.Module:
+        cfg = self.config
+        # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
+        static_len = cfg.model.max_model_len if cfg.use_cuda_graphs else None
+        model = build_model(self.arch, get_attention_backend(cfg.attention_backend, static_len),
+                            cfg.model.dtype, cfg.device)
+        if dummy:
+            init_dummy_weights(model, cfg.model.seed)
+        else:
+            model.load_weights(checkpoint.weights)
+        return model
+
+    def _make_runner(self, model: torch.nn.Module) -> tuple[ModelRunner, int]:
+        """The runner with its KV tensors (and swap space, and captured decode graphs)."""
+        cfg, cache, dtype, device = self.config, self.config.cache, self.config.model.dtype, self.config.device
+        kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
+        num_host_blocks = int(cache.swap_space_gb * 1024**3) // kv_bytes_per_block(self.arch, cache.block_size, dtype)
+        host_caches = allocate_kv_caches(self.arch, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
+        graphs = None
+        if cfg.use_cuda_graphs:
+            graphs = DecodeGraphs(model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
+                                  cfg.model.max_model_len, torch.device(device))
+            graphs.capture()
+        return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs), num_host_blocks
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

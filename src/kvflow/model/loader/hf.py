@@ -16,11 +16,11 @@ from kvflow.model.loader import Checkpoint
 from kvflow.model.tokenizer import Tokenizer, has_hf_tokenizer
 
 
-def load_hf_dir(path: Path, load_tokenizer: bool = True) -> Checkpoint:
+def load_hf_dir(path: Path, load_tokenizer: bool = True, load_weights: bool = True) -> Checkpoint:
     config = read_hf_config(path)
-    files = safetensors_files(path)
+    weights = _iter_tensors(safetensors_files(path)) if load_weights else iter(())
     tokenizer = Tokenizer.from_hf_dir(path) if load_tokenizer and has_hf_tokenizer(path) else None
-    return Checkpoint(hf_config=config, weights=_iter_tensors(files), tokenizer=tokenizer)
+    return Checkpoint(hf_config=config, weights=weights, tokenizer=tokenizer)
 
 
 def read_hf_config(path: Path) -> dict:

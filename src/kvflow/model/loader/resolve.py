@@ -9,14 +9,15 @@ from kvflow.model.default_model import default_model_path
 from kvflow.model.loader import Checkpoint
 
 
-def load_checkpoint(model: str | None, load_tokenizer: bool = True) -> Checkpoint:
+def load_checkpoint(model: str | None, load_tokenizer: bool = True, load_weights: bool = True) -> Checkpoint:
+    """`load_weights=False` (dummy weights): an HF directory then needs only its config.json."""
     path = Path(model) if model else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model {str(path)!r} does not exist (give an HF directory or a .gguf file)")
     if path.is_dir():
         from kvflow.model.loader.hf import load_hf_dir
 
-        return load_hf_dir(path, load_tokenizer)
+        return load_hf_dir(path, load_tokenizer, load_weights)
     from kvflow.model.loader.gguf import load_gguf
 
     return load_gguf(path, with_tokenizer=load_tokenizer)
