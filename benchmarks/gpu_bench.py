@@ -153,7 +153,7 @@ def phase_kvflow(args: argparse.Namespace, ceilings: Ceilings, out: ResultFile) 
     start = time.perf_counter()
     llm = LLM(model=args.model, **engine_args)
     sync(args.device)
-    engine = llm.engine
+    engine = llm.llm_engine
     out.put("engine", {**engine_args, "init_s": time.perf_counter() - start, "num_kv_blocks": engine.num_kv_blocks,
                        "cuda_graphs": engine.config.use_cuda_graphs})
     log(f"kvflow engine ready in {out.data['engine']['init_s']:.1f} s")
@@ -181,7 +181,7 @@ def kvflow_throughput(llm: Any, prompts: list[list[int]], output_lens: list[int]
     from kvflow.bench.mbu import EngineShape
     from kvflow.sampling_params import RequestOutputKind
 
-    engine = llm.engine
+    engine = llm.llm_engine
     params = SamplingParams(temperature=0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     # Warm-up on the workload's own first prompts: chunked prefills and decode batches of several
     # shapes, so Triton compiles its kernels' variants before the clock starts.

@@ -126,4 +126,4 @@ def test_kvflow_past_its_cap_aborts_and_says_so(gpu_bench, tiny_config):
               dtype="float32", max_model_len=32, disable_log_stats=True)
     t = gpu_bench.kvflow_throughput(llm, [[5, 6, 7]] * 3, [4, 4, 4], 0.0, Ceilings(1.0, 1e9, "float32", "cpu"), "cpu")
     assert not t["complete"] and t["num_requests_finished"] == 0 and t["output_tokens"] == 0
-    assert not llm.engine.has_unfinished_requests()  # the aborted requests are gone, not left queued
+    assert not llm.llm_engine.has_unfinished_requests()  # the aborted requests are gone, not left queued

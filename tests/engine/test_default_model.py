@@ -87,7 +87,7 @@ def test_streamed_deltas_concatenate_to_the_final_text_and_never_leak_a_stop_str
                                                      tokenize=True)
     full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0].outputs[0]
     stop, start = _spanning_stop(llm.get_tokenizer(), full.token_ids, full.text, skip=8)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=48, stop=[stop],
                                                    output_kind=RequestOutputKind.DELTA))
     deltas = []

@@ -132,7 +132,7 @@ def test_request_larger_than_the_whole_cache_is_refused(model_dir):
 def test_llm_generate_refuses_the_whole_batch_and_names_the_prompt(llm):
     with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
         llm.generate([_prompt(3), []], SamplingParams(max_tokens=2))
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_duplicate_request_id_is_refused(model_dir):

@@ -51,9 +51,9 @@ def test_chunked_prefill(model_dir, prompts, baseline):
 def test_preemption_and_recompute(model_dir, prompts, baseline):
     # 9 blocks of 16 tokens: the longest request alone needs 6, so they cannot all run together.
     tokens, llm = _greedy(model_dir, prompts, num_kv_blocks=9, block_size=16)
-    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
     assert tokens == baseline
-    assert llm.engine.kv_cache_usage == 0.0  # every block returned
+    assert llm.llm_engine.kv_cache_usage == 0.0  # every block returned
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])

@@ -22,7 +22,7 @@ def config_only_dir(tmp_path):
 
 def test_dummy_weights_need_only_config_json(config_only_dir):
     llm = LLM(str(config_only_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device="cpu")
-    model = llm.engine.runner.model
+    model = llm.llm_engine.runner.model
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # built in bf16, never cast from fp32
     assert model.model.rotary.cos.dtype == torch.float32  # RoPE tables stay exact
     norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
@@ -36,7 +36,7 @@ def test_dummy_weights_need_only_config_json(config_only_dir):
 def test_same_seed_same_dummy_weights(config_only_dir):
     def first_weight(seed):
         llm = LLM(str(config_only_dir), load_format="dummy", skip_tokenizer_init=True, device="cpu", seed=seed)
-        return llm.engine.runner.model.model.embed_tokens.weight.clone()
+        return llm.llm_engine.runner.model.model.embed_tokens.weight.clone()
 
     assert torch.equal(first_weight(3), first_weight(3))
     assert not torch.equal(first_weight(3), first_weight(4))

@@ -24,14 +24,14 @@ Messages = list[dict]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
-        return self.engine.get_tokenizer()
+        return self.llm_engine.get_tokenizer()
 
     def reset_prefix_cache(self) -> None:
-        self.engine.reset_prefix_cache()
+        self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,
@@ -44,9 +44,9 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY)))
+                ids.append(self.llm_engine.add_request(f"llm-{next(self._ids)}", prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY)))
         except ValueError as e:
-            self.engine.abort_request(ids)  # all or nothing: the batch is refused as a whole
+            self.llm_engine.abort_request(ids)  # all or nothing: the batch is refused as a whole
             raise ValueError(f"prompt {len(ids)}: {e}") from e
         return self._run(ids, use_tqdm)
 
@@ -66,8 +66,8 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="requests", disable=not use_tqdm or len(ids) < 2) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
