@@ -1,6 +1,6 @@
 """The Triton kernels and backend against the torch reference, on random paged batches.
 
-Without a GPU the kernels run under TRITON_INTERPRET=1 (see conftest.py); with one, on it. Head
+Without a GPU the kernels run under TRITON_INTERPRET=1 (see tests/conftest.py); with one, on it. Head
 dims and head counts are small and tiles large so that the interpreter runs few programs.
 """
 
