@@ -46,21 +46,42 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def generate_counting_steps(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[int], int]:
-    """Run all prompts to the end; (output tokens of each request in order, engine steps taken).
+@dataclass(frozen=True)
+class CountedRun:
+    """What `generate_counting_steps` saw: per request, in prompt order, the output tokens it made
+    (an aborted one's up to its abort) and whether the deadline aborted it; the engine steps."""
+
+    output_lens: list[int]
+    aborted: list[bool]
+    steps: int
+
+
+def generate_counting_steps(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                            deadline: float | None = None) -> CountedRun:
+    """Run all prompts to the end, with one `params` for all or one per prompt; past `deadline` (a
+    `time.perf_counter()` instant, checked before each step) the unfinished requests are aborted.
 
     Drives the engine itself rather than `LLM.generate` because MBU needs the step count: every
     step reads all the weights once, however many requests it holds."""
-    params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-    ids = [engine.add_request(None, p, params) for p in prompts]
+    final = RequestOutputKind.FINAL_ONLY
+    per_prompt = ([sp.clone(output_kind=final) for sp in params] if isinstance(params, list)
+                  else [params.clone(output_kind=final)] * len(prompts))
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+    ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, per_prompt)]
     produced: dict[str, int] = {}
+    aborted: set[str] = set()
     steps = 0
     while engine.has_unfinished_requests():
+        if deadline is not None and time.perf_counter() > deadline:
+            aborted = {i for i in ids if i not in produced}
+            produced |= {o.request_id: len(o.outputs[0].token_ids) for o in engine.abort_request(list(aborted))}
+            break
         steps += 1
         for out in engine.step():
             if out.finished:
                 produced[out.request_id] = len(out.outputs[0].token_ids)
-    return [produced[i] for i in ids], steps
+    return CountedRun([produced[i] for i in ids], [i in aborted for i in ids], steps)
 
 
 def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings) -> dict:
@@ -69,12 +90,12 @@ def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings)
     params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
     generate_counting_steps(engine, prompts[:2], params.clone(max_tokens=4))  # warm-up
     start = time.perf_counter()
-    outputs, steps = generate_counting_steps(engine, prompts, params)
+    run = generate_counting_steps(engine, prompts, params)
     elapsed = time.perf_counter() - start
     shape = EngineShape.from_engine(engine)
-    lengths = [(len(p), n) for p, n in zip(prompts, outputs)]
-    util = utilization(batch_work(shape.spec, lengths, steps, shape.dtype_bytes), elapsed, ceilings)
-    prompt_tokens, output_tokens = sum(len(p) for p in prompts), sum(outputs)
+    lengths = [(len(p), n) for p, n in zip(prompts, run.output_lens)]
+    util = utilization(batch_work(shape.spec, lengths, run.steps, shape.dtype_bytes), elapsed, ceilings)
+    prompt_tokens, output_tokens = sum(len(p) for p in prompts), sum(run.output_lens)
     return {
         "num_prompts": len(prompts),
         "prompt_tokens": prompt_tokens,
@@ -82,7 +103,7 @@ def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings)
         "elapsed_s": elapsed,
         "output_tok_s": output_tokens / elapsed,
         "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
-        "num_steps": steps,
+        "num_steps": run.steps,
         "mbu": util.mbu,
         "mfu": util.mfu,
         "dtype": shape.dtype,
