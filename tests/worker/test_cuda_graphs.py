@@ -117,3 +117,23 @@ def test_captured_graphs_match_eager(model_dir):
     for rid, (tokens, logprobs) in eager.items():
         assert replayed[rid][0] == tokens
         torch.testing.assert_close(torch.tensor(replayed[rid][1]), torch.tensor(logprobs), atol=1e-4, rtol=0)
+
+
+def test_whole_gpu_path_matches_the_oracle(model_dir, monkeypatch):
+    """Everything a GPU decode step runs except the capture: triton attention, the fused layer
+    kernels (forced on for CPU tensors) and the padded static buffers, against the float32 torch
+    reference with plain torch layers."""
+    from kvflow.model.layers import activation, norm, rotary, triton_ops
+
+    oracle = _generate(LLMEngine(EngineArgs(model_dir, attention_backend="torch_reference", dtype="float32",
+                                            skip_tokenizer_init=True, device="cpu", disable_log_stats=True)), PROMPTS)
+    kernels = triton_ops._load()
+    for module in (activation, norm, rotary):
+        monkeypatch.setattr(module, "kernels_for", lambda x: kernels)
+    engine = _engine(model_dir, enforce_eager=True)
+    replayed_sizes = _with_uncaptured_graphs(engine, max_num_seqs=8)
+    gpu_path = _generate(engine, PROMPTS)
+    assert max(replayed_sizes) == len(PROMPTS)
+    for rid, (tokens, logprobs) in oracle.items():
+        assert gpu_path[rid][0] == tokens
+        torch.testing.assert_close(torch.tensor(gpu_path[rid][1]), torch.tensor(logprobs), atol=1e-4, rtol=0)
