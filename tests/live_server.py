@@ -9,8 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import pytest
 import uvicorn
 
 KVFLOW = [sys.executable, "-m", "kvflow.entrypoints.cli"]
@@ -50,6 +52,22 @@ def start_process(args: list[str], timeout: float = 180) -> ServerProcess:
             raise RuntimeError(f"kvflow serve did not come up:\n{server.output}")
         time.sleep(0.1)
     return server
+
+
+@pytest.fixture
+def own_server() -> Iterator[Callable[[list[str]], ServerProcess]]:
+    """`own_server(ARGS)` starts a server for this test alone, so a test that stops it leaves the
+    module's server to the others whatever the order; stopped after the test however it ends.
+    A test module uses it by binding it to a name of its own (`own_server = live_server.own_server`)."""
+    started: list[ServerProcess] = []
+
+    def start(args: list[str]) -> ServerProcess:
+        started.append(start_process(args))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 def _drain(server: ServerProcess) -> None:

@@ -12,10 +12,12 @@ import json
 
 import httpx
 import pytest
+from pydantic import TypeAdapter
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai.api_server import build_app
+from kvflow.entrypoints.openai.responses import Usage
 from live_server import start_thread, wait_until
 from tiny_models import make_tiny_model
 
@@ -195,11 +197,20 @@ def test_api_key_guards_v1_only(async_llm):
         live.stop()
 
 
-def test_internal_fault_is_a_500_without_details(http, async_llm, monkeypatch):
-    def broken_tokenizer():
-        raise RuntimeError("secret internals at 0xdeadbeef")
+def runtime_fault():
+    raise RuntimeError("secret internals at 0xdeadbeef")
 
-    monkeypatch.setattr(async_llm, "get_tokenizer", broken_tokenizer)
+
+def validation_fault(*_):  # pydantic refusing a value of ours, not the client's body
+    TypeAdapter(int).validate_python("secret internals at 0xdeadbeef")
+
+
+@pytest.mark.parametrize("fault", ["runtime", "validation"])
+def test_internal_fault_is_a_500_without_details(http, async_llm, monkeypatch, fault):
+    if fault == "runtime":
+        monkeypatch.setattr(async_llm, "get_tokenizer", runtime_fault)
+    else:
+        monkeypatch.setattr(Usage, "of", validation_fault)  # while building the answer
     error = assert_openai_error(http.post(C, json=CHAT), 500)
     assert "secret" not in error["message"] and error["type"] == "server_error"
     monkeypatch.undo()

@@ -3,7 +3,7 @@ official `openai` client; greedy and seeded outputs are checked against `LLM` in
 
 Both sides run bf16 without prefix caching, so a request alone computes exactly the same batches
 in either (a prefix-cache hit or a different batch changes bf16 rounding, and can flip an argmax).
-The last test stops the server with SIGTERM while a stream is in flight.
+One test stops a server of its own with SIGTERM while a stream is in flight.
 """
 
 from __future__ import annotations
@@ -22,18 +22,23 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.model.default_model import default_model_path
+import live_server
 from live_server import parse_metrics, start_process
 
 pytestmark = pytest.mark.slow
+own_server = live_server.own_server  # a fixture: pytest finds it by its name here
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = "Once upon a time, in a small village,"
 
 
+SERVE = ["--no-enable-prefix-caching"]
+
+
 @pytest.fixture(scope="module")
 def server():
-    proc = start_process(["--no-enable-prefix-caching"])
+    proc = start_process(SERVE)
     yield proc
     proc.stop()
 
@@ -203,8 +208,9 @@ def test_readme_main_command_serves_and_its_examples_work(server):
         assert proc.returncode == 0 and json.loads(proc.stdout)["choices"][0]["message"]["content"], proc.stderr
 
 
-def test_sigterm_ends_in_flight_streams_and_exits_zero(server, model):
-    body = {"model": model, "prompt": STORY, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+def test_sigterm_ends_in_flight_streams_and_exits_zero(own_server):
+    server = own_server(SERVE)
+    body = {"prompt": STORY, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))

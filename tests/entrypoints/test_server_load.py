@@ -1,6 +1,6 @@
 """Load on a live `kvflow serve` (loopback only): 64 concurrent streaming clients all complete with
 the same greedy text as isolated runs; clients that vanish mid-stream leave no KV blocks behind;
-the server stays healthy and exits 0 on SIGINT.
+the server stays healthy; and a server stopped by SIGINT with a stream in flight exits 0.
 
 float32, because greedy text must not depend on the batch a request lands in: in bf16 the
 rounding of a batched matmul differs from a lone one and can flip an argmax.
@@ -15,9 +15,11 @@ import httpx
 import openai
 import pytest
 
+import live_server
 from live_server import parse_metrics, start_process, wait_until
 
 pytestmark = pytest.mark.slow
+own_server = live_server.own_server  # a fixture: pytest finds it by its name here
 
 MODEL = "smol"
 NUM_CLIENTS = 64
@@ -29,9 +31,12 @@ def question(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Tell me one fact about {TOPICS[i % len(TOPICS)]}."}]
 
 
+SERVE = ["--dtype", "float32", "--served-model-name", MODEL]
+
+
 @pytest.fixture(scope="module")
 def server():
-    proc = start_process(["--dtype", "float32", "--served-model-name", MODEL])
+    proc = start_process(SERVE)
     yield proc
     proc.stop()
 
@@ -102,6 +107,14 @@ def test_clients_leaving_mid_stream_free_their_blocks(server):
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] <= 3
 
 
-def test_sigint_shuts_down_cleanly(server):
-    assert server.stop(signal.SIGINT, timeout=30) == 0
+def test_sigint_shuts_down_cleanly(own_server):
+    server = own_server(SERVE)
+    body = {"messages": question(0), "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        server.proc.send_signal(signal.SIGINT)
+        rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]"
+    assert server.stop(timeout=30) == 0
     assert "Traceback" not in server.output

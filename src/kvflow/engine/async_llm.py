@@ -35,7 +35,7 @@ class RequestStream:
     """One request's outputs in order; an iterator that ends after the finished output and raises
     the error that ended the request, if one did. `close()` before the end aborts the request."""
 
-    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
+    def __init__(self, request_id: str, abort: Callable[[RequestStream], None]) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._pending: deque[RequestOutput] = deque()  # the rest of the step being read
@@ -63,7 +63,7 @@ class RequestStream:
     def close(self) -> None:
         if not self.finished:
             self.finished = True
-            self._abort(self.request_id)
+            self._abort(self)
 
 
 class AsyncLLM:
@@ -102,14 +102,14 @@ class AsyncLLM:
         """Queue a request and wait until the engine took it. Raises ValueError for bad input
         (nothing queued) and EngineDeadError when the engine is not running."""
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self.abort)
+        stream = RequestStream(request_id, self._abort_stream)
         accepted = loop.create_future()
         self._thread.submit(AddCommand(request_id, prompt, params, time.monotonic(), priority, cache_salt,
-                                       loop, stream.put, accepted))
+                                       loop, stream.put, accepted, owner=stream))
         try:
             await accepted
         except asyncio.CancelledError:
-            self.abort(request_id)  # it may have been added just as we stopped waiting
+            self._abort_stream(stream)  # it may have been added just as we stopped waiting
             raise
         return stream
 
@@ -124,9 +124,16 @@ class AsyncLLM:
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort from any thread; a no-op for unknown or finished requests and a dead engine."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._submit_abort(AbortCommand([request_id] if isinstance(request_id, str) else list(request_id)))
+
+    def _abort_stream(self, stream: RequestStream) -> None:
+        # By owner, not by id: the id may by now name another request (the engine refused this
+        # one as a duplicate, or it finished and the id was reused).
+        self._submit_abort(AbortCommand([stream.request_id], owner=stream))
+
+    def _submit_abort(self, command: AbortCommand) -> None:
         try:
-            self._thread.submit(AbortCommand(ids))
+            self._thread.submit(command)
         except EngineDeadError:
             pass  # nothing is running any more
 

@@ -6,10 +6,14 @@ on the queue when there is none. Everything it hands back (acceptances, outputs,
 the caller's event loop through `call_soon_threadsafe`, batched per loop so that one wake-up
 carries a whole step.
 
+Requests are named by the caller's id, but the thread aborts on a stream's behalf only while that
+id still belongs to the stream: ids are reused once a request ends, and a refused duplicate has
+the id of another request, so an abort by id alone could end someone else's request.
+
 Faults are contained at the smallest scope the engine allows: a request that fails to be added
-fails alone; a step that raises fails the requests it could have touched (everything not still
-waiting) and the loop goes on; only a fault in the loop itself (or in abort, which means the
-engine's state is lost) stops the thread, and then every caller is told.
+fails alone; a step that raises fails the requests the engine says it touched and the loop goes
+on; only a fault in the loop itself (or in abort, which means the engine's state is lost) stops
+the thread, and then every caller is told.
 """
 
 from __future__ import annotations
@@ -51,11 +55,13 @@ class AddCommand:
     loop: asyncio.AbstractEventLoop
     deliver: Deliver
     accepted: asyncio.Future  # resolved (or failed with the ValueError) before any output
+    owner: object  # the caller's handle of this request (its stream), for AbortCommand.owner
 
 
 @dataclass
 class AbortCommand:
     request_ids: list[str]
+    owner: object | None = None  # abort only while the id belongs to this owner's request
 
 
 @dataclass
@@ -67,7 +73,7 @@ class StopCommand:
 class _Live:
     loop: asyncio.AbstractEventLoop
     deliver: Deliver
-    n: int
+    owner: object
     timing: RequestTiming
 
 
@@ -131,7 +137,7 @@ class EngineThread:
             if isinstance(command, AddCommand):
                 self._add(command)
             else:
-                self._abort(command.request_ids)
+                self._abort(command.request_ids, command.owner)
         self._flush()  # acceptances go out now, not after the next step
         if self.engine.has_unfinished_requests():
             self._step()
@@ -151,17 +157,19 @@ class EngineThread:
         except ValueError as e:  # bad input: the engine queued nothing
             self._outbox.post(cmd.loop, _settle(cmd.accepted), e)
             return
-        except Exception:
+        except Exception:  # the engine queued nothing of it either
             logger.exception("adding request %s failed", cmd.request_id)
-            self.engine.abort_request(cmd.request_id)  # undo whatever part of it was queued
             self._outbox.post(cmd.loop, _settle(cmd.accepted), RequestFailedError("internal error while adding the request"))
             return
-        self._live[cmd.request_id] = _Live(cmd.loop, cmd.deliver, cmd.params.n, RequestTiming(cmd.request_id))
+        self._live[cmd.request_id] = _Live(cmd.loop, cmd.deliver, cmd.owner, RequestTiming(cmd.request_id))
         self._outbox.post(cmd.loop, _settle(cmd.accepted), None)
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def _abort(self, request_ids: list[str], owner: object | None = None) -> None:
         for request_id in request_ids:
-            live = self._live.pop(request_id, None)
+            live = self._live.get(request_id)
+            if owner is not None and (live is None or live.owner is not owner):
+                continue  # that request ended (or was never added); the id may be another's now
+            self._live.pop(request_id, None)
             outputs = self.engine.abort_request(request_id)
             if live is not None and outputs:
                 self._outbox.post(live.loop, live.deliver, outputs)
@@ -171,7 +179,7 @@ class EngineThread:
             outputs = self.engine.step()
         except Exception:
             logger.exception("engine step failed; failing the requests it was running")
-            self._fail_touched()
+            self._fail(self.engine.abort_failed_step())
             return
         self._dispatch(outputs)
 
@@ -190,15 +198,11 @@ class EngineThread:
                 self._notify(finished)
             self._outbox.post(live.loop, live.deliver, outs)
 
-    def _fail_touched(self) -> None:
-        """After a failed step: fail every request that was not still waiting (the step may have
-        left them half-updated) and free their blocks; requests that never ran keep their place."""
-        waiting = {r.request_id for r in self.engine.scheduler.waiting}
-        victims = [rid for rid, live in self._live.items() if not waiting.issuperset(_engine_ids(rid, live.n))]
-        self.engine.abort_request(victims)
-        for request_id in victims:
-            live = self._live.pop(request_id)
-            self._outbox.post(live.loop, live.deliver, RequestFailedError("internal error while running the request"))
+    def _fail(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            live = self._live.pop(request_id, None)  # every engine request is live; a lapse must not kill the loop
+            if live is not None:
+                self._outbox.post(live.loop, live.deliver, RequestFailedError("internal error while running the request"))
 
     def _notify(self, finished: FinishedRequest) -> None:
         try:
@@ -228,12 +232,6 @@ class EngineThread:
             self._outbox.post(live.loop, live.deliver, EngineDeadError(reason))
         self._live.clear()
         self._flush()
-
-
-def _engine_ids(request_id: str, n: int) -> list[str]:
-    # LLMEngine runs an n > 1 request as children named "<id>#<i>". Were that to change, a request
-    # would merely be counted as touched by a failed step: the safe side.
-    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
 def _settle(future: asyncio.Future) -> Callable[[BaseException | None], None]:

@@ -55,6 +55,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
         self._children: dict[str, list[str]] = {}  # user request id → engine request ids
         self._ids = itertools.count()
+        self._running_at_step: set[str] = set()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
@@ -96,12 +97,15 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
-        """Queue a request. Raises ValueError, with nothing queued, if it can never run.
-        `priority`: lower runs first under scheduling_policy="priority". `cache_salt`: only
-        requests with the same salt share prefix-cache blocks."""
+        """Queue a request. Raises ValueError if it can never run or its id is in use; whatever it
+        raises, nothing of the request is queued. `priority`: lower runs first under
+        scheduling_policy="priority". `cache_salt`: only requests with the same salt share
+        prefix-cache blocks."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._children:
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        # A completion's id may equal another request's own id ("x#1"): both are engine ids.
+        if request_id in self._children or any(c in self.scheduler.requests for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or max(1, self.config.model.max_model_len - len(token_ids))
@@ -110,14 +114,20 @@ class LLMEngine:
             raise ValueError(error)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentRequest(request_id, text, token_ids, RequestMetrics(arrival_time=arrival))
-        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        for index, child_id in enumerate(child_ids):
-            child_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + index)
-            request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival,
-                              priority=priority, cache_salt=cache_salt)
-            self.scheduler.add_request(request)
-            self.output_processor.add_request(request, parent, index)
+        queued: list[str] = []
+        try:
+            for index, child_id in enumerate(child_ids):
+                child_params = params if params.n == 1 else params.clone(
+                    n=1, seed=None if params.seed is None else params.seed + index)
+                request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival,
+                                  priority=priority, cache_salt=cache_salt)
+                self.scheduler.add_request(request)
+                queued.append(child_id)
+                self.output_processor.add_request(request, parent, index)
+        except BaseException:  # all or nothing: a half-queued request would run with nobody to answer
+            self.scheduler.finish_requests(queued, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.finish_aborted(queued)
+            raise
         self._children[request_id] = child_ids
         self._prompt_tokens_total += len(token_ids)
         return request_id
@@ -128,6 +138,16 @@ class LLMEngine:
         self.scheduler.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.finish_aborted(engine_ids)
 
+    def abort_failed_step(self) -> list[str]:
+        """After step() raised: abort the requests it may have left half-updated and return their
+        ids. Those are the ones running when it began (scheduled or preempted by it) and any it
+        started; a request still waiting since before it was not touched and keeps its place."""
+        waiting = {r.request_id for r in self.scheduler.waiting}
+        touched = [rid for rid, engine_ids in self._children.items()
+                   if any(e in self._running_at_step or e not in waiting for e in engine_ids)]
+        self.abort_request(touched)
+        return touched
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -137,6 +157,7 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._running_at_step = {r.request_id for r in self.scheduler.running}  # for abort_failed_step
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,10 +41,10 @@ def internal_error() -> APIError:
     return APIError(500, "internal server error; the request was not completed", code="internal_error")
 
 
-def from_validation(error: ValidationError | RequestValidationError) -> APIError:
-    """The first problem pydantic found, with its field path as `param`."""
+def from_validation(error: ValidationError) -> APIError:
+    """The first problem pydantic found in a request body, with its field path as `param`."""
     first = error.errors()[0]
-    path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_branch(p)]
+    path = [str(p) for p in first.get("loc", ()) if not _is_union_branch(p)]
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON (UTF-8): {message.removeprefix('Invalid JSON: ')}")
@@ -59,11 +58,11 @@ def _is_union_branch(part: object) -> bool:
 
 
 def from_exception(error: BaseException) -> APIError:
-    """What a client is told about an exception raised while serving its request."""
+    """What a client is told about an exception raised while serving its request. Its body was
+    validated before (`read_body` turns that ValidationError into an APIError), so any other
+    ValidationError is a fault of ours, a 500 like the rest."""
     if isinstance(error, APIError):
         return error
-    if isinstance(error, (ValidationError, RequestValidationError)):
-        return from_validation(error)
     if isinstance(error, EngineDeadError):
         return APIError(503, f"the engine is not running: {error}", code="engine_unavailable")
     if not isinstance(error, RequestFailedError):
@@ -72,13 +71,14 @@ def from_exception(error: BaseException) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """For what happens outside the routes' own `except` (api_server._answer): the API-key check
+    (an APIError from a dependency), routing (404, 405), and the last resort."""
     async def api_error(_: Request, exc: Exception) -> JSONResponse:
         return from_exception(exc).response()
 
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail)).response()
 
-    for kind in (APIError, ValidationError, RequestValidationError, EngineDeadError, RequestFailedError):
-        app.add_exception_handler(kind, api_error)
+    app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, api_error)  # the last resort: a 500 with no trace
