@@ -32,7 +32,7 @@ def test_invalid_engine_args_name_the_field(field, value):
 def test_auto_device_backend_and_graphs_follow_the_gpu(monkeypatch, cuda):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(config, "has_native_bf16", lambda device: True)
-    monkeypatch.setattr(config, "_triton_installed", lambda: True)
+    monkeypatch.setattr(config, "triton_installed", lambda: True)
     cfg = EngineArgs().create_config(model_max_len=512)
     assert cfg.device == ("cuda" if cuda else "cpu")
     assert cfg.attention_backend == ("triton" if cuda else "torch_sdpa")
@@ -43,10 +43,10 @@ def test_auto_device_backend_and_graphs_follow_the_gpu(monkeypatch, cuda):
 def test_graphs_only_with_triton_on_cuda_and_not_when_eager(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(config, "has_native_bf16", lambda device: True)
-    monkeypatch.setattr(config, "_triton_installed", lambda: True)
+    monkeypatch.setattr(config, "triton_installed", lambda: True)
     assert not EngineArgs(enforce_eager=True).create_config(512).use_cuda_graphs
     assert not EngineArgs(attention_backend="torch_sdpa").create_config(512).use_cuda_graphs
-    monkeypatch.setattr(config, "_triton_installed", lambda: False)
+    monkeypatch.setattr(config, "triton_installed", lambda: False)
     assert EngineArgs().create_config(512).attention_backend == "torch_sdpa"  # torch runs on CUDA too
 
 

@@ -8,6 +8,7 @@ them into the per-room configs below.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -86,7 +87,7 @@ class EngineArgs:
     def resolve_attention_backend(self, device: str) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if device.startswith("cuda") and _triton_installed() else "torch_sdpa"
+        return "triton" if device.startswith("cuda") and triton_installed() else "torch_sdpa"
 
     def resolve_dtype(self, device: str | None = None) -> torch.dtype:
         if self.dtype == "auto":
@@ -180,12 +181,9 @@ def has_native_bf16(device: str) -> bool:
     return any(f in flags for f in (" avx512_bf16", " amx_bf16", " bf16"))  # x86 AVX-512/AMX, Arm BF16
 
 
-def _triton_installed() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def triton_installed() -> bool:
+    """Whether triton can be imported, without importing it (that takes a second)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _require(ok: bool, name: str, allowed: str) -> None:

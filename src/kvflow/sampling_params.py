@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-_GREEDY_EPS = 1e-5
+GREEDY_TEMPERATURE = 1e-5  # below this temperature, sampling is argmax
 
 
 class RequestOutputKind(enum.Enum):
@@ -51,7 +51,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def max_stop_len(self) -> int:

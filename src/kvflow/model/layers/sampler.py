@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.sampling_params import GREEDY_TEMPERATURE
+
 
 @dataclass
 class SamplingBatch:
@@ -62,7 +64,7 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy_tokens
-        greedy = batch.temperature < 1e-5
+        greedy = batch.temperature < GREEDY_TEMPERATURE
         temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits = filter_logits(logits / temperature[:, None], batch.top_k, batch.top_p, batch.min_p, batch.any_top_k_or_p)
         probs = logits.softmax(dim=-1)

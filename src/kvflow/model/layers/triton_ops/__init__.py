@@ -13,11 +13,12 @@ CPU tensors always take the torch code.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
 from typing import NamedTuple
 
 from torch import Tensor
+
+from kvflow.config import triton_installed
 
 
 class Kernels(NamedTuple):
@@ -33,7 +34,7 @@ def kernels_for(x: Tensor) -> Kernels | None:
 
 @functools.cache
 def _load() -> Kernels | None:
-    if importlib.util.find_spec("triton") is None:
+    if not triton_installed():
         return None
     from kvflow.model.layers.triton_ops.activation import silu_and_mul
     from kvflow.model.layers.triton_ops.norm import rms_norm
