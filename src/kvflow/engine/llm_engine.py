@@ -41,10 +41,11 @@ class LLMEngine:
         self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         model = self._load_model(checkpoint, dummy)
-        cache = self.config.cache
+        cache, dtype = self.config.cache, self.config.model.dtype
         useful = -(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
-        self.num_kv_blocks = num_kv_blocks(cache, self.arch, self.config.model.dtype, useful)
-        self.runner, num_host_blocks = self._make_runner(model)
+        self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype, useful)
+        num_host_blocks = int(cache.swap_space_gb * 1024**3) // kv_bytes_per_block(self.arch, cache.block_size, dtype)
+        self.runner = self._make_runner(model, num_host_blocks)
         self.scheduler = Scheduler(
             self.config.scheduler,
             KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching),
@@ -72,18 +73,17 @@ class LLMEngine:
             model.load_weights(checkpoint.weights)
         return model
 
-    def _make_runner(self, model: torch.nn.Module) -> tuple[ModelRunner, int]:
+    def _make_runner(self, model: torch.nn.Module, num_host_blocks: int) -> ModelRunner:
         """The runner with its KV tensors (and swap space, and captured decode graphs)."""
         cfg, cache, dtype, device = self.config, self.config.cache, self.config.model.dtype, self.config.device
         kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
-        num_host_blocks = int(cache.swap_space_gb * 1024**3) // kv_bytes_per_block(self.arch, cache.block_size, dtype)
         host_caches = allocate_kv_caches(self.arch, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
         graphs = None
         if cfg.use_cuda_graphs:
             graphs = DecodeGraphs(model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
                                   cfg.model.max_model_len, torch.device(device))
             graphs.capture()
-        return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs), num_host_blocks
+        return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

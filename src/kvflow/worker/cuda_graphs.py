@@ -56,10 +56,10 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Record one graph per bucket, largest first so the smaller ones share its memory pool."""
         pool = None
+        stream = torch.cuda.Stream()
         for bucket in reversed(self.buckets):
             self._pad_rows(0, bucket)
             meta = self._metadata(bucket, [0] * bucket)
-            stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: Triton compiles its kernels outside the capture
                 for _ in range(2):
