@@ -23,6 +23,7 @@ from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.resolve import load_checkpoint
+from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class LLMEngine:
             init_dummy_weights(model, cfg.model.seed)
         else:
             model.load_weights(checkpoint.weights)
+        process_weights_after_loading(model)
         return model
 
     def _make_runner(self, model: torch.nn.Module, num_host_blocks: int) -> ModelRunner:

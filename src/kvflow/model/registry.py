@@ -10,6 +10,7 @@ from torch import nn
 from kvflow.attention.backend import AttentionBackend
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.models.llama import LlamaForCausalLM
+from kvflow.quant.base import QuantizationConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -20,7 +21,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 
 def build_model(cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype = torch.float32,
-                device: str = "cpu") -> nn.Module:
+                device: str = "cpu", quant_config: QuantizationConfig | None = None) -> nn.Module:
     """The model with uninitialised parameters of `dtype`, allocated straight on `device`: an 8B
     model never exists as float32 in host memory. Buffers that must stay float32 (RoPE tables)
     say so where they are made."""
@@ -30,7 +31,7 @@ def build_model(cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype =
             f"architecture {cfg.architecture!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
     with torch.device(device), _default_dtype(dtype):
-        return cls(cfg, backend).eval()
+        return cls(cfg, backend, quant_config).eval()
 
 
 @contextmanager

@@ -21,18 +21,23 @@ from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.activation import silu_and_mul
 from kvflow.model.layers.attention import Attention
+from kvflow.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvflow.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.model.layers.norm import RMSNorm
 from kvflow.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
-from kvflow.model.weights import load_stacked_weights
+from kvflow.model.loader.weights import load_named_weights
+from kvflow.quant.base import QuantizationConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         d = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias,
+                                          quant_config, f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, False, quant_config, f"{prefix}.o_proj")
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         spec = AttentionLayerSpec(cfg.num_heads, cfg.num_kv_heads, d, d**-0.5, cfg.sliding_windows[layer_idx])
@@ -49,22 +54,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False,
+                                                       quant_config, f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False,
+                                           quant_config, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, backend)
+        self.self_attn = LlamaAttention(cfg, layer_idx, backend, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp")
 
     def forward(
         self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache, meta,
@@ -81,11 +89,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None,
+                 prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, f"{prefix}.embed_tokens")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend, quant_config, f"{prefix}.layers.{i}")
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
@@ -100,30 +110,24 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # HF checkpoints store these projections apart; we run them as one matmul each.
     stacked_params = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, backend, quant_config)
+        self.lm_head = (self.model.embed_tokens if cfg.tie_word_embeddings
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config, "lm_head"))
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings:  # the head is the embedding
             weights = ((n, w) for n, w in weights if n != "lm_head.weight")
-        load_stacked_weights(self, weights, self.stacked_params, self._shard_sizes)
-
-    def _shard_sizes(self, fused_name: str) -> list[int]:
-        c = self.config
-        if fused_name == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+        load_named_weights(self, weights, self.stacked_params)
