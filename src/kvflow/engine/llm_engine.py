@@ -16,7 +16,7 @@ from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
 from kvflow.engine.stats import EngineStats, StatsLogger
@@ -158,7 +158,11 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._running_at_step = {r.request_id for r in self.scheduler.running}  # for abort_failed_step
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except SchedulerStallError as e:
+            self._running_at_step.update(e.request_ids)  # abort_failed_step ends them too
+            raise
         runner_out = self.runner.execute(sched)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled)
         self._generation_tokens_total += len(produced)

@@ -99,9 +99,16 @@ class ModelRunner:
         query_start_loc[1:] = torch.tensor(query_lens, device=dev).cumsum(0)
         row_request = torch.repeat_interleave(torch.arange(len(chunks), device=dev), torch.tensor(query_lens, device=dev))
         positions = starts[row_request] + torch.arange(row_request.numel(), device=dev) - query_start_loc[row_request]
-        width = max(len(c.block_ids) for c in chunks)
-        block_tables = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks], device=dev)
-        slot_mapping = block_tables[row_request, positions // self.block_size] * self.block_size + positions % self.block_size
+        # Every position a chunk writes must lie in its block table: past it, the padding would
+        # name another request's block. The scheduler guarantees it; a bug must not write silently.
+        assert all(c.start_pos + c.num_tokens <= len(c.block_ids) * self.block_size for c in chunks), \
+            "a chunk writes past its block table"
+        width = max(len(c.block_ids) for c in chunks) + 1  # one more column: where an overrun lands
+        # Reads pad with block 0 (masked by seq_lens); writes pad with -1, a slot that writes nothing.
+        slot_tables = torch.tensor([c.block_ids + [-1] * (width - len(c.block_ids)) for c in chunks], device=dev)
+        block_tables = slot_tables[:, :-1].clamp(min=0)
+        slot_blocks = slot_tables[row_request, (positions // self.block_size).clamp(max=width - 1)]
+        slot_mapping = torch.where(slot_blocks < 0, -1, slot_blocks * self.block_size + positions % self.block_size)
         seq_lens_cpu = [c.start_pos + c.num_tokens for c in chunks]
         attn = AttentionMetadata(
             query_start_loc=query_start_loc,
