@@ -107,6 +107,7 @@ class LLMEngine:
         # A completion's id may equal another request's own id ("x#1"): both are engine ids.
         if request_id in self._children or any(c in self.scheduler.requests for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_params(params)
         text, token_ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or max(1, self.config.model.max_model_len - len(token_ids))
         error = self.scheduler.admission_error(len(token_ids), max_tokens)
@@ -118,7 +119,7 @@ class LLMEngine:
         try:
             for index, child_id in enumerate(child_ids):
                 child_params = params if params.n == 1 else params.clone(
-                    n=1, seed=None if params.seed is None else params.seed + index)
+                    n=1, seed=None if params.seed is None else _child_seed(params.seed, index))
                 request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival,
                                   priority=priority, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
@@ -176,6 +177,19 @@ class LLMEngine:
         return outputs
 
     # -- helpers ---------------------------------------------------------------------------
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the limits of this model and engine."""
+        vocab = self.arch.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad}")
+        cap = self.config.model.max_logprobs
+        cap = vocab if cap < 0 else min(cap, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > cap:
+                raise ValueError(f"{name} must be at most {cap} (max_logprobs); got {value}")
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -215,3 +229,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
         )
 
+
+def _child_seed(seed: int, index: int) -> int:
+    """Completion `index`'s seed: seed + index, wrapped to stay a signed 64-bit integer."""
+    return (seed + index + 2**63) % 2**64 - 2**63

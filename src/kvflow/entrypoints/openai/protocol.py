@@ -48,7 +48,7 @@ class SamplingFields(OpenAIBody):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # kvflow's extras, with vLLM's names.
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, lt=_INT64)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
