@@ -88,3 +88,22 @@ def test_llm_generate_takes_a_priority_per_prompt(model_dir):
     assert first_token[1] < first_token[2] < first_token[0]  # one at a time, lowest priority value first
     with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
         llm.generate([_prompt(5, s) for s in range(3)], SamplingParams(max_tokens=2), priority=[0, 1])
+
+
+def test_prompt_logprobs_of_a_long_prompt_are_scored_in_bounded_slices(model_dir, monkeypatch):
+    from kvflow.worker import model_runner
+
+    llm = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, disable_log_stats=True)
+    prompt = _prompt(300)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    whole = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    model = llm.llm_engine.runner.model
+    rows_seen, compute_logits = [], model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: rows_seen.append(len(h)) or compute_logits(h))
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 64)
+    llm.reset_prefix_cache()
+    sliced = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    assert max(rows_seen) <= 64 and sum(rows_seen) == 299 + 1  # every prompt row once, then the sampled row
+    assert [sorted(p) if p else p for p in sliced] == [sorted(p) if p else p for p in whole]
+    for a, b in zip(sliced[1:], whole[1:]):
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 and a[t].rank == b[t].rank for t in a)
