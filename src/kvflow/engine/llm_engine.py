@@ -191,10 +191,12 @@ class LLMEngine:
                 raise ValueError(f"{name} must be at most {cap} (max_logprobs); got {value}")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A dict may carry both: the text (for outputs) and its token ids (not tokenized again)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
+                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return text if isinstance(text, str) else None, self._check_ids(token_ids)
+            if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
@@ -205,13 +207,16 @@ class LLMEngine:
             text = prompt
         else:
             token_ids, text = list(prompt), None
+        return text, self._check_ids(token_ids)
+
+    def _check_ids(self, token_ids: list[int]) -> list[int]:
         if not token_ids:
             raise ValueError("prompt is empty: it must have at least one token")
         vocab = self.arch.vocab_size
         bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is not an integer in [0, {vocab})")
-        return text, token_ids
+        return token_ids
 
     @property
     def kv_cache_usage(self) -> float:
