@@ -32,8 +32,13 @@ class ServerLimits:
         for f in fields(self):
             value = getattr(self, f.name)
             minimum = 0 if f.name in ("shutdown_timeout", "max_waiting_seqs") else 1
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-                raise ValueError(f"--{f.name.replace('_', '-')} must be a number >= {minimum}; got {value!r}")
+            if f.name == "body_read_timeout":
+                ok = isinstance(value, (int, float)) and value > 0
+            else:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= minimum
+            if not ok:
+                allowed = "> 0" if f.name == "body_read_timeout" else f">= {minimum}"
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a number {allowed}; got {value!r}")
 
     def load_limits(self) -> LoadLimits:
         return LoadLimits(self.max_waiting_seqs, self.max_admissions_per_step, self.max_consecutive_step_failures)
