@@ -161,3 +161,14 @@ def test_requests_cancelled_while_in_the_backlog_never_run(make_llm):
     run(main())
     assert wait_until(lambda: llm.get_stats().num_running == 0 and llm.get_stats().num_waiting == 0, 10)
     assert llm.get_stats().generation_tokens_total < 30 * LONG.max_tokens // 10
+
+
+def test_a_request_that_can_never_start_fails_alone_instead_of_hanging(make_llm):
+    llm = make_llm()
+    kv = llm._thread.engine.scheduler.kv_cache
+    allocate = kv.allocate_slots
+    kv.allocate_slots = lambda request, *a, **k: request.request_id != "stuck" and allocate(request, *a, **k)
+    with pytest.raises(RequestFailedError):
+        run(finish(llm, "stuck"))  # nothing runs and it cannot start: reported, not retried forever
+    assert len(run(finish(llm, "next"))) == 4 and llm.is_alive()
+    assert wait_until(lambda: llm.get_stats().num_waiting == 0 and llm.get_stats().kv_cache_usage == 0, 10)
