@@ -56,7 +56,7 @@ class Job:
 
 jobs = st.builds(
     Job,
-    prompt=st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30))
+    prompt=st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
     .map(lambda parts: parts[0] + parts[1]),
     max_tokens=st.integers(1, 10),
     n=st.sampled_from([1, 1, 2, 3]),
@@ -65,7 +65,7 @@ jobs = st.builds(
     aborts=st.none() | st.integers(0, 20),
 )
 scenarios = st.fixed_dictionaries({
-    "jobs": st.lists(jobs, min_size=1, max_size=6),
+    "jobs": st.lists(jobs, min_size=1, max_size=5),
     "block_size": st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
     "max_num_batched_tokens": st.integers(1, 64),
     "max_num_seqs": st.integers(1, 8),
@@ -119,7 +119,7 @@ def assert_nothing_left(engine: LLMEngine) -> None:
     assert not engine.output_processor.states and not engine._children
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+@settings(max_examples=20, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(scenario=scenarios)
 def test_random_workloads_give_every_request_its_tokens_alone(model_dir, alone, scenario):
