@@ -42,3 +42,25 @@ def make_tiny_model(name: str, directory: Path, seed: int = 0):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_tokenizer(directory: Path, chat_template: str = TINY_CHAT_TEMPLATE) -> None:
+    """A character-level tokenizer that fits the tiny models' 97-token vocabulary: printable ASCII
+    but '~', newline, and two special tokens (<|im_start|> = 95, <|im_end|> = 96, also EOS). Other
+    characters are dropped. With it a tiny model serves text and chat like a real one."""
+    import json
+
+    import tokenizers
+    from tokenizers import decoders, models
+
+    chars = [chr(c) for c in range(32, 126)] + ["\n"]
+    backend = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    backend.decoder = decoders.Fuse()
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "chat_template": chat_template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))

@@ -25,6 +25,7 @@ class ModelConfig:
     max_model_len: int
     seed: int
     skip_tokenizer_init: bool
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # triton on CUDA, torch_sdpa on CPU
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
+    max_logprobs: int = 20  # vLLM's name and default; -1: no cap
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -111,6 +113,7 @@ class EngineArgs:
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs or priority")
         _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         _require(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
+        _require(self.max_logprobs >= -1, "max_logprobs", ">= 0, or -1 for no cap")
         _require(
             self.attention_backend in ("auto", "torch_sdpa", "torch_reference", "triton"),
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
@@ -125,6 +128,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                max_logprobs=self.max_logprobs,
             ),
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
@@ -165,6 +169,8 @@ class EngineArgs:
                        choices=["auto", "torch_sdpa", "torch_reference", "triton"])
         g.add_argument("--device", default=d.device, help="auto (cuda when a GPU is visible), cpu, or cuda[:N]")
         g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
+        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="the most logprobs / prompt_logprobs one request may ask for (-1: no cap)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

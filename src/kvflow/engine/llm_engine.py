@@ -16,7 +16,7 @@ from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
 from kvflow.engine.stats import EngineStats, StatsLogger
@@ -109,6 +109,7 @@ class LLMEngine:
         # A completion's id may equal another request's own id ("x#1"): both are engine ids.
         if request_id in self._children or any(c in self.scheduler.requests for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_params(params)
         text, token_ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or max(1, self.config.model.max_model_len - len(token_ids))
         error = self.scheduler.admission_error(len(token_ids), max_tokens)
@@ -120,7 +121,7 @@ class LLMEngine:
         try:
             for index, child_id in enumerate(child_ids):
                 child_params = params if params.n == 1 else params.clone(
-                    n=1, seed=None if params.seed is None else params.seed + index)
+                    n=1, seed=None if params.seed is None else _child_seed(params.seed, index))
                 request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival,
                                   priority=priority, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
@@ -160,7 +161,11 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._running_at_step = {r.request_id for r in self.scheduler.running}  # for abort_failed_step
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except SchedulerStallError as e:
+            self._running_at_step.update(e.request_ids)  # abort_failed_step ends them too
+            raise
         runner_out = self.runner.execute(sched)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled)
         self._generation_tokens_total += len(produced)
@@ -174,11 +179,26 @@ class LLMEngine:
         return outputs
 
     # -- helpers ---------------------------------------------------------------------------
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the limits of this model and engine."""
+        vocab = self.arch.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad}")
+        cap = self.config.model.max_logprobs
+        cap = vocab if cap < 0 else min(cap, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > cap:
+                raise ValueError(f"{name} must be at most {cap} (max_logprobs); got {value}")
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A dict may carry both: the text (for outputs) and its token ids (not tokenized again)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
+                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return text if isinstance(text, str) else None, self._check_ids(token_ids)
+            if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
@@ -189,13 +209,16 @@ class LLMEngine:
             text = prompt
         else:
             token_ids, text = list(prompt), None
+        return text, self._check_ids(token_ids)
+
+    def _check_ids(self, token_ids: list[int]) -> list[int]:
         if not token_ids:
             raise ValueError("prompt is empty: it must have at least one token")
         vocab = self.arch.vocab_size
         bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is not an integer in [0, {vocab})")
-        return text, token_ids
+        return token_ids
 
     @property
     def kv_cache_usage(self) -> float:
@@ -213,3 +236,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
         )
 
+
+def _child_seed(seed: int, index: int) -> int:
+    """Completion `index`'s seed: seed + index, wrapped to stay a signed 64-bit integer."""
+    return (seed + index + 2**63) % 2**64 - 2**63

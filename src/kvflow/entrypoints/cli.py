@@ -7,6 +7,7 @@ import os
 import sys
 
 from kvflow.config import EngineArgs
+from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -69,8 +70,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $KVFLOW_API_KEY)")
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--disallow-special-tokens-in-content", action="store_true",
+                   help="tokenize special-token text in chat messages as plain text, so users cannot forge roles")
+    ServerLimits.add_cli_args(parser)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128, temperature: float = 0.0) -> None:

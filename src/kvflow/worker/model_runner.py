@@ -19,6 +19,10 @@ from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, g
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 
+# Prompt-logprob rows are scored this many at a time: a long prompt's [rows, vocab] logits (and
+# their log-softmax) would otherwise take gigabytes at once.
+PROMPT_LOGPROB_ROWS = 256
+
 
 @dataclass
 class FlatBatch:
@@ -62,7 +66,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.sample_rows])
             self._collect_samples(batch.sample_chunks, self.sampler(logits, self._sampling_batch(batch.sample_chunks)), out)
         if batch.prompt_rows:
-            self._collect_prompt_logprobs(batch, self.model.compute_logits(hidden[batch.prompt_rows]), out)
+            self._collect_prompt_logprobs(batch, hidden, out)
         return out
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
@@ -99,9 +103,16 @@ class ModelRunner:
         query_start_loc[1:] = torch.tensor(query_lens, device=dev).cumsum(0)
         row_request = torch.repeat_interleave(torch.arange(len(chunks), device=dev), torch.tensor(query_lens, device=dev))
         positions = starts[row_request] + torch.arange(row_request.numel(), device=dev) - query_start_loc[row_request]
-        width = max(len(c.block_ids) for c in chunks)
-        block_tables = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks], device=dev)
-        slot_mapping = block_tables[row_request, positions // self.block_size] * self.block_size + positions % self.block_size
+        # Every position a chunk writes must lie in its block table: past it, the padding would
+        # name another request's block. The scheduler guarantees it; a bug must not write silently.
+        assert all(c.start_pos + c.num_tokens <= len(c.block_ids) * self.block_size for c in chunks), \
+            "a chunk writes past its block table"
+        width = max(len(c.block_ids) for c in chunks) + 1  # one more column: where an overrun lands
+        # Reads pad with block 0 (masked by seq_lens); writes pad with -1, a slot that writes nothing.
+        slot_tables = torch.tensor([c.block_ids + [-1] * (width - len(c.block_ids)) for c in chunks], device=dev)
+        block_tables = slot_tables[:, :-1].clamp(min=0)
+        slot_blocks = slot_tables[row_request, (positions // self.block_size).clamp(max=width - 1)]
+        slot_mapping = torch.where(slot_blocks < 0, -1, slot_blocks * self.block_size + positions % self.block_size)
         seq_lens_cpu = [c.start_pos + c.num_tokens for c in chunks]
         attn = AttentionMetadata(
             query_start_loc=query_start_loc,
@@ -183,12 +194,15 @@ class ModelRunner:
             if n is not None:
                 out.logprobs[chunk.request_id] = PositionLogprobs(ids[i][:n + 1], logprobs[i][:n + 1], ranks[i])
 
-    @staticmethod
-    def _collect_prompt_logprobs(batch: FlatBatch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
-        targets = torch.tensor(batch.prompt_targets, device=logits.device)
+    def _collect_prompt_logprobs(self, batch: FlatBatch, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        targets = torch.tensor(batch.prompt_targets, device=hidden.device)
         num_top = max(span[3] for span in batch.prompt_spans.values())
-        values, ids, ranks = gather_logprobs(logits.log_softmax(dim=-1), targets, num_top)
-        values, ids, ranks = values.tolist(), ids.tolist(), ranks.tolist()
+        parts = []
+        for first in range(0, len(batch.prompt_rows), PROMPT_LOGPROB_ROWS):
+            rows = batch.prompt_rows[first:first + PROMPT_LOGPROB_ROWS]
+            logits = self.model.compute_logits(hidden[rows])
+            parts.append(gather_logprobs(logits.log_softmax(dim=-1), targets[first:first + len(rows)], num_top))
+        values, ids, ranks = (torch.cat(column).tolist() for column in zip(*parts))
         for request_id, (first_pos, first, count, n) in batch.prompt_spans.items():
             rows = range(first, first + count)
             out.prompt_logprobs[request_id] = (first_pos + 1, [PositionLogprobs(ids[j][:n + 1], values[j][:n + 1], ranks[j]) for j in rows])

@@ -37,6 +37,10 @@ def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        root = path.resolve()
+        outside = [s for s in shards if not (path / s).resolve().is_relative_to(root)]
+        if outside:  # a downloaded index must not make us read files elsewhere on the machine
+            raise ValueError(f"{index}: shard names must stay inside {path}; got {', '.join(outside)}")
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise FileNotFoundError(f"{path}: shards named in {index.name} are missing: {', '.join(missing)}")
