@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernel_launch import KernelLaunch
+
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows per program: tokens x packed query heads
 BLOCK_N = 64  # keys per inner step
@@ -140,17 +142,29 @@ def paged_prefill(
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
 ) -> None:
+    launch = paged_prefill_launch(q, kv_cache, out, tiles, query_start_loc, seq_lens, block_tables, scale, window,
+                                  block_m, block_n)
+    if launch is not None:
+        launch()
+
+
+def paged_prefill_launch(q, kv_cache, out, tiles, query_start_loc, seq_lens, block_tables, scale, window,
+                         block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> KernelLaunch | None:
+    """The launch paged_prefill makes (None: no tiles); the arguments are paged_prefill's."""
     if tiles.shape[0] == 0:
-        return
+        return None
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = kv_cache.shape[2]
-    pad = group_pad(heads, kv_heads)
-    _paged_prefill_kernel[(tiles.shape[0], kv_heads)](
-        q, kv_cache, out, tiles, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E, window or 0,
-        *q.stride(), *out.stride(), *kv_cache.stride(), block_tables.stride(0),
-        GROUP=heads // kv_heads, GROUP_PAD=pad, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
-        BLOCK_Q=query_tile_size(heads, kv_heads, block_m), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        USE_WINDOW=window is not None, PRECISION=dot_precision(q.dtype),
+    return KernelLaunch(
+        _paged_prefill_kernel,
+        grid=(tiles.shape[0], kv_heads),
+        args=(q, kv_cache, out, tiles, query_start_loc, seq_lens, block_tables,
+              scale * LOG2E, window or 0,
+              *q.stride(), *out.stride(), *kv_cache.stride(), block_tables.stride(0)),
+        constexprs=dict(
+            GROUP=heads // kv_heads, GROUP_PAD=group_pad(heads, kv_heads), HEAD_DIM=head_dim,
+            BLOCK_SIZE=kv_cache.shape[3], BLOCK_Q=query_tile_size(heads, kv_heads, block_m), BLOCK_N=block_n,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            USE_WINDOW=window is not None, PRECISION=dot_precision(q.dtype),
+        ),
     )
