@@ -52,7 +52,7 @@ class TritonBackend:
                  out: torch.Tensor) -> list[KernelLaunch]:
         """The kernel launches of forward(), in order, writing into `out`: every choice of grid and
         tile is made here, for the GPU run and for `kvflow bench gpu-compile` alike."""
-        block_q = query_tile_size(layer.num_heads, layer.num_kv_heads)
+        block_q = query_tile_size(layer.num_heads, layer.num_kv_heads, layer.head_dim, q.dtype)
         key = (self.name, block_q)  # the tile table depends on the GQA group through block_q
         plan = meta.plans.get(key)
         if plan is None:

@@ -32,6 +32,9 @@ from kvflow.attention.triton_kernels.paged_prefill import (
 )
 
 BLOCK_N = 64  # keys per inner step
+# Two buffers of K/V in flight: a third (triton's default) adds registers, and in float32 on A100
+# spills them (`kvflow bench gpu-compile --dtype float32`).
+NUM_STAGES = 2
 MIN_SEGMENT = 256  # keys a split should have at the bound: fewer and the merge outweighs the gain
 MAX_SPLITS = 16
 
@@ -171,6 +174,7 @@ def decode_split_k_launches(q, kv_cache, out, request_ids, query_start_loc, seq_
             BLOCK_SIZE=kv_cache.shape[3], BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=window is not None,
             PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single,
         ),
+        num_stages=NUM_STAGES,
     )
     if single:
         return [segments]
