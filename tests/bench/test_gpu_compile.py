@@ -150,8 +150,9 @@ def _compiled_view(launch: KernelLaunch) -> tuple:
 
 def test_report_and_cli(reports, monkeypatch, capsys):
     text = format_report(reports["llama-3.1-8b"])
-    assert "### sm_90: H100 SXM" in text and "### sm_80: A100 SXM" in text
+    assert "sm_90 = H100 SXM" in text and "sm_80 = A100 SXM" in text and "| sm_80 regs |" in text
     assert "| _paged_prefill_kernel | prefill, mixed |" in text and "No kernel spills" in text
+    assert "| decode b=1 | _decode_segment_kernel | full attention | 128 |" in text  # 1 request x 8 KV heads x 16 splits
     broken = format_report(reports["broken"])
     assert "Problems:" in broken and "spills registers" in broken
     # The command prints the report and exits 1 when a kernel fails the check.

@@ -115,7 +115,7 @@ def _hf_config(model: str | None) -> tuple[str, dict]:
 
     if model is None or model.strip().lower() == "default":
         path = default_model_path()
-        return f"{path.stem} (default)", load_checkpoint(str(path), load_tokenizer=False, load_weights=False).hf_config
+        return path.stem, load_checkpoint(str(path), load_tokenizer=False, load_weights=False).hf_config
     if model.strip().lower() in PRESETS:
         spec = PRESETS[model.strip().lower()]
         return spec.name, _preset_config(spec)

@@ -104,7 +104,7 @@ def _report(request: CompileRequest, cache: dict) -> dict[str, Any]:
         key = (case.launch.name, case.step, case.role)
         estimate = estimates.setdefault(key, {
             "kernel": case.launch.name, "step": case.step, "role": case.role, "programs": math.prod(case.launch.grid),
-            "bytes": case.bytes_moved, "flops": case.flops, "time": {}})
+            "bytes": case.bytes_moved, "flops": case.flops, "per_forward": case.per_forward, "time": {}})
         for target in targets:
             seconds, bound = roofline(case.flops, case.bytes_moved, get_hardware(target.hardware), request.dtype)
             estimate["time"][target.arch] = {"hardware": target.hardware, "us": seconds * 1e6, "bound": bound}

@@ -37,6 +37,7 @@ class KernelCase:
     launch: KernelLaunch
     bytes_moved: int
     flops: int
+    per_forward: int = 1  # launches like this one in one forward pass of the model
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ def attention_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
         role = "full attention" if window is None else f"window {window}"
         launches = backend.launches(q, k, v, s.kv_cache(), meta, layer, torch.empty_like(q))
         splits = next((x.grid[2] for x in launches if x.name == "_decode_segment_kernel"), 1)
-        cases += [KernelCase(step.name, role, x, *_attention_cost(x, s, step, window, splits)) for x in launches]
+        layers = a.sliding_windows.count(window)
+        cases += [KernelCase(step.name, role, x, *_attention_cost(x, s, step, window, splits), layers) for x in launches]
     return cases
 
 
@@ -92,16 +94,17 @@ def rms_norm_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
     """The first layer's input norm (no residual yet), every other norm (residual added), and
     Qwen3's per-head q and k norms (on views of the fused projection's output)."""
     a, n, e = s.arch, step.num_tokens, s.dtype.itemsize
-    hidden = s.empty(n, a.hidden_size)
-    inputs = [("first layer", hidden, None), ("with residual", hidden, s.empty(n, a.hidden_size))]
+    hidden, layers = s.empty(n, a.hidden_size), a.num_layers
+    # Layer 0's input norm has no residual yet; every later norm adds it (the final norm too).
+    inputs = [("first layer", hidden, None, 1), ("with residual", hidden, s.empty(n, a.hidden_size), 2 * layers)]
     if a.qk_norm:
         q, k, _ = _qkv_views(s, n)
-        inputs += [("q norm", q, None), ("k norm", k, None)]
+        inputs += [("q norm", q, None, layers), ("k norm", k, None, layers)]
     cases = []
-    for role, x, residual in inputs:
+    for role, x, residual, count in inputs:
         launch, _ = rms_norm_launch(x, s.empty(x.shape[-1]), a.rms_norm_eps, residual)
         traffic = x.numel() * e * (2 if residual is None else 4) + x.shape[-1] * e
-        cases.append(KernelCase(step.name, role, launch, traffic, 4 * x.numel()))
+        cases.append(KernelCase(step.name, role, launch, traffic, 4 * x.numel(), count))
     return cases
 
 
@@ -122,13 +125,13 @@ def rotary_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
     launch, _ = rotary_launch(q, k, s.empty(n, dtype=torch.int64), tables, tables)
     elements = n * (a.num_heads + a.num_kv_heads) * a.head_dim
     traffic = 2 * elements * e + n * (a.head_dim * F32 + I64)  # q, k in and out; cos, sin rows; positions
-    return [KernelCase(step.name, "q and k", launch, traffic, 3 * elements)]
+    return [KernelCase(step.name, "q and k", launch, traffic, 3 * elements, a.num_layers)]
 
 
 def silu_and_mul_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
     n, width = step.num_tokens, s.arch.intermediate_size
     launch, _ = silu_and_mul_launch(s.empty(n, 2 * width))
-    return [KernelCase(step.name, "MLP", launch, 3 * n * width * s.dtype.itemsize, 5 * n * width)]
+    return [KernelCase(step.name, "MLP", launch, 3 * n * width * s.dtype.itemsize, 5 * n * width, s.arch.num_layers)]
 
 
 REGISTRY: tuple[KernelEntry, ...] = (

@@ -13,6 +13,7 @@ import triton.language as tl
 from kvflow.kernel_launch import KernelLaunch
 
 _TILE_ELEMENTS = 4096  # tokens x padded (q heads x pairs) per program
+_ELEMENTS_PER_WARP = 1024  # beyond this, more warps: one token of a 128-head model has 8192 pairs
 
 
 @triton.jit
@@ -87,6 +88,9 @@ def rotary_launch(
               *q.stride(), *k.stride(), *q_out.stride()[:2], *k_out.stride()[:2], cos.stride(0)),
         constexprs=dict(NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
                         BLOCK_T=block_t, BLOCK_Q=block_q, BLOCK_K=block_k),
+        # A token is never split across programs, so a wide one gets more warps, not more
+        # registers (4 warps spill at 128 heads x 64 pairs: `kvflow bench gpu-compile`).
+        num_warps=min(16, max(4, block_t * block_q // _ELEMENTS_PER_WARP)),
         # Round each product before the sum, as torch does: contracted into an FMA, a*b - c*d
         # would differ from the torch path in the last bit.
         options=dict(enable_fp_fusion=False),
