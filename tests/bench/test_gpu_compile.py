@@ -41,7 +41,8 @@ ARCHS = ("sm_90", "sm_80")
 def reports() -> dict[str, dict]:
     archs = ",".join(ARCHS)
     default, llama, broken = compile_reports([
-        CompileRequest(None, archs), CompileRequest(LLAMA, archs), CompileRequest(LLAMA, archs, registry="broken_kernels"),
+        CompileRequest(None, archs), CompileRequest(LLAMA, archs),
+        CompileRequest(LLAMA, archs, registry="broken_kernels"),
     ])
     return {"default": default, "llama-3.1-8b": llama, "broken": broken}
 
@@ -138,7 +139,8 @@ def test_launches_built_from_shapes_match_a_real_engine_step(monkeypatch, tmp_pa
         recorded.clear()
         engine.step()
         assert recorded
-        assert {_compiled_view(x) for x in recorded} == {_compiled_view(c.launch) for c in attention_cases(shapes, step)}
+        built = attention_cases(shapes, step)
+        assert {_compiled_view(x) for x in recorded} == {_compiled_view(c.launch) for c in built}
 
 
 def _compiled_view(launch: KernelLaunch) -> tuple:
@@ -152,7 +154,8 @@ def test_report_and_cli(reports, monkeypatch, capsys):
     text = format_report(reports["llama-3.1-8b"])
     assert "sm_90 = H100 SXM" in text and "sm_80 = A100 SXM" in text and "| sm_80 regs |" in text
     assert "| _paged_prefill_kernel | prefill, mixed |" in text and "No kernel spills" in text
-    assert "| decode b=1 | _decode_segment_kernel | full attention | 128 |" in text  # 1 request x 8 KV heads x 16 splits
+    # one request x 8 KV heads x 16 splits
+    assert "| decode b=1 | _decode_segment_kernel | full attention | 128 |" in text
     broken = format_report(reports["broken"])
     assert "Problems:" in broken and "spills registers" in broken
     # The command prints the report and exits 1 when a kernel fails the check.

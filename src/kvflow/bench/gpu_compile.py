@@ -47,7 +47,8 @@ class CompileRequest:
         torch_dtype(self.dtype)
         unknown = set(self.engine) - set(_ENGINE_FIELDS)
         if unknown:
-            raise ValueError(f"engine settings {sorted(unknown)} do not shape kernels; known: {', '.join(_ENGINE_FIELDS)}")
+            raise ValueError(f"engine settings {sorted(unknown)} do not shape kernels; "
+                             f"known: {', '.join(_ENGINE_FIELDS)}")
 
 
 def compile_reports(requests: list[CompileRequest]) -> list[dict[str, Any]]:
@@ -64,7 +65,8 @@ def compile_reports(requests: list[CompileRequest]) -> list[dict[str, Any]]:
     if done.returncode == _BAD_REQUEST:
         raise ValueError(done.stdout.strip())
     if done.returncode != 0:
-        raise RuntimeError(f"the ahead-of-time compile (a child process without TRITON_INTERPRET) failed:\n{done.stderr}")
+        raise RuntimeError("the ahead-of-time compile (a child process without TRITON_INTERPRET) failed:\n"
+                           + done.stderr)
     return json.loads(done.stdout)
 
 

@@ -63,7 +63,8 @@ def attention_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
         launches = backend.launches(q, k, v, s.kv_cache(), meta, layer, torch.empty_like(q))
         splits = next((x.grid[2] for x in launches if x.name == "_decode_segment_kernel"), 1)
         layers = a.sliding_windows.count(window)
-        cases += [KernelCase(step.name, role, x, *_attention_cost(x, s, step, window, splits), layers) for x in launches]
+        cases += [KernelCase(step.name, role, x, *_attention_cost(x, s, step, window, splits), layers)
+                  for x in launches]
     return cases
 
 

@@ -53,9 +53,11 @@ class CompiledKernel:
         """Why this kernel would not run well (or at all) on the target; empty: fine."""
         found = [f"tools disagree: {c}" for c in self.cross_check]
         if self.spill_store_bytes or self.spill_load_bytes:
-            found.append(f"spills registers ({self.spill_store_bytes} B stored, {self.spill_load_bytes} B loaded per thread)")
+            found.append(f"spills registers ({self.spill_store_bytes} B stored, "
+                         f"{self.spill_load_bytes} B loaded per thread)")
         if self.shared_bytes > target.smem_per_block:
-            found.append(f"needs {self.shared_bytes} B of shared memory per block; {target.gpu} allows {target.smem_per_block}")
+            found.append(f"needs {self.shared_bytes} B of shared memory per block; "
+                         f"{target.gpu} allows {target.smem_per_block}")
         if self.blocks_per_sm < 1 and self.shared_bytes <= target.smem_per_block:
             found.append(f"no block fits on an SM ({self.occupancy_limit})")
         return found
@@ -75,7 +77,8 @@ def compile_launch(launch: KernelLaunch, target: GpuTarget, cache: dict | None =
 
     jit = launch.kernel
     if not isinstance(jit, JITFunction):
-        raise RuntimeError(f"{launch.name} is not a compilable triton kernel (was triton imported under TRITON_INTERPRET=1?)")
+        raise RuntimeError(f"{launch.name} is not a compilable triton kernel "
+                           "(was triton imported under TRITON_INTERPRET=1?)")
     gpu = GPUTarget("cuda", target.capability, 32)
     backend = make_backend(gpu)
     # What JITFunction.run does before it compiles, minus the device: bind, specialise, pack.
