@@ -25,6 +25,8 @@ class ModelConfig:
     max_model_len: int
     seed: int
     skip_tokenizer_init: bool
+    quantization: str | None = None  # None: the checkpoint as stored (a GGUF's own blocks)
+    group_size: int | None = None  # int4/awq: input channels per scale
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class EngineArgs:
     attention_backend: str = "auto"  # triton on CUDA, torch_sdpa on CPU
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
+    quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
+    group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -115,6 +119,7 @@ class EngineArgs:
             self.attention_backend in ("auto", "torch_sdpa", "torch_reference", "triton"),
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
+        _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         return EngineConfig(
@@ -125,6 +130,8 @@ class EngineArgs:
                 max_model_len=max_len,
                 seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                quantization=self.quantization,
+                group_size=self.group_size,
             ),
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
@@ -165,6 +172,10 @@ class EngineArgs:
                        choices=["auto", "torch_sdpa", "torch_reference", "triton"])
         g.add_argument("--device", default=d.device, help="auto (cuda when a GPU is visible), cpu, or cuda[:N]")
         g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
+        g.add_argument("--quantization", "-q", default=None,
+                       help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
+                            "(default: run the checkpoint as stored; a GGUF on its own blocks)")
+        g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

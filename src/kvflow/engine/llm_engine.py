@@ -26,6 +26,7 @@ from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
+from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_kv_blocks
 from kvflow.worker.cuda_graphs import DecodeGraphs
@@ -37,7 +38,9 @@ PromptType = str | list[int] | dict
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         dummy = args.load_format == "dummy"
-        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy)
+        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy,
+                                     native_gguf=args.quantization is None)
+        self.quant_config = get_quantization_config(args.quantization, args.group_size, checkpoint.quant_config)
         self.arch = ArchConfig.from_hf(checkpoint.hf_config)
         self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
@@ -67,7 +70,7 @@ class LLMEngine:
         # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
         static_len = cfg.model.max_model_len if cfg.use_cuda_graphs else None
         model = build_model(self.arch, get_attention_backend(cfg.attention_backend, static_len),
-                            cfg.model.dtype, cfg.device)
+                            cfg.model.dtype, cfg.device, self.quant_config)
         if dummy:
             init_dummy_weights(model, cfg.model.seed)
         else:
