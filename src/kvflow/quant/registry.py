@@ -33,4 +33,22 @@ def _config(name: str, group_size: int | None, stored: dict | None) -> Quantizat
         from kvflow.quant.gguf import GGUFConfig
 
         return GGUFConfig()
-    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {name!r}")
+    configs = _online_configs()
+    if name not in configs:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {name!r}")
+    if stored is not None:
+        group_size = stored.get("group_size", group_size)
+    if group_size is not None and name not in ("int4", "awq"):
+        raise ValueError(f"group_size applies to int4 and awq, not {name}")
+    return configs[name](group_size=group_size, from_saved=stored is not None)
+
+
+def _online_configs() -> dict:
+    from kvflow.quant.awq import AWQConfig
+    from kvflow.quant.fp8 import Fp8Config
+    from kvflow.quant.int4 import Int4Config
+    from kvflow.quant.int8 import Int8Config
+    from kvflow.quant.mxfp4 import Mxfp4Config
+    from kvflow.quant.w8a8 import W8A8Config
+
+    return {c.name: c for c in (Int8Config, Int4Config, Fp8Config, Mxfp4Config, AWQConfig, W8A8Config)}
