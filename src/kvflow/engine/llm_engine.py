@@ -33,6 +33,7 @@ from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
+AWQ_CALIBRATION_TOKENS = 4096  # from the end of the shipped text; perplexity reads its start
 
 
 class LLMEngine:
@@ -65,6 +66,8 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
+        if getattr(self.quant_config, "needs_calibration", False):
+            self._calibrate_awq()
 
     def _load_model(self, checkpoint, dummy: bool) -> torch.nn.Module:
         cfg = self.config
@@ -78,6 +81,24 @@ class LLMEngine:
             model.load_weights(checkpoint.weights)
         process_weights_after_loading(model)
         return model
+
+    def _calibrate_awq(self) -> None:
+        """AWQ on a float checkpoint: run calibration text through the float model, then quantize."""
+        from kvflow.data import english_text
+        from kvflow.quant.awq_search import calibrate_and_quantize
+
+        ids = self.get_tokenizer().encode(english_text(), add_special_tokens=False)[-AWQ_CALIBRATION_TOKENS:]
+        windows = [ids[i:i + 256] for i in range(0, len(ids), 256)]
+        params = SamplingParams(max_tokens=1, temperature=0)
+
+        def run(prompts: list[list[int]]) -> None:
+            for i, prompt in enumerate(prompts):
+                self.add_request(f"awq-calibration-{i}", {"prompt_token_ids": prompt}, params)
+            while self.has_unfinished_requests():
+                self.step()
+
+        calibrate_and_quantize(self.runner.model, run, windows, self.config.model.seed)
+        self.reset_prefix_cache()  # those blocks hold the float model's keys and values
 
     def _make_runner(self, model: torch.nn.Module, num_host_blocks: int) -> ModelRunner:
         """The runner with its KV tensors (and swap space, and captured decode graphs)."""

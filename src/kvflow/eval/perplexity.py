@@ -11,18 +11,12 @@ import argparse
 import json
 import math
 from dataclasses import asdict, dataclass
-from importlib import resources
 
 from tqdm import tqdm
 
 from kvflow.config import EngineArgs
+from kvflow.data import ENGLISH_TEXT, english_text
 from kvflow.sampling_params import SamplingParams
-
-TEXT_FILE = "kjv_genesis_ruth_luke.txt"
-
-
-def eval_text() -> str:
-    return resources.files("kvflow.eval").joinpath("data", TEXT_FILE).read_text(encoding="utf-8")
 
 
 @dataclass
@@ -38,7 +32,7 @@ def perplexity(engine, max_tokens: int = 4096, context: int = 512, progress: boo
     """Over the engine's model (an `LLMEngine`)."""
     if context < 2:
         raise ValueError("context must be >= 2 (a window scores all of its tokens but the first)")
-    ids = engine.get_tokenizer().encode(eval_text(), add_special_tokens=False)[:max_tokens]
+    ids = engine.get_tokenizer().encode(english_text(), add_special_tokens=False)[:max_tokens]
     windows = [ids[i:i + context] for i in range(0, len(ids), context)]
     windows = [w for w in windows if len(w) >= 2]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
@@ -61,7 +55,7 @@ def perplexity(engine, max_tokens: int = 4096, context: int = 512, progress: boo
 def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="quality measurements")
     eval_sub = p.add_subparsers(title="evaluations")
-    ppl = eval_sub.add_parser("ppl", help=f"perplexity on the shipped public-domain text ({TEXT_FILE})")
+    ppl = eval_sub.add_parser("ppl", help=f"perplexity on the shipped public-domain text ({ENGLISH_TEXT})")
     ppl.add_argument("--max-tokens", type=int, default=4096, help="tokens of the text to score")
     ppl.add_argument("--context", type=int, default=512, help="tokens per window")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
