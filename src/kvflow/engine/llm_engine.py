@@ -33,7 +33,7 @@ from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
-AWQ_CALIBRATION_TOKENS = 4096  # from the end of the shipped text; perplexity reads its start
+AWQ_CALIBRATION_TOKENS = 2048  # from the end of the shipped text; perplexity reads its start
 
 
 class LLMEngine:
@@ -87,7 +87,9 @@ class LLMEngine:
         from kvflow.data import english_text
         from kvflow.quant.awq_search import calibrate_and_quantize
 
-        ids = self.get_tokenizer().encode(english_text(), add_special_tokens=False)[-AWQ_CALIBRATION_TOKENS:]
+        if self.tokenizer is None:
+            raise ValueError("quantization='awq' calibrates on text and needs the model's tokenizer")
+        ids = self.tokenizer.encode(english_text(), add_special_tokens=False)[-AWQ_CALIBRATION_TOKENS:]
         windows = [ids[i:i + 256] for i in range(0, len(ids), 256)]
         params = SamplingParams(max_tokens=1, temperature=0)
 

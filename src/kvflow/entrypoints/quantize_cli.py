@@ -23,8 +23,9 @@ def add_quantize_parser(sub) -> None:
 
 def run_quantize(args: argparse.Namespace) -> int:
     model = None if args.model == "default" else args.model
+    # Engine defaults otherwise, so AWQ calibrates in the same batches as quantizing at load does.
     engine = LLMEngine(EngineArgs(model=model, quantization=args.method, group_size=args.group_size, dtype=args.dtype,
-                                  num_kv_blocks=16, swap_space_gb=0, disable_log_stats=True))
+                                  swap_space_gb=0, disable_log_stats=True))
     out = save_checkpoint(engine.runner.model, engine.hf_config, engine.quant_config.to_dict(), engine.tokenizer, args.out)
     print(f"wrote {out} ({args.method}{f', group size {engine.quant_config.group_size}' if engine.quant_config.group_size else ''})")
     return 0

@@ -20,26 +20,34 @@ from torch import nn
 
 from kvflow.quant.formats import int4_per_group
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
+from kvflow.quant.int8 import Int8Method
 from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
 from kvflow.quant.unquantized import UnquantizedMethod
 
-ALPHAS = [i / 20 for i in range(21)]
+ALPHAS = [i / 10 for i in range(11)]
 CALIBRATION_ROWS = 512  # activation rows kept per layer for the search
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k of an int32 holds column _AWQ_ORDER[k] of its 8
 
 
 class AWQConfig(OnlineQuantConfig):
+    """The embedding and head are int8 per row, as with int4 (kvflow's checkpoints say so with
+    "embedding": "int8"); AutoAWQ's own checkpoints keep them float."""
+
     name = "awq"
 
-    def __init__(self, group_size: int | None = None, from_saved: bool = False) -> None:
+    def __init__(self, group_size: int | None = None, from_saved: bool = False, int8_embedding: bool = True) -> None:
         super().__init__(group_size or 32, from_saved)
         self.needs_calibration = not from_saved
+        self.int8_embedding = int8_embedding
 
     def get_quant_method(self, kind: str, prefix: str):
-        return AWQMethod(self) if kind == "linear" else None  # AWQ leaves the embedding and head float
+        if kind == "linear":
+            return AWQMethod(self)
+        return Int8Method(self) if self.int8_embedding else None
 
     def to_dict(self) -> dict:
-        return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True, "version": "gemm"}
+        return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True, "version": "gemm",
+                "embedding": "int8" if self.int8_embedding else "float"}
 
 
 class AWQMethod(OnlineQuantMethod):
@@ -62,6 +70,9 @@ class AWQMethod(OnlineQuantMethod):
             if name != "scales":
                 param.packed_dim, param.packed_factor = 1, 8
             layer.register_parameter(name, param)
+
+    def stored_tensors(self, layer):
+        return {name: (getattr(layer, name), 1, 1 if name == "scales" else 8) for name in self.stored_spec}
 
     def process_weights_after_loading(self, layer):
         if self.config.from_saved or getattr(layer, "awq_ready", False):

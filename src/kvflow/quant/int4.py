@@ -7,6 +7,7 @@ import torch
 
 from kvflow.quant.formats import int4_per_group, pack_nibbles, unpack_nibbles
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
+from kvflow.quant.int8 import Int8Method
 from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
 
 DEFAULT_GROUP_SIZE = 32
@@ -29,8 +30,14 @@ class Int4Method(OnlineQuantMethod):
 
 
 class Int4Config(OnlineQuantConfig):
+    """The embedding and (tied) LM head stay at int8 per row, as llama.cpp's Q4 files keep their
+    output matrix wider: at int4 the head alone doubled the default model's perplexity."""
+
     name = "int4"
     method_class = Int4Method
 
     def __init__(self, group_size: int | None = None, from_saved: bool = False) -> None:
         super().__init__(group_size or DEFAULT_GROUP_SIZE, from_saved)
+
+    def get_quant_method(self, kind: str, prefix: str):
+        return self.method_class(self) if kind == "linear" else Int8Method(self)

@@ -62,8 +62,9 @@ class OnlineQuantMethod(QuantMethod):
             layer.register_buffer(name, tensor)
         layer.quant_runtime = self.runtime(stored, layer.quant_dtype, layer.prefix)
 
-    def stored_tensors(self, layer: nn.Module) -> dict[str, torch.Tensor]:
-        return {name: getattr(layer, name) for name in self.stored_spec}
+    def stored_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """name → (tensor, its output-channel dim, values packed per element along it)."""
+        return {name: (getattr(layer, name), 0, 1) for name in self.stored_spec}
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = layer.quant_runtime(x)

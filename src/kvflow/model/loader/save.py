@@ -39,16 +39,17 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         if not isinstance(module, LinearBase):
             continue
         stored = getattr(module.quant_method, "stored_tensors", None)
-        layer = dict(stored(module)) if stored is not None else {"weight": module.weight}
+        layer = dict(stored(module)) if stored is not None else {"weight": (module.weight, 0, 1)}
         if module.bias is not None:
-            layer["bias"] = module.bias
+            layer["bias"] = (module.bias, 0, 1)
         fused = prefix.rsplit(".", 1)[-1]
-        for name, tensor in layer.items():
+        for name, (tensor, out_dim, pack) in layer.items():
             owned.add(f"{prefix}.{name}")
             if len(module.shard_ids) == 1:
                 tensors[f"{prefix}.{name}"] = tensor
                 continue
-            for shard, piece in zip(module.shard_ids, tensor.split(module.output_sizes)):
+            pieces = tensor.split([size // pack for size in module.output_sizes], dim=out_dim)
+            for shard, piece in zip(module.shard_ids, pieces):
                 tensors[f"{prefix[:-len(fused)]}{hf_part[(fused, shard)]}.{name}"] = piece
     for name, param in model.named_parameters():
         if name not in owned:
