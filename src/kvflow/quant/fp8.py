@@ -8,30 +8,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvflow.quant.formats import fp8_per_channel
-from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
+from kvflow.quant.int8 import Int8Channel, Int8Method
+from kvflow.quant.online import OnlineQuantConfig
 
 
-class Fp8Channel(nn.Module):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.register_buffer("q", q)
-        self.register_buffer("scale", scale.to(dtype))
+class Fp8Channel(Int8Channel):
+    """Codes times a per-row scale, as int8's, but always decoded: no kernel reads E4M3 here."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype))
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self.scale.dtype
-        return self.q.to(dtype) * self.scale[:, None].to(dtype)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.q[ids].to(self.scale.dtype) * self.scale[ids, None]
-
-
-class Fp8Method(OnlineQuantMethod):
+class Fp8Method(Int8Method):
     stored_spec = {"weight": (torch.float8_e4m3fn, lambda k: k), "weight_scale": (torch.float32, None)}
 
     def quantize(self, weight, name):
