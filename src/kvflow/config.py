@@ -26,6 +26,8 @@ class ModelConfig:
     seed: int
     skip_tokenizer_init: bool
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
+    quantization: str | None = None  # None: the checkpoint as stored (a GGUF's own blocks)
+    group_size: int | None = None  # int4/awq: input channels per scale
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class EngineArgs:
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
     max_logprobs: int = 20  # vLLM's name and default; -1: no cap
+    quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
+    group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -118,6 +122,7 @@ class EngineArgs:
             self.attention_backend in ("auto", "torch_sdpa", "torch_reference", "triton"),
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
+        _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         return EngineConfig(
@@ -129,6 +134,8 @@ class EngineArgs:
                 seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
                 max_logprobs=self.max_logprobs,
+                quantization=self.quantization,
+                group_size=self.group_size,
             ),
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
@@ -171,6 +178,10 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="the most logprobs / prompt_logprobs one request may ask for (-1: no cap)")
+        g.add_argument("--quantization", "-q", default=None,
+                       help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
+                            "(default: run the checkpoint as stored; a GGUF on its own blocks)")
+        g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -26,19 +26,24 @@ from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
+from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_kv_blocks
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
+AWQ_CALIBRATION_TOKENS = 2048  # from the end of the shipped text; perplexity reads its start
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         dummy = args.load_format == "dummy"
-        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy)
+        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy,
+                                     native_gguf=args.quantization is None)
+        self.quant_config = get_quantization_config(args.quantization, args.group_size, checkpoint.quant_config)
         self.arch = ArchConfig.from_hf(checkpoint.hf_config)
+        self.hf_config = checkpoint.hf_config
         self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         model = self._load_model(checkpoint, dummy)
@@ -61,19 +66,41 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
+        if getattr(self.quant_config, "needs_calibration", False):
+            self._calibrate_awq()
 
     def _load_model(self, checkpoint, dummy: bool) -> torch.nn.Module:
         cfg = self.config
         # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
         static_len = cfg.model.max_model_len if cfg.use_cuda_graphs else None
         model = build_model(self.arch, get_attention_backend(cfg.attention_backend, static_len),
-                            cfg.model.dtype, cfg.device)
+                            cfg.model.dtype, cfg.device, self.quant_config)
         if dummy:
             init_dummy_weights(model, cfg.model.seed)
         else:
             model.load_weights(checkpoint.weights)
         process_weights_after_loading(model)
         return model
+
+    def _calibrate_awq(self) -> None:
+        """AWQ on a float checkpoint: run calibration text through the float model, then quantize."""
+        from kvflow.data import english_text
+        from kvflow.quant.awq_search import calibrate_and_quantize
+
+        if self.tokenizer is None:
+            raise ValueError("quantization='awq' calibrates on text and needs the model's tokenizer")
+        ids = self.tokenizer.encode(english_text(), add_special_tokens=False)[-AWQ_CALIBRATION_TOKENS:]
+        windows = [ids[i:i + 256] for i in range(0, len(ids), 256)]
+        params = SamplingParams(max_tokens=1, temperature=0)
+
+        def run(prompts: list[list[int]]) -> None:
+            for i, prompt in enumerate(prompts):
+                self.add_request(f"awq-calibration-{i}", {"prompt_token_ids": prompt}, params)
+            while self.has_unfinished_requests():
+                self.step()
+
+        calibrate_and_quantize(self.runner.model, run, windows, self.config.model.seed)
+        self.reset_prefix_cache()  # those blocks hold the float model's keys and values
 
     def _make_runner(self, model: torch.nn.Module, num_host_blocks: int) -> ModelRunner:
         """The runner with its KV tensors (and swap space, and captured decode graphs)."""

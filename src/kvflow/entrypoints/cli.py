@@ -1,4 +1,4 @@
-"""The `kvflow` command: serve, generate, chat, bench, plan."""
+"""The `kvflow` command: serve, generate, chat, bench, plan, quantize, eval."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.bench.latency import add_latency_parser
     from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
+    from kvflow.entrypoints.quantize_cli import add_quantize_parser
+    from kvflow.eval.perplexity import add_eval_parser
 
     parser = argparse.ArgumentParser(prog="kvflow", description="LLM inference with a paged KV cache and continuous batching")
     sub = parser.add_subparsers(title="commands")
@@ -62,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_bench_parser(bench_sub)
     add_gpu_compile_parser(bench_sub)
     add_plan_parser(sub)
+    add_quantize_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 

@@ -1,8 +1,9 @@
 """Load a GGUF file (llama.cpp's format) as an HF-style checkpoint.
 
-The metadata becomes a `config.json`-like dict, every tensor is dequantized to float32 under its HF
-name, and the tokenizer is rebuilt from the metadata. Model classes therefore never see GGUF names,
-quantized blocks, or llama.cpp's rotary layout.
+The metadata becomes a `config.json`-like dict, every tensor arrives under its HF name, and the
+tokenizer is rebuilt from the metadata. Model classes therefore never see GGUF names or llama.cpp's
+rotary layout. With `native=True` quantized tensors stay raw blocks (`GGUFBlocks`, for the `gguf`
+quant method to run); otherwise every tensor is dequantized to float32.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from kvflow.model.gguf_tokenizer import tokenizer_from_gguf
 from kvflow.model.loader import Checkpoint
+from kvflow.quant.gguf_blocks import BLOCK_SIZES, GGUFBlocks
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -41,14 +43,14 @@ _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def load_gguf(path: str | Path, *, with_tokenizer: bool = True) -> Checkpoint:
-    """Read `path`; weights are dequantized lazily, one tensor at a time, as the iterator is consumed."""
+def load_gguf(path: str | Path, *, with_tokenizer: bool = True, native: bool = False) -> Checkpoint:
+    """Read `path`; weights are read lazily, one tensor at a time, as the iterator is consumed."""
     path = Path(path)
     reader = open_gguf(path)
     arch = _architecture(reader, path)
     plan = [(t, hf_name) for t in reader.tensors if (hf_name := hf_tensor_name(t.name, path)) is not None]
-    for qtype in {tensor.tensor_type for tensor, _ in plan}:
-        _check_dequantizable(qtype, path)
+    for qtype, name in {tensor.tensor_type: tensor.name for tensor, _ in plan}.items():
+        _check_dequantizable(qtype, name, path)
     try:  # metadata problems: say which file they are in
         config = hf_config_from_gguf(reader)
         tokenizer = None
@@ -56,7 +58,8 @@ def load_gguf(path: str | Path, *, with_tokenizer: bool = True) -> Checkpoint:
             tokenizer = tokenizer_from_gguf(reader)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    return Checkpoint(config, _iter_weights(plan, arch, config), tokenizer)
+    quant = {"quant_method": "gguf"} if native else None
+    return Checkpoint(config, _iter_weights(plan, arch, config, native), tokenizer, quant)
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -256,22 +259,34 @@ def hf_tensor_name(gguf_name: str, path: Path | None = None) -> str | None:
     raise ValueError(f"{where}unexpected GGUF tensor {gguf_name!r}; this model variant is not supported")
 
 
-def _check_dequantizable(qtype: gguf.GGMLQuantizationType, path: Path) -> None:
+def _check_dequantizable(qtype: gguf.GGMLQuantizationType, tensor: str, path: Path) -> None:
     # Probe with one zero block so an unsupported type fails at load, not halfway through the weights.
     try:
         gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[qtype][1], dtype=np.uint8), qtype)
     except (NotImplementedError, KeyError):
-        raise ValueError(f"{path}: tensors of type {qtype.name} cannot be dequantized (unsupported by gguf-py)") from None
+        raise ValueError(f"{path}: tensor {tensor!r} has type {qtype.name}, which cannot be dequantized "
+                         "(unsupported by gguf-py)") from None
 
 
-def _iter_weights(plan: list, arch: str, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(plan: list, arch: str, config: dict, native: bool) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     for tensor, hf_name in plan:
-        weight = dequantize_tensor(tensor)
+        weight = raw_blocks(tensor) if native and tensor.tensor_type.name in BLOCK_SIZES else dequantize_tensor(tensor)
+        heads = None
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_rope(weight, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_rope(weight, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        if heads is not None:  # rows are output channels, whole blocks each: permute them as they are
+            weight = (GGUFBlocks(weight.qtype, unpermute_rope(weight.data, heads), weight.shape)
+                      if isinstance(weight, GGUFBlocks) else unpermute_rope(weight, heads))
         yield hf_name, weight
+
+
+def raw_blocks(tensor: gguf.ReaderTensor) -> GGUFBlocks:
+    """A quantized GGUF tensor's bytes, one row of blocks per output channel."""
+    n, k = (int(d) for d in reversed(tensor.shape.tolist()))
+    data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(n, -1)  # own memory, not the map
+    return GGUFBlocks(tensor.tensor_type.name, torch.from_numpy(data), (n, k))
 
 
 def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:

@@ -9,8 +9,10 @@ from kvflow.model.default_model import default_model_path
 from kvflow.model.loader import Checkpoint
 
 
-def load_checkpoint(model: str | None, load_tokenizer: bool = True, load_weights: bool = True) -> Checkpoint:
-    """`load_weights=False` (dummy weights): an HF directory then needs only its config.json."""
+def load_checkpoint(model: str | None, load_tokenizer: bool = True, load_weights: bool = True,
+                    native_gguf: bool = True) -> Checkpoint:
+    """`load_weights=False` (dummy weights): an HF directory then needs only its config.json.
+    `native_gguf=False`: a GGUF's quantized blocks are dequantized to float32 (to re-quantize them)."""
     path = Path(model) if model else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model {str(path)!r} does not exist (give an HF directory or a .gguf file)")
@@ -20,4 +22,4 @@ def load_checkpoint(model: str | None, load_tokenizer: bool = True, load_weights
         return load_hf_dir(path, load_tokenizer, load_weights)
     from kvflow.model.loader.gguf import load_gguf
 
-    return load_gguf(path, with_tokenizer=load_tokenizer)
+    return load_gguf(path, with_tokenizer=load_tokenizer, native=native_gguf)
