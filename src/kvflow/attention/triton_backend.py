@@ -42,7 +42,8 @@ class TritonBackend:
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         _require_runnable(q)
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        if layer.writes_kv:
+            store_kv(k, v, kv_cache, meta.slot_mapping)
         block_q = query_tile_size(layer.num_heads, layer.num_kv_heads)
         key = (self.name, block_q)  # the tile table depends on the GQA group through block_q
         plan = meta.plans.get(key)

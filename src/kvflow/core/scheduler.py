@@ -50,8 +50,9 @@ class Scheduler:
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
             return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
                     f"exceeds max_model_len ({self.max_model_len})")
-        # The last sampled token is never written to the cache.
-        blocks = self.kv_cache.blocks_needed(total - 1)
+        # The last sampled token is never written to the cache; a sliding-window group holds
+        # only the blocks of its window (and of the chunk being computed).
+        blocks = self.kv_cache.max_blocks_held(total - 1, self.config.max_num_batched_tokens)
         if blocks > self.kv_cache.num_blocks:
             return (f"request needs {blocks} KV blocks ({total} tokens) but the whole cache has "
                     f"{self.kv_cache.num_blocks}; raise kv_cache_memory_gb or lower max_tokens")
@@ -111,7 +112,7 @@ class Scheduler:
         while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop(0)
             starts = self._start_points(request)
-            if self._reuses_cache(request) and self.kv_cache.prefix_in_flight(request, len(starts[0][0])):
+            if self._reuses_cache(request) and self.kv_cache.prefix_in_flight(request, starts[0][1]):
                 held_back.append(request)
                 continue
             start = next((n for blocks, n in starts if self._allocate_for_waiting(request, n, blocks, out)), None)
@@ -122,17 +123,17 @@ class Scheduler:
         for request in held_back:
             self._enqueue(request)
 
-    def _start_points(self, request: Request) -> list[tuple[list[int], int]]:
+    def _start_points(self, request: Request) -> list[tuple[tuple[list[int], ...], int]]:
         """Where a waiting request may resume: (cached blocks to reuse, tokens they cover), best
         first. A whole-prompt hit needs a spare block for its copy; whole blocks alone need none."""
         if request.status is RequestStatus.SWAPPED:
-            return [([], request.num_computed_tokens)]
+            return [((), request.num_computed_tokens)]
         if not self._reuses_cache(request):
-            return [([], 0)]
-        blocks, num_cached = self.kv_cache.find_cached_prefix(request)
-        whole_blocks = blocks[:(request.num_tokens - 1) // self.kv_cache.block_size]
-        fallback = (whole_blocks, len(whole_blocks) * self.kv_cache.block_size)
-        return [(blocks, num_cached)] if fallback[1] == num_cached else [(blocks, num_cached), fallback]
+            return [((), 0)]
+        best = self.kv_cache.find_cached_prefix(request)
+        if best[1] % self.kv_cache.block_size == 0:
+            return [best]
+        return [best, self.kv_cache.find_cached_prefix(request, whole_blocks_only=True)]
 
     @staticmethod
     def _reuses_cache(request: Request) -> bool:
@@ -153,7 +154,8 @@ class Scheduler:
         self.running.append(request)
         out.add(self._chunk(request, min(request.num_tokens - start, self._budget_left(out))))
 
-    def _allocate_for_waiting(self, request: Request, num_cached: int, cached: list[int], out: SchedulerOutput) -> bool:
+    def _allocate_for_waiting(self, request: Request, num_cached: int, cached: tuple[list[int], ...],
+                              out: SchedulerOutput) -> bool:
         """Blocks for the first chunk. Under the priority policy a waiting request may preempt
         running ones behind it."""
         num_new = min(request.num_tokens - num_cached, self._budget_left(out))
@@ -189,7 +191,7 @@ class Scheduler:
 
     def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
         """Copy the blocks holding the request's computed tokens to host memory, if there is room."""
-        blocks = self.kv_cache.block_ids(request.request_id)[:self.kv_cache.blocks_needed(request.num_computed_tokens)]
+        blocks = self.kv_cache.resumable_blocks(request)
         if self.host_pool is None or len(blocks) > self.host_pool.num_free_blocks:
             return False
         request.host_blocks = self.host_pool.allocate(len(blocks))
@@ -197,7 +199,7 @@ class Scheduler:
         return True
 
     def _swap_in(self, request: Request, out: SchedulerOutput) -> None:
-        device = self.kv_cache.block_ids(request.request_id)
+        device = self.kv_cache.resumable_blocks(request)
         out.swap_in.extend(zip(device, request.host_blocks))
         self._host_blocks_read.extend(request.host_blocks)
         request.host_blocks = []

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvflow.analysis.plan_cli import add_plan_parser
+    from kvflow.entrypoints.plan_cli import add_plan_parser
     from kvflow.bench.ceilings import add_ceilings_parser
     from kvflow.bench.latency import add_latency_parser
     from kvflow.bench.serve import add_serve_bench_parser

@@ -17,6 +17,7 @@ from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvflow.worker.cuda_graphs import DecodeGraphs
+from kvflow.worker.kv_cache import unique_caches
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 
 
@@ -24,7 +25,7 @@ from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 class FlatBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn: AttentionMetadata
+    attn: tuple[AttentionMetadata, ...]  # one per KV group: same rows, that group's block tables
     sample_rows: list[int]  # row of each sampling chunk's last token
     sample_chunks: list[ScheduledChunk]
     prompt_rows: list[int]  # rows whose next token is a prompt token with logprobs requested
@@ -67,7 +68,7 @@ class ModelRunner:
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_replay(batch.attn.query_lens_cpu):
+        if graphs is not None and graphs.can_replay(batch.attn[0].query_lens_cpu):
             return graphs.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
@@ -76,7 +77,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for cache in self.kv_caches:
+        for cache in unique_caches(self.kv_caches):
             cache[:, dst] = cache[:, src]
 
     def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
@@ -84,7 +85,7 @@ class ModelRunner:
             return
         device_ids = torch.tensor([d for d, _ in pairs], device=self.device)
         host_ids = torch.tensor([h for _, h in pairs])
-        for device_cache, host_cache in zip(self.kv_caches, self.host_kv_caches):
+        for device_cache, host_cache in zip(unique_caches(self.kv_caches), unique_caches(self.host_kv_caches)):
             if to_host:
                 host_cache[:, host_ids] = device_cache[:, device_ids].to("cpu")
             else:
@@ -99,19 +100,23 @@ class ModelRunner:
         query_start_loc[1:] = torch.tensor(query_lens, device=dev).cumsum(0)
         row_request = torch.repeat_interleave(torch.arange(len(chunks), device=dev), torch.tensor(query_lens, device=dev))
         positions = starts[row_request] + torch.arange(row_request.numel(), device=dev) - query_start_loc[row_request]
-        width = max(len(c.block_ids) for c in chunks)
-        block_tables = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks], device=dev)
-        slot_mapping = block_tables[row_request, positions // self.block_size] * self.block_size + positions % self.block_size
+        # [groups, requests, width]; entries a sliding window gave back (NULL_BLOCK, -1) read
+        # block 0, which the window mask hides.
+        width = max(len(t) for c in chunks for t in c.block_ids)
+        tables = torch.tensor([[c.block_ids[g] + [0] * (width - len(c.block_ids[g])) for c in chunks]
+                               for g in range(len(chunks[0].block_ids))], device=dev).clamp_(min=0)
+        block_index, offset = positions // self.block_size, positions % self.block_size
         seq_lens_cpu = [c.start_pos + c.num_tokens for c in chunks]
-        attn = AttentionMetadata(
+        seq_lens = torch.tensor(seq_lens_cpu, device=dev)
+        attn = tuple(AttentionMetadata(
             query_start_loc=query_start_loc,
-            seq_lens=torch.tensor(seq_lens_cpu, device=dev),
+            seq_lens=seq_lens,
             block_tables=block_tables,
-            slot_mapping=slot_mapping,
+            slot_mapping=block_tables[row_request, block_index] * self.block_size + offset,
             block_size=self.block_size,
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens_cpu,
-        )
+        ) for block_tables in tables)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
         batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})
         offset = 0
