@@ -297,7 +297,7 @@ def test_qwen2_has_attention_bias(tmp_path):
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "phi.gguf"
     _write_gguf(path, {}, arch="phi2")
-    with pytest.raises(ValueError, match=r"'phi2' is not supported; supported: llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'phi2' is not supported; supported: gemma3, llama, qwen2, qwen3"):
         load_gguf(path)
 
 

@@ -28,6 +28,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": Architecture("llama", "LlamaForCausalLM", "qwen2"),
     "Qwen3ForCausalLM": Architecture("llama", "Qwen3ForCausalLM", "qwen3"),
+    "Gemma3ForCausalLM": Architecture("gemma3", "Gemma3ForCausalLM", "gemma3"),
+    "MixtralForCausalLM": Architecture("mixtral", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": Architecture("olmoe", "OlmoeForCausalLM"),
+    "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": Architecture("deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 
