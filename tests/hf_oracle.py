@@ -1,4 +1,4 @@
-"""The transformers oracle for the default model.
+"""The transformers oracle for the real models (the default SmolLM2 and Gemma-3-270M).
 
 transformers reads the default GGUF slowly (it dequantizes every tensor, ~15 s), so it is done once
 and saved as a plain float32 HF directory under `<repo>/.cache`; tests then reload that directory
@@ -24,13 +24,24 @@ def default_gguf_path() -> Path:
 
 def default_model_hf_dir() -> Path:
     """A float32 HF directory (model + tokenizer) that transformers made from the default GGUF."""
-    if (HF_DIR / _COMPLETE).is_file():
-        return HF_DIR
-    if HF_DIR.exists():
-        shutil.rmtree(HF_DIR)
-    _convert_with_transformers(default_gguf_path(), HF_DIR)
-    (HF_DIR / _COMPLETE).write_text("ok\n")
-    return HF_DIR
+    return hf_dir_from_gguf(default_gguf_path(), HF_DIR)
+
+
+def gemma3_270m_hf_dir() -> Path:
+    """The same for Gemma-3-270M (its GGUF assembled from the packages into kvflow's cache)."""
+    from kvflow.model.packaged_models import gemma3_270m_path
+
+    return hf_dir_from_gguf(gemma3_270m_path(), REPO_ROOT / ".cache" / "hf-gemma3-270m")
+
+
+def hf_dir_from_gguf(gguf_path: Path, out: Path) -> Path:
+    if (out / _COMPLETE).is_file():
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    _convert_with_transformers(gguf_path, out)
+    (out / _COMPLETE).write_text("ok\n")
+    return out
 
 
 def _convert_with_transformers(gguf_path: Path, out: Path) -> None:

@@ -72,6 +72,15 @@ class KVCacheManager:
         return sum(full if w is None else min(full, cdiv(w - 1 + max_chunk, self.block_size) + 1)
                    for w in self.sliding_windows)
 
+    def max_chunk(self, num_tokens: int, budget: int) -> int:
+        """The largest chunk (at most `budget`) with which a request caching `num_tokens`
+        positions fits in the whole pool; 0 if none does."""
+        low, high = 0, budget
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.max_blocks_held(num_tokens, mid) <= self.num_blocks else (low, mid - 1)
+        return low
+
     def block_ids(self, request_id: str) -> BlockTables:
         return self._block_tables.get(request_id) or self._empty_tables()
 

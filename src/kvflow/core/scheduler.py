@@ -52,16 +52,22 @@ class Scheduler:
                     f"exceeds max_model_len ({self.max_model_len})")
         # The last sampled token is never written to the cache; a sliding-window group holds
         # only the blocks of its window (and of the chunk being computed).
-        blocks = self.kv_cache.max_blocks_held(total - 1, self.config.max_num_batched_tokens)
-        if blocks > self.kv_cache.num_blocks:
+        if self._max_chunk(total) == 0:
+            blocks = self.kv_cache.max_blocks_held(total - 1, 1)
             return (f"request needs {blocks} KV blocks ({total} tokens) but the whole cache has "
                     f"{self.kv_cache.num_blocks}; raise kv_cache_memory_gb or lower max_tokens")
         return None
+
+    def _max_chunk(self, total_tokens: int) -> int:
+        return self.kv_cache.max_chunk(total_tokens - 1, self.config.max_num_batched_tokens)
 
     def add_request(self, request: Request) -> None:
         error = self.admission_error(request.num_prompt_tokens, request.max_tokens)
         if error:
             raise ValueError(error)
+        # On a sliding-window model a chunk's blocks must fit beside the window's: a request whose
+        # whole context exceeds the pool still runs, in chunks that fit.
+        request.max_chunk_tokens = self._max_chunk(request.num_prompt_tokens + request.max_tokens)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_seq = next(self._arrivals)
@@ -93,7 +99,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = min(request.num_uncomputed_tokens, budget, request.max_chunk_tokens)
             if self._reserve_or_preempt(request, num_new, out):
                 out.add(self._chunk(request, num_new))
         if not out.preempted_request_ids or self.config.policy == "priority":
@@ -152,13 +158,13 @@ class Scheduler:
         request.num_computed_tokens = start
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        out.add(self._chunk(request, min(request.num_tokens - start, self._budget_left(out))))
+        out.add(self._chunk(request, min(request.num_tokens - start, self._budget_left(out), request.max_chunk_tokens)))
 
     def _allocate_for_waiting(self, request: Request, num_cached: int, cached: tuple[list[int], ...],
                               out: SchedulerOutput) -> bool:
         """Blocks for the first chunk. Under the priority policy a waiting request may preempt
         running ones behind it."""
-        num_new = min(request.num_tokens - num_cached, self._budget_left(out))
+        num_new = min(request.num_tokens - num_cached, self._budget_left(out), request.max_chunk_tokens)
         while not self.kv_cache.allocate_slots(request, num_cached, num_new, cached):
             victim = max(self.running, key=self._order, default=None)
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
