@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hf_oracle import assert_matches_oracle
 from tiny_models import COMMON
 
 from kvflow import LLM, SamplingParams
@@ -59,11 +60,4 @@ def test_cross_layer_kv_sharing_matches_its_reference_and_halves_the_pool(backen
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (30, 7)]
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=0, prompt_logprobs=0, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
-        sequence = prompt + out.outputs[0].token_ids
-        with torch.no_grad():
-            ref = hf(torch.tensor([sequence])).logits[0].log_softmax(-1)
-        ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
-        torch.testing.assert_close(ours, ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4, rtol=0)
-        rows = torch.arange(len(prompt) - 1, len(sequence) - 1)
-        ours = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)])
-        torch.testing.assert_close(ours, ref[rows, torch.tensor(out.outputs[0].token_ids)], atol=1e-4, rtol=0)
+        assert_matches_oracle(hf, prompt, out, 32)

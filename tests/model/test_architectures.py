@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from hf_oracle import assert_matches_oracle
 from tiny_models import ARCH_CONFIGS, make_tiny_model
 
 from kvflow import LLM, SamplingParams
@@ -34,23 +35,6 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [first, second, first[:24] + torch.randint(0, vocab, (12,), generator=gen).tolist()]
 
 
-def check_against_oracle(hf, prompt: list[int], out) -> None:
-    completion = out.outputs[0]
-    assert len(completion.token_ids) == STEPS
-    sequence = prompt + completion.token_ids
-    with torch.no_grad():
-        ref = hf(torch.tensor([sequence])).logits[0].float().log_softmax(-1)
-    if out.prompt_logprobs is not None:
-        ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
-        torch.testing.assert_close(ours, ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4, rtol=0)
-    rows = torch.arange(len(prompt) - 1, len(sequence) - 1)
-    ours = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)])
-    torch.testing.assert_close(ours, ref[rows, torch.tensor(completion.token_ids)], atol=1e-4, rtol=0)
-    top2 = ref[rows].topk(2, dim=-1).values
-    decided = (top2[:, 0] - top2[:, 1]) > 1e-3  # skip exact near-ties, where float noise decides
-    assert torch.equal(ref[rows].argmax(-1)[decided], torch.tensor(completion.token_ids)[decided])
-
-
 @pytest.mark.parametrize(("arch", "backend", "preemption"), CASES)
 def test_matches_transformers_through_chunks_preemption_and_prefix_hits(arch, backend, preemption, tmp_path):
     hf = make_tiny_model(arch, tmp_path)
@@ -69,7 +53,7 @@ def test_matches_transformers_through_chunks_preemption_and_prefix_hits(arch, ba
         assert engine.scheduler.kv_cache.prefix_cache_hits > 0
     assert engine.kv_cache_usage == 0.0  # every block came back
     for prompt, out in zip(prompts, outputs):
-        check_against_oracle(hf, prompt, out)
+        assert_matches_oracle(hf, prompt, out, STEPS)
 
 
 def test_mla_caches_the_latent_and_never_expands_kv_for_the_context(tmp_path):

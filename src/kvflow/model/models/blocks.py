@@ -103,6 +103,24 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class DecoderModel(nn.Module):
+    """embed_tokens → layers → norm, with one RoPE table lookup shared by all layers; a family
+    sets the four parts."""
+
+    embed_tokens: nn.Module
+    rotary: nn.Module
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        normed, _ = self.norm(hidden, residual)
+        return normed
+
+
 class CausalLM(nn.Module):
     """A decoder `model` (with an `embed_tokens`) under the LM head."""
 

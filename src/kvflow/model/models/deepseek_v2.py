@@ -34,7 +34,7 @@ from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.layers.moe import SparseMoE
 from kvflow.model.layers.norm import RMSNorm
 from kvflow.model.layers.rotary import Rope, RotaryEmbedding, torch_rotary
-from kvflow.model.models.blocks import CausalLM, DecoderLayer
+from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel
 from kvflow.quant.base import QuantizationConfig
 
 LATENT_NORM_EPS = 1e-6  # the latent norms use their class default, not the config's rms_norm_eps
@@ -99,7 +99,7 @@ def deepseek_mlp(cfg: ArchConfig, layer_idx: int, quant_config: QuantizationConf
     return SparseMoE(cfg.hidden_size, cfg.moe, quant_config, prefix)
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(DecoderModel):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None,
                  prefix: str = "model") -> None:
         super().__init__()
@@ -112,14 +112,6 @@ class DeepseekV2Model(nn.Module):
                          deepseek_mlp(cfg, i, quant_config, f"{prefix}.layers.{i}.mlp"))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
-        normed, _ = self.norm(hidden, residual)
-        return normed
 
 
 class DeepseekV2ForCausalLM(CausalLM):

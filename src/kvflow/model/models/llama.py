@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from kvflow.attention.backend import AttentionBackend
@@ -23,7 +22,7 @@ from kvflow.model.layers.embedding import VocabParallelEmbedding
 from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.layers.norm import RMSNorm
 from kvflow.model.layers.rotary import RotaryEmbedding
-from kvflow.model.models.blocks import CausalLM, DecoderLayer, RopeAttention
+from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, RopeAttention
 from kvflow.quant.base import QuantizationConfig
 
 
@@ -35,7 +34,7 @@ def dense_mlp(cfg: ArchConfig, layer_idx: int, quant_config: QuantizationConfig 
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, quant_config, prefix)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     """The Llama decoder; `qk_norm` and `mlp` are what its relatives change (the MoE families
     build it with a mixture of experts as the MLP)."""
 
@@ -50,14 +49,6 @@ class LlamaModel(nn.Module):
                          mlp(cfg, i, quant_config, f"{prefix}.layers.{i}.mlp"))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
-        normed, _ = self.norm(hidden, residual)
-        return normed
 
 
 class LlamaForCausalLM(CausalLM):
