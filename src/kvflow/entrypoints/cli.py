@@ -129,6 +129,9 @@ def run_chat(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     tokenizer = engine.get_tokenizer()
+    if not tokenizer.chat_template:
+        raise ValueError(f"{args.model or 'this model'} has no chat template (a base model?): "
+                         "use `kvflow generate` for plain completions")
     params = sampling_params_from_args(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("kvflow chat — /reset clears the conversation, /exit or Ctrl-D quits.")
