@@ -57,7 +57,7 @@ class TritonBackend:
         plan = meta.plans.get(key)
         if plan is None:
             plan = meta.plans[key] = self._plan(meta, block_q)
-        launches = [kv_store_launch(k, v, kv_cache, meta.slot_mapping)]
+        launches = [kv_store_launch(k, v, kv_cache, meta.slot_mapping) if layer.writes_kv else None]
         batch = (meta.query_start_loc, meta.seq_lens, meta.block_tables, layer.scale, layer.sliding_window)
         if plan.prefill_tiles is not None:
             launches.append(paged_prefill_launch(q, kv_cache, out, plan.prefill_tiles, *batch))

@@ -28,7 +28,7 @@ from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_kv_blocks
+from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
 
@@ -47,14 +47,16 @@ class LLMEngine:
         self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         model = self._load_model(checkpoint, dummy)
-        cache, dtype = self.config.cache, self.config.model.dtype
-        useful = -(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
-        self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype, useful)
-        num_host_blocks = int(cache.swap_space_gb * 1024**3) // kv_bytes_per_block(self.arch, cache.block_size, dtype)
+        cache, dtype, layout = self.config.cache, self.config.model.dtype, self.arch.kv_layout
+        block_bytes = layout.block_bytes(cache.block_size, dtype.itemsize)
+        useful = (-(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
+                  * len(layout.groups))
+        self.num_kv_blocks = num_kv_blocks(cache, block_bytes, useful)
+        num_host_blocks = int(cache.swap_space_gb * 1024**3) // block_bytes
         self.runner = self._make_runner(model, num_host_blocks)
         self.scheduler = Scheduler(
             self.config.scheduler,
-            KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching),
+            KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, layout.sliding_windows),
             self.config.model.max_model_len,
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
         )
@@ -105,12 +107,14 @@ class LLMEngine:
     def _make_runner(self, model: torch.nn.Module, num_host_blocks: int) -> ModelRunner:
         """The runner with its KV tensors (and swap space, and captured decode graphs)."""
         cfg, cache, dtype, device = self.config, self.config.cache, self.config.model.dtype, self.config.device
-        kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
-        host_caches = allocate_kv_caches(self.arch, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
+        layout = self.arch.kv_layout
+        kv_caches = allocate_kv_caches(layout, self.num_kv_blocks, cache.block_size, dtype, device)
+        host_caches = allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
         graphs = None
-        if cfg.use_cuda_graphs:
+        # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
+        if cfg.use_cuda_graphs and self.arch.moe is None:
             graphs = DecodeGraphs(model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
-                                  cfg.model.max_model_len, torch.device(device))
+                                  cfg.model.max_model_len, torch.device(device), len(layout.groups))
             graphs.capture()
         return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs)
 

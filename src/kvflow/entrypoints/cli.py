@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvflow.analysis.plan_cli import add_plan_parser
+    from kvflow.entrypoints.plan_cli import add_plan_parser
     from kvflow.bench.ceilings import add_ceilings_parser
     from kvflow.bench.gpu_compile import add_gpu_compile_parser
     from kvflow.bench.latency import add_latency_parser
@@ -138,6 +138,9 @@ def run_chat(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     tokenizer = engine.get_tokenizer()
+    if not tokenizer.chat_template:
+        raise ValueError(f"{args.model or 'this model'} has no chat template (a base model?): "
+                         "use `kvflow generate` for plain completions")
     params = sampling_params_from_args(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("kvflow chat — /reset clears the conversation, /exit or Ctrl-D quits.")

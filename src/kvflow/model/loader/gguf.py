@@ -19,9 +19,8 @@ import torch
 
 from kvflow.model.gguf_tokenizer import tokenizer_from_gguf
 from kvflow.model.loader import Checkpoint
+from kvflow.model.registry import gguf_architectures
 from kvflow.quant.gguf_blocks import BLOCK_SIZES, GGUFBlocks
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_TENSORS = {
@@ -37,6 +36,13 @@ _BLOCK_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the norm *before* the MLP there.
+_GEMMA_BLOCK_TENSORS = {
+    **_BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 # Precomputed llama3-style rope frequency factors: folded into hf_config["rope_scaling"].
@@ -48,7 +54,7 @@ def load_gguf(path: str | Path, *, with_tokenizer: bool = True, native: bool = F
     path = Path(path)
     reader = open_gguf(path)
     arch = _architecture(reader, path)
-    plan = [(t, hf_name) for t in reader.tensors if (hf_name := hf_tensor_name(t.name, path)) is not None]
+    plan = [(t, hf_name) for t in reader.tensors if (hf_name := hf_tensor_name(t.name, path, arch)) is not None]
     for qtype, name in {tensor.tensor_type: tensor.name for tensor, _ in plan}.items():
         _check_dequantizable(qtype, name, path)
     try:  # metadata problems: say which file they are in
@@ -96,10 +102,10 @@ def _check_tensor_extents(reader: gguf.GGUFReader, path: Path) -> None:
 
 def _architecture(reader: gguf.GGUFReader, path: Path | None = None) -> str:
     arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in gguf_architectures():
         where = f"{path}: " if path else ""
         raise ValueError(
-            f"{where}GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+            f"{where}GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(gguf_architectures()))}"
         )
     return arch
 
@@ -129,8 +135,10 @@ def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
     kv_heads = _uniform(arch_field("attention.head_count_kv", heads), "attention.head_count_kv")
     tensors = {t.name: t for t in reader.tensors}
     config: dict = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [gguf_architectures()[arch]],
+        # Gemma 3's text model: its layer pattern and local RoPE base are not in the file; the
+        # architecture's defaults (ArchConfig's FAMILY_DEFAULTS) fill them in.
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "hidden_size": hidden,
         "intermediate_size": int(_uniform(required("feed_forward_length"), "feed_forward_length")),
         "num_hidden_layers": int(required("block_count")),
@@ -143,6 +151,7 @@ def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
         "vocab_size": _vocab_size(reader, tensors),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu",
+        "sliding_window": arch_field("attention.sliding_window"),
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
         "mlp_bias": False,
         "torch_dtype": "float32",
@@ -247,12 +256,13 @@ def llama3_rope_factors(scaling: dict, theta: float, head_dim: int) -> np.ndarra
 
 # -- tensors -----------------------------------------------------------------------------------
 
-def hf_tensor_name(gguf_name: str, path: Path | None = None) -> str | None:
+def hf_tensor_name(gguf_name: str, path: Path | None = None, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor; None for tensors folded into the config (rope_freqs)."""
     if gguf_name == _ROPE_FREQS:
         return None
-    if (m := _BLOCK_RE.fullmatch(gguf_name)) and m.group(2) in _BLOCK_TENSORS:
-        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}.{m.group(3)}"
+    block_tensors = _GEMMA_BLOCK_TENSORS if arch == "gemma3" else _BLOCK_TENSORS
+    if (m := _BLOCK_RE.fullmatch(gguf_name)) and m.group(2) in block_tensors:
+        return f"model.layers.{m.group(1)}.{block_tensors[m.group(2)]}.{m.group(3)}"
     if (m := _GLOBAL_RE.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
     where = f"{path}: " if path else ""
@@ -276,6 +286,8 @@ def _iter_weights(plan: list, arch: str, config: dict, native: bool) -> Iterator
             heads = config["num_attention_heads"]
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config["num_key_value_heads"]
+        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+            weight = weight - 1  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w (never quantized)
         if heads is not None:  # rows are output channels, whole blocks each: permute them as they are
             weight = (GGUFBlocks(weight.qtype, unpermute_rope(weight.data, heads), weight.shape)
                       if isinstance(weight, GGUFBlocks) else unpermute_rope(weight, heads))
