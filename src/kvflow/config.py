@@ -191,7 +191,7 @@ class EngineArgs:
                             "(default: run the checkpoint as stored; a GGUF on its own blocks)")
         g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
-                       help="KV cache storage: auto (the model's dtype), or fp8 (E4M3) / int8 with a float16 scale "
+                       help="KV cache storage: auto (the model's dtype), or fp8 (E4M3) / int8 with a bfloat16 scale "
                             "per head and position: ~2x the tokens of bfloat16 in the same memory")
 
     @classmethod

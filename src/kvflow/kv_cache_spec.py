@@ -95,7 +95,7 @@ class SharedKVSpec:
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedKVSpec
 
 # `kv_cache_dtype` settings: "auto" keeps KV in the model's dtype; the others store one byte per
-# number plus a float16 scale per vector, one head's K or V at one position
+# number plus a bfloat16 scale per vector, one head's K or V at one position
 # (kvflow.attention.kv_quant).
 QUANTIZED_KV_CACHE_DTYPES = ("fp8", "int8")
 KV_SCALE_BYTES = 2

@@ -1,7 +1,7 @@
 """KV-cache quantization: keys and values stored as fp8 (E4M3) or int8, one scale per vector.
 
 Each position's key (and value) of each KV head — one vector of head_dim numbers — is stored as
-head_dim one-byte codes and one float16 scale, amax / qmax: symmetric, nothing but the scale
+head_dim one-byte codes and one bfloat16 scale, ~amax / qmax: symmetric, nothing but the scale
 (int8: round(x / scale) in [-127, 127]; fp8: x / scale in E4M3's [-448, 448]). Attention reads
 code * scale. The scale is per vector and fixed when the vector is written, so a position's
 stored bits depend on its own K/V only: a prompt written in one chunk or many, a block restored
@@ -11,7 +11,8 @@ from a prefix-cache hit, swapped back in or recomputed after preemption all hold
 Layout. A quantized cache is one tensor of dtype int8 or float8_e4m3fn,
 `[2, num_blocks, num_kv_heads, block_size * (head_dim + 2)]`: for each (K or V, block, head) a
 row holding the block_size x head_dim codes, position-major as in the float cache, followed by
-the block_size float16 scales (two bytes each). Why:
+the block_size bfloat16 scales (two bytes each; bfloat16 rather than float16 for its range: a
+vector of keys near 1e-4 or 1e5 still gets a scale that uses the codes' whole range). Why:
 - dimension 1 is still the block, so block copies (copy-on-write), swaps to host and prefix
   caching move the scales with the codes without knowing they exist;
 - a paged kernel finds everything for (block, head) at one address from the block table: the
@@ -30,10 +31,12 @@ from kvflow.kv_cache_spec import KV_SCALE_BYTES
 
 _CODE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}  # kv_cache_dtype → codes
 _QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
-SCALE_DTYPE = torch.float16
+SCALE_DTYPE = torch.bfloat16
 assert SCALE_DTYPE.itemsize == KV_SCALE_BYTES  # the planner and the pool count these bytes
 _SCALE_MIN = torch.finfo(SCALE_DTYPE).tiny  # an all-zero vector still gets a positive scale
-_SCALE_MAX = torch.finfo(SCALE_DTYPE).max
+# Rounding to bfloat16 moves a number by at most 2^-9 of itself: raising amax / qmax by 2^-8
+# first keeps the stored scale >= amax / qmax, so no code ever needs clamping.
+_SCALE_ROUNDING_MARGIN = 1 + 2**-8
 
 
 def storage_dtype(kv_cache_dtype: str) -> torch.dtype | None:
@@ -50,12 +53,12 @@ def packed_shape(num_kv_heads: int, head_dim: int, num_blocks: int, block_size: 
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] → (codes [..., D] of `dtype`, float16 scales [...]). The scale is rounded to
-    float16 before dividing, so code * scale is exactly what was meant."""
+    """x [..., D] → (codes [..., D] of `dtype`, bfloat16 scales [...]). The scale is rounded to
+    bfloat16 before dividing, so code * scale is exactly what was meant."""
     qmax = _QMAX[dtype]
     x = x.float()
-    scale = (x.abs().amax(dim=-1) / qmax).clamp(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)
-    scaled = (x / scale.float()[..., None]).clamp(-qmax, qmax)  # a rounded-down scale may overshoot
+    scale = (x.abs().amax(dim=-1) * (_SCALE_ROUNDING_MARGIN / qmax)).clamp(min=_SCALE_MIN).to(SCALE_DTYPE)
+    scaled = (x / scale.float()[..., None]).clamp(-qmax, qmax)  # the clamp only guards rounding
     codes = scaled.round().to(dtype) if dtype == torch.int8 else scaled.to(dtype)
     return codes, scale
 
@@ -71,7 +74,7 @@ def round_trip(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def split(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of a packed cache: codes [2, num_blocks, heads, block_size, head_dim] and float16
+    """Views of a packed cache: codes [2, num_blocks, heads, block_size, head_dim] and bfloat16
     scales [2, num_blocks, heads, block_size]. Writing into them writes the cache."""
     width = kv_cache.shape[-1] // block_size - SCALE_DTYPE.itemsize
     codes = kv_cache[..., :block_size * width].unflatten(-1, (block_size, width))

@@ -11,7 +11,7 @@ another layer's KV get that layer's tensor. Shapes:
 - MLA: `[1, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`, the latent and the RoPE key
   of each position side by side;
 - quantized K/V (kv_cache_dtype fp8 or int8): `[2, num_blocks, num_kv_heads, block_size *
-  (head_dim + 2)]`, each (block, head) row its codes then their float16 scales
+  (head_dim + 2)]`, each (block, head) row its codes then their bfloat16 scales
   (kvflow.attention.kv_quant).
 
 Either way dimension 1 is the block, which is all block copies and swaps need to know.
