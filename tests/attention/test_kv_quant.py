@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from kvflow.attention import kv_quant
-from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, gather_kv, write_kv
+from kvflow.attention.metadata import gather_kv, write_kv
 from kvflow.attention.torch_reference import TorchReferenceBackend
 from kvflow.attention.torch_sdpa import TorchSDPABackend
 from kvflow.worker.model_runner import ModelRunner
+from test_backends import random_batch
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 
@@ -69,28 +70,9 @@ def _packed_from_float(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return packed
 
 
-def _batch(seed: int, block_size: int = 16, heads: int = 8, kv_heads: int = 2, dim: int = 32):
-    """A mixed batch over shuffled blocks: a fresh prompt, a chunk after a cached prefix, decodes."""
-    gen = torch.Generator().manual_seed(seed)
-    cases = [(0, 23), (37, 9), (50, 1), (5, 1), (90, 1), (0, 1)]  # (cached, new)
-    total = sum(-(-(c + n) // block_size) for c, n in cases) + 3
-    physical = torch.randperm(total, generator=gen).tolist()
-    tables, slots = [], []
-    for cached, new in cases:
-        table = [physical.pop() for _ in range(-(-(cached + new) // block_size))]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, cached + new)]
-    width = max(len(t) for t in tables)
-    query_lens = [n for _, n in cases]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0] + query_lens).cumsum(0), seq_lens=torch.tensor([c + n for c, n in cases]),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]), slot_mapping=torch.tensor(slots),
-        block_size=block_size, query_lens_cpu=query_lens, seq_lens_cpu=[c + n for c, n in cases],
-    )
-    tokens = sum(query_lens)
-    cache = torch.randn(2, total, kv_heads, block_size, dim, generator=gen) * 3
-    q, k, v = (torch.randn(tokens, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
-    return q * 0.5, k * 3, v * 3, cache, meta, AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, None)
+def _batch(seed: int):
+    """A mixed batch (fresh prompt, chunk after a cached prefix, decodes) over shuffled blocks."""
+    return random_batch(seed, 16, 8, 2, torch.float32, None)
 
 
 @pytest.mark.parametrize("dtype", [FP8, INT8])
