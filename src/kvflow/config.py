@@ -45,6 +45,12 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    backend: str = "guidance"  # the grammar library: "guidance" (llguidance) | "xgrammar"
+    compile_timeout_s: float = 10.0  # a grammar that takes longer is refused (a 400 from the server)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -52,6 +58,7 @@ class EngineConfig:
     attention_backend: str  # "torch_sdpa" (fast CPU path) | "torch_reference" (the oracle) | "triton" (GPU)
     device: str  # "cpu" | "cuda[:N]", never "auto"
     use_cuda_graphs: bool  # replay decode steps from captured graphs (CUDA + triton only)
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 @dataclass
@@ -75,6 +82,8 @@ class EngineArgs:
     attention_backend: str = "auto"  # triton on CUDA, torch_sdpa on CPU
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
+    structured_outputs_backend: str = "auto"  # guidance (llguidance; what auto means) or xgrammar
+    structured_outputs_compile_timeout: float = 10.0  # seconds
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -115,6 +124,9 @@ class EngineArgs:
             self.attention_backend in ("auto", "torch_sdpa", "torch_reference", "triton"),
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
+        _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
+                 "structured_outputs_backend", "auto, guidance or xgrammar")
+        _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         return EngineConfig(
@@ -138,6 +150,10 @@ class EngineArgs:
             # Graphs remove launch overhead, which only a GPU has; the triton backend is the one
             # whose decode grid is static.
             use_cuda_graphs=device.startswith("cuda") and backend == "triton" and not self.enforce_eager,
+            structured_outputs=StructuredOutputsConfig(
+                "guidance" if self.structured_outputs_backend == "auto" else self.structured_outputs_backend,
+                self.structured_outputs_compile_timeout,
+            ),
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -165,6 +181,10 @@ class EngineArgs:
                        choices=["auto", "torch_sdpa", "torch_reference", "triton"])
         g.add_argument("--device", default=d.device, help="auto (cuda when a GPU is visible), cpu, or cuda[:N]")
         g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
+        g.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
+                       choices=["auto", "guidance", "xgrammar"], help="grammar library (auto: guidance, i.e. llguidance)")
+        g.add_argument("--structured-outputs-compile-timeout", type=float, default=d.structured_outputs_compile_timeout,
+                       help="seconds a JSON schema, regex or grammar may take to compile before it is refused")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
