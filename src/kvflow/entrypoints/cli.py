@@ -71,6 +71,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                   help="the format tool calls are read from when tool_choice is auto")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128, temperature: float = 0.0) -> None:

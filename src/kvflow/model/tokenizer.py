@@ -77,6 +77,7 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        tools: list[dict] | None = None,
     ) -> str | list[int]:
         if not self.meta.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
@@ -86,6 +87,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.meta.bos_token or "",
             eos_token=self.meta.eos_token or "",
+            tools=tools,
         )
         # The template already wrote BOS where the model wants it.
         return self.encode(text, add_special_tokens=False) if tokenize else text

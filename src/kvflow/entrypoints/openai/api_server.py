@@ -35,12 +35,12 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = "hermes") -> FastAPI:
     app = FastAPI(title="kvflow", openapi_url=None)
     install_error_handlers(app)
     metrics = ServerMetrics(async_llm.get_stats, served_model_name)
     async_llm.add_finish_listener(metrics.observe)
-    chat = ChatServing(async_llm, served_model_name)
+    chat = ChatServing(async_llm, served_model_name, tool_call_parser)
     completions = CompletionServing(async_llm, served_model_name)
 
     @app.get("/health")
@@ -178,7 +178,7 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     async_llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     name = args.served_model_name or served_name(args.model)
-    app = build_app(async_llm, name, args.api_key, args.max_body_bytes)
+    app = build_app(async_llm, name, args.api_key, args.max_body_bytes, args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     server = _Server(config, on_shutdown=lambda: async_llm.shutdown(wait=False), banner=f"serving {name}")
     try:

@@ -13,6 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvflow.entrypoints.openai.structured_request import StructuredOutputFields
+from kvflow.entrypoints.openai.tool_calls import PastToolCall, ToolFields
+from kvflow.sampling_params import StructuredOutputsParams
+
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit
 _INT64 = 2**63
@@ -32,8 +36,9 @@ class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBody):
-    """What chat and completion requests share."""
+class SamplingFields(OpenAIBody, StructuredOutputFields):
+    """What chat and completion requests share (response_format and vLLM's structured-output
+    fields come from StructuredOutputFields)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -93,9 +98,11 @@ class TextPart(OpenAIBody):
 
 
 class ChatMessage(OpenAIBody):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     name: str | None = None
+    tool_calls: list[PastToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
 
     @field_validator("content")
     @classmethod
@@ -120,25 +127,34 @@ class ChatMessage(OpenAIBody):
     def for_template(self) -> dict:
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content or ""}
+        message = {"role": role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tools: list | None = None
 
     @model_validator(mode="after")
     def _chat_only(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported")
         return self
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        forced = self.tool_choice_params()
+        if forced is not None and super().structured_outputs_params() is not None:
+            raise ValueError(f"tool_choice {self.tool_mode!r} decides the output's format; "
+                             "it cannot be combined with response_format or structured_outputs")
+        return forced or super().structured_outputs_params()
 
     @property
     def max_new_tokens(self) -> int | None:
