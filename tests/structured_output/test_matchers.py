@@ -54,6 +54,7 @@ def test_masks_allow_the_accepted_tokens_and_end_only_at_the_end(backend, tokeni
     assert eos_ids[0] not in allowed(masks[0])  # the empty string is not an object
     assert allowed(masks[-1]) == {eos_ids[0]}  # after the closing brace only the end
     assert not matcher.accept_tokens(tokenizer.encode("x", add_special_tokens=False))  # nothing after it
+    assert not matcher.accept_tokens([eos_ids[0]])  # not even another end
     assert matcher.num_tokens == len(tokens)
 
 

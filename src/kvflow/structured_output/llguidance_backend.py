@@ -34,15 +34,18 @@ class LLGuidanceMatcher(GrammarMatcher):
         self.ll = matcher
         self.eos_token_ids = eos_token_ids
         self.unrecorded_end = False
-        self.last_token: int | None = None
+        self.ended = False  # the last accepted token ended the sequence
 
     def accept_tokens(self, tokens: list[int]) -> bool:
-        accepted = 0 if self.unrecorded_end else self.ll.try_consume_tokens(tokens)
-        if accepted < len(tokens) and self._stopped_at_end(tokens[accepted]) and self.ll.consume_token(tokens[accepted]):
+        if self.unrecorded_end:
+            return not tokens  # nothing follows the end
+        accepted = self.ll.try_consume_tokens(tokens)
+        if accepted < len(tokens) and self._stopped_at_end(tokens[accepted]):
+            self.ll.consume_token(tokens[accepted])
             self.unrecorded_end = True
             accepted += 1
         self.num_tokens += accepted
-        self.last_token = tokens[accepted - 1] if accepted else self.last_token
+        self.ended = self.ended if not accepted else tokens[accepted - 1] in self.eos_token_ids
         return accepted == len(tokens)
 
     def validate_tokens(self, tokens: list[int]) -> int:
@@ -65,7 +68,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         if num_tokens == 0:
             return
         self.num_tokens -= num_tokens
-        self.last_token = None  # only is_terminated reads it, and a rollback never lands after an end
+        self.ended = False  # nothing follows an end, so the token now last is not one
         recorded = num_tokens - self.unrecorded_end
         self.unrecorded_end = False
         if recorded and not self.ll.rollback(recorded):
@@ -76,7 +79,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         self.ll.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
 
     def is_terminated(self) -> bool:
-        return self.last_token in self.eos_token_ids
+        return self.ended
 
     def _stopped_at_end(self, token: int) -> bool:
         return token in self.eos_token_ids and self.ll.is_stopped() and not self.ll.is_error()

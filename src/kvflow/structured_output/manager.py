@@ -58,8 +58,10 @@ class StructuredOutputManager:
     def add_request(self, request_id: str, compiled: object) -> None:
         self._grammars[request_id] = compiled
 
-    def has_grammar(self, request_id: str) -> bool:
-        return request_id in self._grammars
+    @property
+    def active(self) -> bool:
+        """Some live request has a grammar (otherwise a step needs no mask at all)."""
+        return bool(self._grammars)
 
     def free(self, request_ids) -> None:
         for request_id in request_ids:

@@ -37,7 +37,9 @@ class StructuredOutputsParams:
     spec: GrammarSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) is not None and not (k == "json_object" and self.json_object is False)]
+        given = [k for k in KINDS if getattr(self, k) is not None]
+        if self.json_object is False:  # vLLM's way of not asking for it
+            given.remove("json_object")
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar or "
                              f"json_object; got {', '.join(given) or 'none'}")

@@ -172,7 +172,7 @@ class ModelRunner:
 
     def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> dict:
         """The grammar masks of the rows whose requests have one (SamplingBatch's fields)."""
-        if self.structured_output is None:
+        if self.structured_output is None or not self.structured_output.active:
             return {}
         masks = self.structured_output.bitmask([(c.request_id, c.output_token_ids) for c in chunks])
         if masks is None:
