@@ -62,16 +62,21 @@ num   ::= [1-9] [0-9]?
 """
 
 
-def _cases() -> list[tuple[str, str, StructuredOutputsParams, float]]:
-    """(name, question, constraint, temperature)"""
-    cases = [(name, f"Describe something as JSON ({name}).", StructuredOutputsParams(json=schema), 1.0)
+def _cases() -> list[tuple[str, str, StructuredOutputsParams, dict]]:
+    """(name, question, constraint, changes to the sampling: temperature 1, n = N, seeded)"""
+    cases = [(name, f"Describe something as JSON ({name}).", StructuredOutputsParams(json=schema), {})
              for name, schema in SCHEMAS.items()]
-    cases += [(f"regex {i}", "Give me a contact detail.", StructuredOutputsParams(regex=r), 1.0)
+    cases += [(f"regex {i}", "Give me a contact detail.", StructuredOutputsParams(regex=r), {})
               for i, r in enumerate(REGEXES)]
-    cases += [("choice", "Name a big city.", StructuredOutputsParams(choice=CHOICES), 1.0),
-              ("grammar", "Write an arithmetic expression.", StructuredOutputsParams(grammar=GRAMMAR), 1.0),
-              ("json_object", "Give a JSON object with a name and an age.", StructuredOutputsParams(json_object=True), 0.0)]
-    return cases
+    return cases + [
+        ("choice", "Name a big city.", StructuredOutputsParams(choice=CHOICES), {}),
+        ("grammar", "Write an arithmetic expression.", StructuredOutputsParams(grammar=GRAMMAR), {}),
+        ("json_object", "Give a JSON object with a name and an age.", StructuredOutputsParams(json_object=True),
+         {"temperature": 0.0}),
+        # the grammar ends after one token or two, long before min_tokens
+        ("ends before min_tokens", "Yes or no?", StructuredOutputsParams(choice=["yes", "no"]),
+         {"min_tokens": 6, "max_tokens": 12}),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +90,9 @@ def results(llm):
     tokenizer = llm.get_tokenizer()
     cases = _cases()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True) for _, q, _, _ in cases]
-    params = [SamplingParams(n=N, temperature=t, seed=1000 + i, max_tokens=160, structured_outputs=c)
-              for i, (_, _, c, t) in enumerate(cases)]
+    params = [SamplingParams(**{"n": N, "temperature": 1.0, "seed": 1000 + i, "max_tokens": 160,
+                                "structured_outputs": c, **changes})
+              for i, (_, _, c, changes) in enumerate(cases)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return {name: out.outputs for (name, *_), out in zip(cases, outputs)}
 
@@ -151,8 +157,5 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm):
     assert out.outputs[0].text == "ok"
 
 
-def test_a_grammar_that_ends_overrules_min_tokens(llm):
-    params = SamplingParams(n=2, temperature=1.0, seed=5, min_tokens=6, max_tokens=12,
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    [out] = llm.generate(["Yes or no?"], params, use_tqdm=False)
-    assert all(c.text in ("yes", "no") and c.finish_reason == "stop" for c in out.outputs)
+def test_a_grammar_that_ends_overrules_min_tokens(results):
+    assert all(text in ("yes", "no") for text in _texts(results, "ends before min_tokens"))

@@ -43,7 +43,7 @@ PARAMETERS = {t["function"]["name"]: t["function"].get("parameters", {"type": "o
 
 @pytest.fixture(scope="module")
 def client():
-    engine = AsyncLLM.from_engine_args(EngineArgs(max_model_len=1024, disable_log_stats=True))
+    engine = AsyncLLM.from_engine_args(EngineArgs(max_model_len=1024, kv_cache_memory_gb=0.25, disable_log_stats=True))
     server = live_server.start_thread(build_app(engine, MODEL))
     yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
     server.stop()
@@ -170,7 +170,7 @@ def test_what_cannot_compile_or_combine_is_a_400(client, kwargs, message):
 
 def test_a_schema_too_slow_to_compile_is_a_400(own_server):
     server = own_server(["--structured-outputs-compile-timeout", "0.001", "--max-model-len", "512",
-                         "--served-model-name", MODEL])
+                         "--kv-cache-memory-gb", "0.1", "--served-model-name", MODEL])
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     with pytest.raises(openai.BadRequestError, match="did not compile within 0.001 s"):
         chat(client, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
