@@ -96,7 +96,7 @@ class LLMEngine:
         return StructuredOutputManager(cfg.backend, self.tokenizer.backend, self.arch.vocab_size,
                                        sorted(self.eos_token_ids), cfg.compile_timeout_s)
 
-    def compile_grammar(self, params: StructuredOutputsParams) -> object:
+    def _compile_grammar(self, params: StructuredOutputsParams) -> object:
         """The compiled grammar of a request's structured_outputs (cached); ValueError if it is
         invalid, unsupported or too slow to compile."""
         if self.structured_output is None:
@@ -130,7 +130,7 @@ class LLMEngine:
         error = self.scheduler.admission_error(len(token_ids), max_tokens)
         if error:
             raise ValueError(error)
-        grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
+        grammar = None if params.structured_outputs is None else self._compile_grammar(params.structured_outputs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentRequest(request_id, text, token_ids, RequestMetrics(arrival_time=arrival))
         queued: list[str] = []
