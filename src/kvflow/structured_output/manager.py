@@ -47,12 +47,9 @@ class StructuredOutputManager:
             if token < vocab_size:
                 self._eos_only[token // 32] |= _bit(token % 32)
 
-    # -- when a request arrives (any thread) -------------------------------------------------
+    # -- when a request arrives (any thread; AsyncLLM uses `compiler.compile_async`) ----------
     def compile(self, params: StructuredOutputsParams) -> object:
         return self.compiler.compile(params.spec)
-
-    async def compile_async(self, params: StructuredOutputsParams) -> object:
-        return await self.compiler.compile_async(params.spec)
 
     # -- the engine thread -------------------------------------------------------------------
     def add_request(self, request_id: str, compiled: object) -> None:
