@@ -25,6 +25,9 @@ class ModelConfig:
     max_model_len: int
     seed: int
     skip_tokenizer_init: bool
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
+    quantization: str | None = None  # None: the checkpoint as stored (a GGUF's own blocks)
+    group_size: int | None = None  # int4/awq: input channels per scale
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class EngineArgs:
     attention_backend: str = "auto"  # triton on CUDA, torch_sdpa on CPU
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
+    max_logprobs: int = 20  # vLLM's name and default; -1: no cap
+    quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
+    group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
     structured_outputs_backend: str = "auto"  # guidance (llguidance; what auto means) or xgrammar
     structured_outputs_compile_timeout: float = 10.0  # seconds
 
@@ -120,10 +126,12 @@ class EngineArgs:
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs or priority")
         _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         _require(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
+        _require(self.max_logprobs >= -1, "max_logprobs", ">= 0, or -1 for no cap")
         _require(
             self.attention_backend in ("auto", "torch_sdpa", "torch_reference", "triton"),
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
+        _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
@@ -137,6 +145,9 @@ class EngineArgs:
                 max_model_len=max_len,
                 seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                max_logprobs=self.max_logprobs,
+                quantization=self.quantization,
+                group_size=self.group_size,
             ),
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
@@ -181,6 +192,12 @@ class EngineArgs:
                        choices=["auto", "torch_sdpa", "torch_reference", "triton"])
         g.add_argument("--device", default=d.device, help="auto (cuda when a GPU is visible), cpu, or cuda[:N]")
         g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
+        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="the most logprobs / prompt_logprobs one request may ask for (-1: no cap)")
+        g.add_argument("--quantization", "-q", default=None,
+                       help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
+                            "(default: run the checkpoint as stored; a GGUF on its own blocks)")
+        g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
         g.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
                        choices=["auto", "guidance", "xgrammar"], help="grammar library (auto: guidance, i.e. llguidance)")
         g.add_argument("--structured-outputs-compile-timeout", type=float, default=d.structured_outputs_compile_timeout,

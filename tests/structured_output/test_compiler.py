@@ -143,3 +143,21 @@ def test_params_canonical_text_keeps_property_order():
     b = StructuredOutputsParams(json='{"properties": {"b": {}, "a": {}}}').spec
     c = StructuredOutputsParams(json={"properties": {"a": {}, "b": {}}}).spec
     assert a == b and a != c and StructuredOutputsParams(json_object=False, regex="x").spec.kind == "regex"
+
+
+def test_a_tokenizer_the_library_cannot_read_is_named_as_such_not_blamed_on_the_spec(tmp_path):
+    # The tiny models' character tokenizer has a lone Fuse decoder, which llguidance cannot read.
+    import tokenizers
+
+    from kvflow.structured_output.backend import make_backend
+    from tiny_models import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    tokenizer = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    built = []
+    compiler = GrammarCompiler(lambda: built.append(1) or make_backend("guidance", tokenizer, 97, [96]), 30.0)
+    for regex in ("a+", "b+"):
+        with pytest.raises(ValueError, match="unavailable with this model: the guidance backend cannot read") as error:
+            compiler.compile(spec(regex))
+        assert "invalid" not in str(error.value)
+    assert built == [1]  # the failure is remembered, not rebuilt per request

@@ -22,13 +22,14 @@ from kvflow.engine.engine_thread import (
     AbortCommand, AddCommand, EngineDeadError, EngineThread, Item, RequestFailedError, StopCommand,
 )
 from kvflow.engine.llm_engine import LLMEngine, PromptType
+from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
 from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.request_timing import FinishedRequest
 from kvflow.engine.stats import EngineStats
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "RequestStream", "EngineDeadError", "RequestFailedError"]
+__all__ = ["AsyncLLM", "RequestStream", "EngineDeadError", "EngineOverloadedError", "RequestFailedError", "LoadLimits"]
 
 
 class RequestStream:
@@ -67,7 +68,7 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, limits: LoadLimits = LoadLimits()) -> None:
         # Read-only facts copied out now: the engine itself belongs to its thread from here on.
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len: int = engine.config.model.max_model_len
@@ -75,11 +76,11 @@ class AsyncLLM:
         # The grammar compiler is safe to use from any thread (the matchers are the engine's).
         self._grammar_compiler = engine.structured_output.compiler if engine.structured_output else None
         self._listeners: tuple[Callable[[FinishedRequest], None], ...] = ()
-        self._thread = EngineThread(engine, self._on_finished)
+        self._thread = EngineThread(engine, self._on_finished, limits)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        return cls(LLMEngine(args))
+    def from_engine_args(cls, args: EngineArgs, limits: LoadLimits = LoadLimits()) -> AsyncLLM:
+        return cls(LLMEngine(args), limits)
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -102,8 +103,9 @@ class AsyncLLM:
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it. Raises ValueError for bad input
-        (nothing queued) and EngineDeadError when the engine is not running. A grammar is
-        compiled here, off the engine thread, so the engine finds it in the cache."""
+        (nothing queued), EngineOverloadedError when too many requests wait, and EngineDeadError
+        when the engine is not running. A grammar is compiled here, off the engine thread, so the
+        engine finds it in the cache."""
         if params.structured_outputs is not None and self._grammar_compiler is not None:
             await self._grammar_compiler.compile_async(params.structured_outputs.spec)
         loop = asyncio.get_running_loop()
@@ -142,10 +144,10 @@ class AsyncLLM:
         except EngineDeadError:
             pass  # nothing is running any more
 
-    def shutdown(self, wait: bool = True, timeout: float = 30.0) -> None:
-        """Stop taking requests, end those in flight (they finish as aborted), stop the thread."""
+    def shutdown(self, wait: bool = True, timeout: float = 30.0, reason: str = StopCommand.reason) -> None:
+        """Stop taking requests, fail those in flight with EngineDeadError(reason), stop the thread."""
         try:
-            self._thread.submit(StopCommand())
+            self._thread.submit(StopCommand(reason))
         except EngineDeadError:
             pass
         if wait:

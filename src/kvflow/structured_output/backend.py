@@ -82,9 +82,11 @@ def make_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: list[int]
     """`tokenizer`: the `tokenizers.Tokenizer` of the model; `vocab_size`: its logits' width."""
     check_backend(name)
     if name == "guidance":
-        from kvflow.structured_output.llguidance_backend import LLGuidanceBackend
-
-        return LLGuidanceBackend(tokenizer, vocab_size, eos_token_ids)
-    from kvflow.structured_output.xgrammar_backend import XGrammarBackend
-
-    return XGrammarBackend(tokenizer, vocab_size, eos_token_ids)
+        from kvflow.structured_output.llguidance_backend import LLGuidanceBackend as backend_class
+    else:
+        from kvflow.structured_output.xgrammar_backend import XGrammarBackend as backend_class
+    try:
+        return backend_class(tokenizer, vocab_size, eos_token_ids)
+    except (ValueError, RuntimeError) as e:  # the library cannot read this tokenizer (its decoder, say)
+        raise ValueError(f"structured output is unavailable with this model: the {name} backend cannot read "
+                         f"its tokenizer ({str(e)[:300]})") from None

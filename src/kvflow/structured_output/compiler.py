@@ -35,6 +35,7 @@ class GrammarCompiler:
         # fraction of a second that engines which never see a grammar should not pay.
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
+        self._backend_error: ValueError | None = None
         self._backend_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the cache
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
@@ -42,9 +43,15 @@ class GrammarCompiler:
 
     @property
     def backend(self) -> GrammarBackend:
+        """ValueError (each time, built once) if the grammar library cannot read the tokenizer."""
         with self._backend_lock:
-            if self._backend is None:
-                self._backend = self._make_backend()
+            if self._backend is None and self._backend_error is None:
+                try:
+                    self._backend = self._make_backend()
+                except ValueError as e:
+                    self._backend_error = e
+            if self._backend_error is not None:
+                raise ValueError(str(self._backend_error))
             return self._backend
 
     def submit(self, spec: GrammarSpec) -> Future:
@@ -84,8 +91,9 @@ class GrammarCompiler:
             return future is not None and future.done()
 
     def _compile(self, spec: GrammarSpec) -> object:
+        backend = self.backend  # its error is about the model, not the spec
         try:
-            return self.backend.compile(spec)
+            return backend.compile(spec)
         except ValueError as e:
             raise ValueError(f"{spec.label} is invalid or unsupported: {e}") from None
 

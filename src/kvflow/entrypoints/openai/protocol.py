@@ -2,14 +2,14 @@
 
 Validation is strict (a string is not a number, 1.0 is not an integer) so that a wrong type is an
 error rather than a guess; null is the same as leaving a field out. Fields OpenAI has and kvflow
-does not support are refused by name; kvflow's own sampling knobs (top_k, min_p, ...) are accepted
-as extra fields, as vLLM accepts them; any other unknown field is ignored, as OpenAI's clients
-send new ones first.
+does not support are refused by name (UNSUPPORTED_FIELDS); kvflow's own sampling knobs (top_k,
+min_p, ...) are accepted as extra fields, as vLLM accepts them; any other unknown field is
+ignored, as OpenAI's clients send new ones first.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -20,6 +20,13 @@ from kvflow.sampling_params import StructuredOutputsParams
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit
 _INT64 = 2**63
+
+# Fields OpenAI (or vLLM) defines that kvflow does not implement: refused by name, never ignored,
+# since a client sending them expects their effect. Sent with a value that asks for nothing
+# (null, empty, "none") they are accepted. Tools are a chat feature: completions refuse them.
+UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias")
+CHAT_ONLY_FIELDS = ("tools", "tool_choice")
+_ASKS_FOR_NOTHING = (None, [], {}, "none")
 
 
 class OpenAIBody(BaseModel):
@@ -40,6 +47,18 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     """What chat and completion requests share (response_format and vLLM's structured-output
     fields come from StructuredOutputFields)."""
 
+    _unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in cls._unsupported:
+                if data.get(name) not in _ASKS_FOR_NOTHING:
+                    where = " on /v1/completions (use /v1/chat/completions)" if name in CHAT_ONLY_FIELDS else ""
+                    raise ValueError(f"`{name}` is not supported by this server{where}")
+        return data
+
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -51,9 +70,8 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
     # kvflow's extras, with vLLM's names.
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, lt=_INT64)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
@@ -83,8 +101,6 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     def _consistent(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
 
     @property
@@ -170,6 +186,7 @@ TokenIds = list[int]
 
 
 class CompletionRequest(SamplingFields):
+    _unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS + CHAT_ONLY_FIELDS
     prompt: Any
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False

@@ -7,30 +7,35 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from kvflow.engine.async_llm import RequestStream
+from kvflow.engine.async_llm import AsyncLLM, RequestStream
 from kvflow.engine.outputs import PositionLogprobDict
 from kvflow.entrypoints.openai.errors import bad_request
+from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, Delta,
     DeltaToolCall, TokenLogprob, TopLogprob, Usage,
 )
 from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, sse
+from kvflow.entrypoints.openai.tokenization import PromptTokenizer
 from kvflow.entrypoints.openai.tool_calls import messages_for_template
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS, ChoiceOutput, choice_output, whole_calls
 
 
 class ChatServing(Serving):
-    def __init__(self, async_llm, model_name: str, tool_call_parser: str = "hermes") -> None:
-        super().__init__(async_llm, model_name)
+    def __init__(self, async_llm: AsyncLLM, model_name: str, limits: ServerLimits, tokenizer: PromptTokenizer,
+                 tool_call_parser: str = "hermes") -> None:
+        super().__init__(async_llm, model_name, limits, tokenizer)
         if tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}; got {tool_call_parser!r}")
         self.tool_call_parser = tool_call_parser  # how `tool_choice="auto"` finds calls in the text
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletion | EventStreamResponse:
         self.check_model(req.model)
-        prompt = self._render(req)
+        self.check_fan_out(1, req.n)
         params = self.sampling_params(req, req.max_new_tokens, req.num_logprobs)
+        prompt = await self._render(req)
+        self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         [stream] = await self.start(request_id, [prompt], params)
         if req.stream:
@@ -40,14 +45,14 @@ class ChatServing(Serving):
         finally:
             stream.close()
 
-    def _render(self, req: ChatCompletionRequest) -> list[int]:
+    async def _render(self, req: ChatCompletionRequest) -> list[int]:
         try:
-            tokenizer = self.async_llm.get_tokenizer()
             tools = req.template_tools()
-            messages = messages_for_template([m.for_template() for m in req.messages], tools, tokenizer.chat_template)
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                 tokenize=True, tools=tools)
-        except ValueError as e:  # no tokenizer or template, or the template refused the conversation
+            tokenizer = self.tokenizer.tokenizer
+            template = tokenizer.chat_template if tokenizer is not None else None
+            messages = messages_for_template([m.for_template() for m in req.messages], tools, template)
+            return await self.tokenizer.render_chat(messages, req.add_generation_prompt, tools)
+        except ValueError as e:  # no tokenizer or template, the template refused the conversation, too long
             raise bad_request(e) from None
 
     async def _collect(self, request_id: str, req: ChatCompletionRequest, stream: RequestStream) -> ChatCompletion:
