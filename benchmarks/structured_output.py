@@ -96,7 +96,7 @@ def _decode_steps(engine: LLMEngine, prompts: list, params: SamplingParams) -> l
         engine.add_request(None, prompt, params)
     durations = []
     while engine.has_unfinished_requests():
-        prefill = any(r.num_uncomputed_tokens > 1 for r in engine.scheduler.running + engine.scheduler.waiting)
+        prefill = any(r.num_uncomputed_tokens > 1 for r in [*engine.scheduler.running, *engine.scheduler.waiting])
         start = time.perf_counter()
         engine.step()
         if not prefill:
