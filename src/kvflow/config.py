@@ -51,6 +51,12 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    backend: str = "guidance"  # the grammar library: "guidance" (llguidance) | "xgrammar"
+    compile_timeout_s: float = 10.0  # a grammar that takes longer is refused (a 400 from the server)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -58,6 +64,7 @@ class EngineConfig:
     attention_backend: str  # "torch_sdpa" (fast CPU path) | "torch_reference" (the oracle) | "triton" (GPU)
     device: str  # "cpu" | "cuda[:N]", never "auto"
     use_cuda_graphs: bool  # replay decode steps from captured graphs (CUDA + triton only)
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 @dataclass
@@ -85,6 +92,8 @@ class EngineArgs:
     quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
     group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
     kv_cache_dtype: str = "auto"  # vLLM's name: fp8 or int8 stores KV in one byte per number plus scales
+    structured_outputs_backend: str = "auto"  # guidance (llguidance; what auto means) or xgrammar
+    structured_outputs_compile_timeout: float = 10.0  # seconds
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -128,6 +137,9 @@ class EngineArgs:
         )
         _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
         _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", "auto, fp8 or int8")
+        _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
+                 "structured_outputs_backend", "auto, guidance or xgrammar")
+        _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         if self.kv_cache_dtype != "auto" and backend == "triton":
@@ -157,6 +169,10 @@ class EngineArgs:
             # Graphs remove launch overhead, which only a GPU has; the triton backend is the one
             # whose decode grid is static.
             use_cuda_graphs=device.startswith("cuda") and backend == "triton" and not self.enforce_eager,
+            structured_outputs=StructuredOutputsConfig(
+                "guidance" if self.structured_outputs_backend == "auto" else self.structured_outputs_backend,
+                self.structured_outputs_compile_timeout,
+            ),
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -193,6 +209,10 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
                        help="KV cache storage: auto (the model's dtype), or fp8 (E4M3) / int8 with a bfloat16 scale "
                             "per head and position: ~2x the tokens of bfloat16 in the same memory")
+        g.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
+                       choices=["auto", "guidance", "xgrammar"], help="grammar library (auto: guidance, i.e. llguidance)")
+        g.add_argument("--structured-outputs-compile-timeout", type=float, default=d.structured_outputs_compile_timeout,
+                       help="seconds a JSON schema, regex or grammar may take to compile before it is refused")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+from kvflow.structured_output.params import StructuredOutputsParams
+
 GREEDY_TEMPERATURE = 1e-5  # below this temperature, sampling is argmax
 _INT64 = 2**63  # top_k and seed become int64 tensors and generator seeds
 
@@ -40,6 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +90,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 0), name, "an integer >= 0 (or None)", value)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "a StructuredOutputsParams (or None)", self.structured_outputs)
 
 
 def _is_int(value: object) -> bool:

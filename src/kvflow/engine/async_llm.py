@@ -73,6 +73,8 @@ class AsyncLLM:
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len: int = engine.config.model.max_model_len
         self.vocab_size: int = engine.arch.vocab_size
+        # The grammar compiler is safe to use from any thread (the matchers are the engine's).
+        self._grammar_compiler = engine.structured_output.compiler if engine.structured_output else None
         self._listeners: tuple[Callable[[FinishedRequest], None], ...] = ()
         self._thread = EngineThread(engine, self._on_finished, limits)
 
@@ -102,7 +104,10 @@ class AsyncLLM:
                           priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it. Raises ValueError for bad input
         (nothing queued), EngineOverloadedError when too many requests wait, and EngineDeadError
-        when the engine is not running."""
+        when the engine is not running. A grammar is compiled here, off the engine thread, so the
+        engine finds it in the cache."""
+        if params.structured_outputs is not None and self._grammar_compiler is not None:
+            await self._grammar_compiler.compile_async(params.structured_outputs.spec)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self._abort_stream)
         accepted = loop.create_future()

@@ -27,7 +27,8 @@ from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.quant.registry import get_quantization_config
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
@@ -53,6 +54,8 @@ class LLMEngine:
                   * len(layout.groups))
         self.num_kv_blocks = num_kv_blocks(cache, block_bytes, useful)
         num_host_blocks = int(cache.swap_space_gb * 1024**3) // block_bytes
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
+        self.structured_output = self._make_structured_output()
         self.runner = self._make_runner(model, num_host_blocks)
         self.scheduler = Scheduler(
             self.config.scheduler,
@@ -61,7 +64,6 @@ class LLMEngine:
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
         self._children: dict[str, list[str]] = {}  # user request id → engine request ids
         self._ids = itertools.count()
         self._running_at_step: set[str] = set()
@@ -117,7 +119,23 @@ class LLMEngine:
             graphs = DecodeGraphs(model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
                                   cfg.model.max_model_len, torch.device(device), len(layout.groups))
             graphs.capture()
-        return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs)
+        return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs,
+                           self.structured_output)
+
+    def _make_structured_output(self) -> StructuredOutputManager | None:
+        """Grammar matchers need the vocabulary: none without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        cfg = self.config.structured_outputs
+        return StructuredOutputManager(cfg.backend, self.tokenizer.backend, self.arch.vocab_size,
+                                       sorted(self.eos_token_ids), cfg.compile_timeout_s)
+
+    def _compile_grammar(self, params: StructuredOutputsParams) -> object:
+        """The compiled grammar of a request's structured_outputs (cached); ValueError if it is
+        invalid, unsupported or too slow to compile."""
+        if self.structured_output is None:
+            raise ValueError("structured_outputs needs the model's tokenizer; this engine was started without one")
+        return self.structured_output.compile(params)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -147,6 +165,7 @@ class LLMEngine:
         error = self.scheduler.admission_error(len(token_ids), max_tokens)
         if error:
             raise ValueError(error)
+        grammar = None if params.structured_outputs is None else self._compile_grammar(params.structured_outputs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentRequest(request_id, text, token_ids, RequestMetrics(arrival_time=arrival))
         queued: list[str] = []
@@ -158,6 +177,8 @@ class LLMEngine:
                                   priority=priority, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
                 queued.append(child_id)
+                if grammar is not None:  # freed by the runner once the request finishes
+                    self.structured_output.add_request(child_id, grammar)
                 self.output_processor.add_request(request, parent, index)
         except BaseException:  # all or nothing: a half-queued request would run with nobody to answer
             self.scheduler.finish_requests(queued, RequestStatus.FINISHED_ABORTED)

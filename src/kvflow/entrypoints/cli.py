@@ -79,6 +79,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--disallow-special-tokens-in-content", action="store_true",
                    help="tokenize special-token text in chat messages as plain text, so users cannot forge roles")
+    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                   help="the format tool calls are read from when tool_choice is auto")
     ServerLimits.add_cli_args(parser)
 
 

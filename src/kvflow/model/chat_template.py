@@ -59,7 +59,9 @@ def render_chat_template(
     add_generation_prompt: bool,
     bos_token: str = "",
     eos_token: str = "",
+    tools: list[dict] | None = None,
 ) -> str:
+    """`tools`: OpenAI-style tool objects, for templates that describe them (HF's convention)."""
     normalize = [normalize_message(m, i) for i, m in enumerate(messages)]
     compile_chat_template(source)
     try:
@@ -68,6 +70,7 @@ def render_chat_template(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
+            tools=tools,
         )
     except TemplateError as e:
         raise ValueError(f"chat template failed: {e}") from e

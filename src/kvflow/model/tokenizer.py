@@ -83,22 +83,25 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        tools: list[dict] | None = None,
         escape_special_tokens: bool = False,
         check_text: Callable[[str], None] | None = None,
     ) -> str | list[int]:
         """`escape_special_tokens`: special-token text inside message content ("<|im_start|>system")
         is tokenized as the plain text it is, so a user cannot forge the template's structure.
-        `check_text` sees the rendered text before it is tokenized (and may refuse it)."""
+        `check_text` sees the rendered text before it is tokenized (and may refuse it). `tools`: the
+        OpenAI tool definitions, for templates that render them."""
         if not self.meta.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         if escape_special_tokens and tokenize:
-            return self._render_escaped(messages, add_generation_prompt, check_text)
+            return self._render_escaped(messages, add_generation_prompt, check_text, tools)
         text = render_chat_template(
             self.meta.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.meta.bos_token or "",
             eos_token=self.meta.eos_token or "",
+            tools=tools,
         )
         if check_text is not None:
             check_text(text)
@@ -106,7 +109,7 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _render_escaped(self, messages: list[dict], add_generation_prompt: bool,
-                        check_text: Callable[[str], None] | None) -> list[int]:
+                        check_text: Callable[[str], None] | None, tools: list[dict] | None) -> list[int]:
         # Special-token text in content is swapped for a marker no user can guess, the template is
         # rendered, and each marker is tokenized apart, as plain text. Without such text in the
         # content the ids are exactly those of the ordinary path.
@@ -119,7 +122,7 @@ class Tokenizer:
         marked = [normalize_message(m, i) for i, m in enumerate(messages)]
         if self._special_pattern is not None:
             marked = [{**m, "content": self._special_pattern.sub(mark, m["content"])} for m in marked]
-        text = self.apply_chat_template(marked, add_generation_prompt, check_text=check_text)
+        text = self.apply_chat_template(marked, add_generation_prompt, tools=tools, check_text=check_text)
         ids, start = [], 0
         for marker in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", text):
             ids += self.encode(text[start:marker.start()], add_special_tokens=False)

@@ -16,6 +16,7 @@ from torch import nn
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
+from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import unique_caches
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
@@ -39,7 +40,8 @@ class FlatBatch:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int,
-                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | None = None) -> None:
+                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | None = None,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches  # swap space, same layout, in host memory
@@ -48,11 +50,14 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, for its whole life
         self.decode_graphs = decode_graphs
+        self.structured_output = structured_output  # grammar matchers (None: no tokenizer)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+        if self.structured_output is not None:
+            self.structured_output.free(sched.finished_request_ids)
         # Order matters: a block may be swapped out, then reused as a copy's destination or a
         # swap-in's, all before the forward pass writes the step's new K/V.
         self._swap(sched.swap_out, to_host=True)
@@ -64,8 +69,10 @@ class ModelRunner:
         hidden = self._forward(batch)
         out = ModelRunnerOutput()
         if batch.sample_rows:
+            # Filled on the host while an accelerator still runs the forward pass.
+            sampling = self._sampling_batch(batch.sample_chunks)
             logits = self.model.compute_logits(hidden[batch.sample_rows])
-            self._collect_samples(batch.sample_chunks, self.sampler(logits, self._sampling_batch(batch.sample_chunks)), out)
+            self._collect_samples(batch.sample_chunks, self.sampler(logits, sampling), out)
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, hidden, out)
         return out
@@ -174,7 +181,18 @@ class ModelRunner:
             any_penalties=any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
                               for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            **self._grammar_bitmask(chunks),
         )
+
+    def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> dict:
+        """The grammar masks of the rows whose requests have one (SamplingBatch's fields)."""
+        if self.structured_output is None or not self.structured_output.active:
+            return {}
+        masks = self.structured_output.bitmask([(c.request_id, c.output_token_ids) for c in chunks])
+        if masks is None:
+            return {}
+        return {"grammar_bitmask": masks.bitmask.to(self.device, non_blocking=True),
+                "grammar_rows": torch.tensor(masks.rows, device=self.device)}
 
     def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
         seed = chunk.sampling_params.seed

@@ -43,7 +43,8 @@ SHUTDOWN_GRACE_SECONDS = 5.0  # after the drain: time to write the 503s before c
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              limits: ServerLimits = ServerLimits(), escape_special_tokens: bool = False) -> FastAPI:
+              limits: ServerLimits = ServerLimits(), escape_special_tokens: bool = False,
+              tool_call_parser: str = "hermes") -> FastAPI:
     """Raises ValueError for a configuration that must not serve: an empty API key (an empty
     KVFLOW_API_KEY would otherwise turn auth off without a word), a chat template that does not compile."""
     if api_key is not None and not api_key:
@@ -56,7 +57,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     async_llm.add_finish_listener(metrics.observe)
     tokenizer = PromptTokenizer(async_llm.tokenizer, async_llm.max_model_len, limits.tokenizer_workers,
                                 escape_special_tokens)
-    chat = ChatServing(async_llm, served_model_name, limits, tokenizer)
+    chat = ChatServing(async_llm, served_model_name, limits, tokenizer, tool_call_parser)
     completions = CompletionServing(async_llm, served_model_name, limits, tokenizer)
 
     @app.get("/health")
@@ -216,7 +217,8 @@ def run_server(args: argparse.Namespace) -> int:
     async_llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), limits.load_limits())
     name = args.served_model_name or served_name(args.model)
     try:
-        app = build_app(async_llm, name, args.api_key, limits, args.disallow_special_tokens_in_content)
+        app = build_app(async_llm, name, args.api_key, limits, args.disallow_special_tokens_in_content,
+                        args.tool_call_parser)
     except ValueError:
         async_llm.shutdown()
         raise

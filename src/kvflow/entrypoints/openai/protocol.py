@@ -9,9 +9,13 @@ ignored, as OpenAI's clients send new ones first.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvflow.entrypoints.openai.structured_request import StructuredOutputFields
+from kvflow.entrypoints.openai.tool_calls import PastToolCall, ToolFields
+from kvflow.sampling_params import StructuredOutputsParams
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit
@@ -19,10 +23,10 @@ _INT64 = 2**63
 
 # Fields OpenAI (or vLLM) defines that kvflow does not implement: refused by name, never ignored,
 # since a client sending them expects their effect. Sent with a value that asks for nothing
-# (null, empty, tool_choice "none", response_format text) they are accepted.
-UNSUPPORTED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "function_call", "logit_bias",
-                      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-_ASKS_FOR_NOTHING = (None, [], {}, "none", {"type": "text"})
+# (null, empty, "none") they are accepted. Tools are a chat feature: completions refuse them.
+UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias")
+CHAT_ONLY_FIELDS = ("tools", "tool_choice")
+_ASKS_FOR_NOTHING = (None, [], {}, "none")
 
 
 class OpenAIBody(BaseModel):
@@ -39,16 +43,20 @@ class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBody):
-    """What chat and completion requests share."""
+class SamplingFields(OpenAIBody, StructuredOutputFields):
+    """What chat and completion requests share (response_format and vLLM's structured-output
+    fields come from StructuredOutputFields)."""
+
+    _unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in UNSUPPORTED_FIELDS:
+            for name in cls._unsupported:
                 if data.get(name) not in _ASKS_FOR_NOTHING:
-                    raise ValueError(f"`{name}` is not supported by this server")
+                    where = " on /v1/completions (use /v1/chat/completions)" if name in CHAT_ONLY_FIELDS else ""
+                    raise ValueError(f"`{name}` is not supported by this server{where}")
         return data
 
     model: str | None = None
@@ -106,9 +114,11 @@ class TextPart(OpenAIBody):
 
 
 class ChatMessage(OpenAIBody):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     name: str | None = None
+    tool_calls: list[PastToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
 
     @field_validator("content")
     @classmethod
@@ -133,10 +143,15 @@ class ChatMessage(OpenAIBody):
     def for_template(self) -> dict:
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content or ""}
+        message = {"role": role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -149,6 +164,13 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        forced = self.tool_choice_params()
+        if forced is not None and super().structured_outputs_params() is not None:
+            raise ValueError(f"tool_choice {self.tool_mode!r} decides the output's format; "
+                             "it cannot be combined with response_format or structured_outputs")
+        return forced or super().structured_outputs_params()
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -164,6 +186,7 @@ TokenIds = list[int]
 
 
 class CompletionRequest(SamplingFields):
+    _unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS + CHAT_ONLY_FIELDS
     prompt: Any
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False

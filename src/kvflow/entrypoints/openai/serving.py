@@ -73,6 +73,7 @@ class Serving:
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, output_kind=RequestOutputKind.DELTA,
+                structured_outputs=req.structured_outputs_params(),
             )
         except ValueError as e:
             raise bad_request(e) from None

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages → chat template → one engine request with n completions."""
+"""POST /v1/chat/completions: messages (and tools) → chat template → one engine request with n
+completions; each completion's text becomes content and tool calls (tool_parsers.py)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,29 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from kvflow.engine.async_llm import RequestStream
+from kvflow.engine.async_llm import AsyncLLM, RequestStream
 from kvflow.engine.outputs import PositionLogprobDict
 from kvflow.entrypoints.openai.errors import bad_request
+from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, Delta,
-    TokenLogprob, TopLogprob, Usage,
+    DeltaToolCall, TokenLogprob, TopLogprob, Usage,
 )
 from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, sse
+from kvflow.entrypoints.openai.tokenization import PromptTokenizer
+from kvflow.entrypoints.openai.tool_calls import messages_for_template
+from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS, ChoiceOutput, choice_output, whole_calls
 
 
 class ChatServing(Serving):
+    def __init__(self, async_llm: AsyncLLM, model_name: str, limits: ServerLimits, tokenizer: PromptTokenizer,
+                 tool_call_parser: str = "hermes") -> None:
+        super().__init__(async_llm, model_name, limits, tokenizer)
+        if tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}; got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser  # how `tool_choice="auto"` finds calls in the text
+
     async def create(self, req: ChatCompletionRequest) -> ChatCompletion | EventStreamResponse:
         self.check_model(req.model)
         self.check_fan_out(1, req.n)
@@ -35,8 +47,11 @@ class ChatServing(Serving):
 
     async def _render(self, req: ChatCompletionRequest) -> list[int]:
         try:
-            messages = [m.for_template() for m in req.messages]
-            return await self.tokenizer.render_chat(messages, req.add_generation_prompt)
+            tools = req.template_tools()
+            tokenizer = self.tokenizer.tokenizer
+            template = tokenizer.chat_template if tokenizer is not None else None
+            messages = messages_for_template([m.for_template() for m in req.messages], tools, template)
+            return await self.tokenizer.render_chat(messages, req.add_generation_prompt, tools)
         except ValueError as e:  # no tokenizer or template, the template refused the conversation, too long
             raise bad_request(e) from None
 
@@ -49,11 +64,20 @@ class ChatServing(Serving):
                 choices[delta.index].add(delta)
         return ChatCompletion(
             id=request_id, model=self.model_name,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                                logprobs=self._logprobs(c.token_ids, c.logprobs, req))
-                     for i, c in enumerate(choices)],
+            choices=[self._choice(i, c, req) for i, c in enumerate(choices)],
             usage=Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)),
         )
+
+    def _choice(self, index: int, choice: Choice, req: ChatCompletionRequest) -> ChatChoice:
+        output = self._output(req)
+        content, deltas = output.feed(choice.text, final=True)
+        calls = whole_calls(deltas)
+        message = AssistantMessage(content=content or (None if calls else ""), tool_calls=calls or None)
+        return ChatChoice(index=index, message=message, finish_reason=_finish_reason(choice.finish_reason, output),
+                          logprobs=self._logprobs(choice.token_ids, choice.logprobs, req))
+
+    def _output(self, req: ChatCompletionRequest) -> ChoiceOutput:
+        return choice_output(req.tool_mode, self.tool_call_parser, req.forced_function)
 
     async def _events(self, request_id: str, req: ChatCompletionRequest, stream: RequestStream) -> AsyncIterator[str]:
         created = int(time.time())
@@ -63,14 +87,18 @@ class ChatServing(Serving):
 
         for index in range(req.n):  # the role first, as OpenAI sends it
             yield chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
+        outputs = [self._output(req) for _ in range(req.n)]
         prompt_tokens = completion_tokens = 0
         async for out in stream:
             prompt_tokens = len(out.prompt_token_ids)
             for delta in out.outputs:
                 completion_tokens += len(delta.token_ids)
-                if delta.text or delta.finish_reason or (req.logprobs and delta.token_ids):
+                output = outputs[delta.index]
+                content, calls = output.feed(delta.text, final=delta.finish_reason is not None)
+                if content or calls or delta.finish_reason or (req.logprobs and delta.token_ids):
                     yield chunk([ChatChunkChoice(
-                        index=delta.index, delta=Delta(content=delta.text), finish_reason=delta.finish_reason,
+                        index=delta.index, delta=_delta(content, calls),
+                        finish_reason=_finish_reason(delta.finish_reason, output),
                         logprobs=self._logprobs(delta.token_ids, delta.logprobs or [], req))])
         if req.include_usage:
             yield chunk([], Usage.of(prompt_tokens, completion_tokens))
@@ -91,3 +119,12 @@ class ChatServing(Serving):
         entry = position[token_id]
         text = entry.decoded_token if entry.decoded_token is not None else self.token_text(token_id)
         return {"token": text, "logprob": max(entry.logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+
+
+def _delta(content: str, calls: list[DeltaToolCall]) -> Delta:
+    return Delta(content=content or (None if calls else ""), tool_calls=calls or None)
+
+
+def _finish_reason(reason: str | None, output: ChoiceOutput) -> str | None:
+    """OpenAI's reason for a completion that ended by calling tools."""
+    return "tool_calls" if reason == "stop" and output.num_calls else reason

@@ -34,12 +34,13 @@ class PromptTokenizer:
         self.check_bytes(text)
         return await self._run(tokenizer.encode, text)
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          tools: list[dict] | None = None) -> list[int]:
         tokenizer = self._require()
 
         return await self._run(lambda: tokenizer.apply_chat_template(
-            messages, add_generation_prompt, tokenize=True, escape_special_tokens=self.escape_special_tokens,
-            check_text=self.check_bytes))
+            messages, add_generation_prompt, tokenize=True, tools=tools,
+            escape_special_tokens=self.escape_special_tokens, check_text=self.check_bytes))
 
     def check_bytes(self, text: str) -> None:
         if self.max_prompt_bytes is None or len(text) * 4 <= self.max_prompt_bytes:  # at most 4 bytes a character

@@ -1,0 +1,92 @@
+"""The interface every grammar library sits behind, and the choice between them.
+
+A backend compiles a `GrammarSpec` once (the result is shared, read-only, by every request with
+that spec) and makes one `GrammarMatcher` per request from it. A matcher's whole job: fill the
+request's row of a token bitmask (bit t of row r set = token t allowed), and follow the tokens the
+request actually produced — forward by any number, back by any number (speculative decoding
+proposes several tokens and keeps a prefix of them).
+
+Bitmasks are int32 CPU tensors of shape [rows, ceil(vocab / 32)], the layout both libraries fill.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvflow.structured_output.params import GrammarSpec
+
+BACKENDS = ("guidance", "xgrammar")  # vLLM's names for llguidance and xgrammar
+
+
+class GrammarMatcher(ABC):
+    def __init__(self) -> None:
+        self.num_tokens = 0  # tokens accepted so far (and not rolled back)
+
+    @abstractmethod
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        """Advance by `tokens`. On the first token the grammar refuses, stop before it and return
+        False (the tokens before it stay accepted)."""
+
+    @abstractmethod
+    def validate_tokens(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar would accept, in order; the state does not change."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into `bitmask[row]`; the state does not change."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar is complete and the end-of-sequence token was accepted."""
+
+
+class GrammarBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def compile(self, spec: GrammarSpec) -> object:
+        """The compiled grammar; ValueError with the library's explanation if it is invalid or
+        unsupported. Runs on a compiler thread, never on the engine's."""
+
+    @abstractmethod
+    def matcher(self, compiled: object) -> GrammarMatcher:
+        """A fresh matcher at the start of `compiled`."""
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], rows: list[int], bitmask: torch.Tensor) -> None:
+        """Fill several rows at once; libraries that can spread this over threads override it."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def check_backend(name: str) -> None:
+    """Refuse an unknown or uninstalled backend when the engine starts, not at the first request."""
+    if name not in BACKENDS:
+        raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    package = {"guidance": "llguidance", "xgrammar": "xgrammar"}[name]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"structured_outputs_backend {name!r} needs the {package} package: pip install {package}")
+
+
+def make_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> GrammarBackend:
+    """`tokenizer`: the `tokenizers.Tokenizer` of the model; `vocab_size`: its logits' width."""
+    check_backend(name)
+    if name == "guidance":
+        from kvflow.structured_output.llguidance_backend import LLGuidanceBackend as backend_class
+    else:
+        from kvflow.structured_output.xgrammar_backend import XGrammarBackend as backend_class
+    try:
+        return backend_class(tokenizer, vocab_size, eos_token_ids)
+    except (ValueError, RuntimeError) as e:  # the library cannot read this tokenizer (its decoder, say)
+        raise ValueError(f"structured output is unavailable with this model: the {name} backend cannot read "
+                         f"its tokenizer ({str(e)[:300]})") from None
