@@ -5,10 +5,11 @@ from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.entrypoints.llm import LLM
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM", "LLMEngine", "AsyncLLM", "EngineArgs", "SamplingParams", "RequestOutputKind",
-    "RequestOutput", "CompletionOutput", "Logprob",
+    "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,102 @@
+"""LoRA around the seam's linear layers, installed from outside the model.
+
+`LoRALinear` wraps one `LinearBase` (whatever its quant method): y = base(x), then each row adds
+its adapter's s·(x A^T) B^T. It holds `max_loras` slots of stacked adapter weights:
+
+    lora_a [max_loras, num_slices * max_rank, in]   rows of slice i at i*max_rank (zero-padded)
+    lora_b [max_loras, max_rank, out]               columns of slice i = that slice's output
+
+A fused layer (q/k/v, gate/up) has one slice per projection: each has its own A, and its B fills
+only its own output columns. Which slot each row uses is the step's `LoRABatch`, which the model
+never sees: a hook on the model reads it from the step's attention metadata into the layers'
+shared `LoRAContext` before each forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.lora.batch import LoRABatch
+from kvflow.lora.peft_adapter import LoRATarget
+from kvflow.model.layers.embedding import VocabParallelEmbedding
+from kvflow.model.layers.linear import LinearBase
+
+
+class LoRAContext:
+    """The LoRABatch of the forward pass in progress, for the LoRA layers of one model."""
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None
+
+    def read_metadata(self, _model: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of the model: take the batch from the step's metadata (None: no row
+        of this step has an adapter)."""
+        meta = next((a for a in args if isinstance(a, AttentionMetadata)), None)
+        self.batch = None if meta is None else meta.lora
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base_layer: LinearBase, max_loras: int, max_rank: int, context: LoRAContext,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.context = context  # shared, not a submodule
+        self.max_rank = max_rank
+        sizes = base_layer.output_sizes
+        self.out_slices = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # (first column, width)
+        self.register_buffer("lora_a", torch.zeros(max_loras, len(sizes) * max_rank, base_layer.input_size,
+                                                   dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, max_rank, sum(sizes), dtype=dtype, device=device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        batch = self.context.batch
+        if batch is not None:
+            batch.add_lora(y, x, self.lora_a, self.lora_b, self.out_slices, self.max_rank)
+        return y
+
+    def set_slot(self, slot: int, slices: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fill `slot` with an adapter's (A [r, in], B [out, r]) per slice; slices it does not
+        adapt, and ranks below max_rank, are zeros (they add exactly nothing)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for index, (a, b) in slices.items():
+            first, width = self.out_slices[index]
+            r = a.shape[0]
+            self.lora_a[slot, index * self.max_rank:index * self.max_rank + r].copy_(a, non_blocking=True)
+            self.lora_b[slot, :r, first:first + width].copy_(b.t(), non_blocking=True)
+
+
+def install_lora_layers(model: nn.Module, max_loras: int, max_rank: int, context: LoRAContext,
+                        dtype: torch.dtype, device) -> dict[str, LoRALinear]:
+    """Wrap every seam linear layer of `model` in place (not the embedding and LM head: PEFT
+    adapts those differently); returns them by layer prefix."""
+    wrapped = {}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, LinearBase) and not isinstance(child, VocabParallelEmbedding):
+                if child.tp_size > 1:
+                    raise NotImplementedError("LoRA under tensor parallelism is not supported yet")
+                lora = LoRALinear(child, max_loras, max_rank, context, dtype, torch.device(device))
+                setattr(module, child_name, lora)
+                wrapped[child.prefix or f"{name}.{child_name}".lstrip(".")] = lora
+    return wrapped
+
+
+def lora_targets(layers: dict[str, LoRALinear], stacked_params: dict[str, tuple[str, object]]) -> dict[str, LoRATarget]:
+    """Base-model module name → target. A fused layer answers to the checkpoint names it was
+    loaded from (`stacked_params`, e.g. q_proj → (qkv_proj, "q")); any other to its own name."""
+    targets = {}
+    for prefix, lora in layers.items():
+        base = lora.base_layer
+        parent, _, own = prefix.rpartition(".")
+        for part, (fused, shard_id) in stacked_params.items():
+            if fused == own and shard_id in base.shard_ids:
+                index = base.shard_index(shard_id)
+                targets[f"{parent}.{part}"] = LoRATarget(prefix, index, base.input_size, base.output_sizes[index])
+        if base.shard_ids == (None,):
+            targets[prefix] = LoRATarget(prefix, 0, base.input_size, base.output_sizes[0])
+    return targets
