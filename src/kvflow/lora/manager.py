@@ -58,8 +58,8 @@ class LoRAManager:
         identity = (request.lora_name, request.lora_path)
         known = self._identities.get(request.lora_int_id)
         if known is not None and known != identity:
-            raise ValueError(f"lora_int_id {request.lora_int_id} already names LoRA adapter {known[0]!r} at "
-                             f"{known[1]!r}; give adapter {request.lora_name!r} an id of its own")
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: lora_int_id {request.lora_int_id} already names "
+                             f"adapter {known[0]!r} at {known[1]!r}; give each adapter an id of its own")
         adapter = self._host.get(request.lora_int_id)
         if adapter is None:
             started = time.perf_counter()
