@@ -73,6 +73,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--disallow-special-tokens-in-content", action="store_true",
                    help="tokenize special-token text in chat messages as plain text, so users cannot forge roles")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served by name (needs --enable-lora): name=path, or JSON {\"name\", \"path\"}")
+    g.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("KVFLOW_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which let clients make the "
+                        "server read adapters from its disk (default: $KVFLOW_ALLOW_RUNTIME_LORA_UPDATING)")
     ServerLimits.add_cli_args(parser)
 
 

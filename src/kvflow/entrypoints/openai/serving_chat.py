@@ -19,13 +19,13 @@ from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamRe
 
 class ChatServing(Serving):
     async def create(self, req: ChatCompletionRequest) -> ChatCompletion | EventStreamResponse:
-        self.check_model(req.model)
+        lora_request = self.check_model(req.model)
         self.check_fan_out(1, req.n)
         params = self.sampling_params(req, req.max_new_tokens, req.num_logprobs)
         prompt = await self._render(req)
         self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        [stream] = await self.start(request_id, [prompt], params)
+        [stream] = await self.start(request_id, [prompt], params, lora_request)
         if req.stream:
             return self.event_stream(self._events(request_id, req, stream), [stream])
         try:
@@ -48,7 +48,7 @@ class ChatServing(Serving):
             for delta in out.outputs:
                 choices[delta.index].add(delta)
         return ChatCompletion(
-            id=request_id, model=self.model_name,
+            id=request_id, model=req.model or self.model_name,
             choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
                                 logprobs=self._logprobs(c.token_ids, c.logprobs, req))
                      for i, c in enumerate(choices)],
@@ -59,7 +59,8 @@ class ChatServing(Serving):
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage))
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=req.model or self.model_name,
+                                           choices=choices, usage=usage))
 
         for index in range(req.n):  # the role first, as OpenAI sends it
             yield chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
