@@ -1,5 +1,5 @@
-"""The two ways of adding a batch's adapter deltas (segments, masked) against a row-by-row
-reference, on a fused layer whose slices have different widths and adapters of several ranks."""
+"""A batch's adapter deltas against a row-by-row reference, on a fused layer whose slices have
+different widths, adapters of several ranks, and rows in any order."""
 
 from __future__ import annotations
 
@@ -42,10 +42,9 @@ def _reference(x, y, adapters, row_slots, out_sizes) -> torch.Tensor:
     [0, 0, 0, 2, 2, -1, -1, 1],  # sorted runs
     [2, -1, 0, 2, 1, 1, -1, 0, 0, 2],  # interleaved: a run per row
     [-1, 1, 1, 1],  # one adapter of three slots
-    [0, 1, 2, 2],  # every slot: no gather
+    [0, 1, 2, 2],  # every slot
 ])
-@pytest.mark.parametrize("use_segments", [True, False])
-def test_both_paths_equal_the_row_by_row_formula(make_layer, row_slots, use_segments):
+def test_deltas_equal_the_row_by_row_formula(make_layer, row_slots):
     gen = torch.Generator().manual_seed(0)
     base = make_layer()
     with torch.no_grad():
@@ -55,9 +54,7 @@ def test_both_paths_equal_the_row_by_row_formula(make_layer, row_slots, use_segm
     for slot, slices in adapters.items():
         lora.set_slot(slot, slices)
     x = torch.randn(len(row_slots), base.input_size, generator=gen)
-    batch = LoRABatch.build(row_slots, MAX_LORAS, torch.float32, "cpu", segment_min_rows=0 if use_segments else 10**6)
-    assert batch.use_segments is use_segments
-    lora.context.batch = batch
+    lora.context.batch = LoRABatch.build(row_slots)
     expected = _reference(x, base(x), adapters, row_slots, base.output_sizes)
     got = lora(x)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -65,11 +62,7 @@ def test_both_paths_equal_the_row_by_row_formula(make_layer, row_slots, use_segm
     assert torch.equal(got[plain], base(x)[plain])  # rows without an adapter get exactly nothing
 
 
-def test_batch_shape():
-    assert LoRABatch.build([-1, -1], MAX_LORAS, torch.float32, "cpu") is None
-    batch = LoRABatch.build([-1, 2, 2, 0, -1, 0], MAX_LORAS, torch.float32, "cpu", segment_min_rows=3)
-    assert batch.segments == [(2, 1, 3), (0, 3, 4), (0, 5, 6)]
-    assert batch.slots.tolist() == [0, 2] and not batch.all_slots
-    assert batch.row_mask.tolist() == [[0, 0], [0, 1], [0, 1], [1, 0], [0, 0], [1, 0]]
-    assert not batch.use_segments  # 6 rows < 3 per run x 3 runs
-    assert LoRABatch.build([0] * 9, MAX_LORAS, torch.float32, "cpu", segment_min_rows=3).use_segments
+def test_batch_segments():
+    assert LoRABatch.build([-1, -1]) is None
+    assert LoRABatch.build([-1, 2, 2, 0, -1, 0]).segments == [(2, 1, 3), (0, 3, 4), (0, 5, 6)]
+    assert LoRABatch.build([1] * 5).segments == [(1, 0, 5)]

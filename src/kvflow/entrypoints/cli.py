@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.analysis.plan_cli import add_plan_parser
     from kvflow.bench.ceilings import add_ceilings_parser
     from kvflow.bench.latency import add_latency_parser
+    from kvflow.bench.lora import add_lora_bench_parser
     from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_latency_parser(bench_sub)
     add_ceilings_parser(bench_sub)
     add_serve_bench_parser(bench_sub)
+    add_lora_bench_parser(bench_sub)
     add_plan_parser(sub)
     return parser
 

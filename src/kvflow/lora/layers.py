@@ -3,13 +3,18 @@
 `LoRALinear` wraps one `LinearBase` (whatever its quant method): y = base(x), then each row adds
 its adapter's s·(x A^T) B^T. It holds `max_loras` slots of stacked adapter weights:
 
-    lora_a [max_loras, num_slices * max_rank, in]   rows of slice i at i*max_rank (zero-padded)
-    lora_b [max_loras, max_rank, out]               columns of slice i = that slice's output
+    lora_a [max_loras, num_slices * max_rank, in]    rows of slice i at i*max_rank
+    lora_b [max_loras, num_slices * max_rank, out]   block-diagonal: rows of slice i feed only
+                                                     slice i's output columns
 
-A fused layer (q/k/v, gate/up) has one slice per projection: each has its own A, and its B fills
-only its own output columns. Which slot each row uses is the step's `LoRABatch`, which the model
-never sees: a hook on the model reads it from the step's attention metadata into the layers'
-shared `LoRAContext` before each forward pass.
+A fused layer (q/k/v, gate/up) has one slice per projection, each with its own A and B; smaller
+ranks and slices an adapter leaves alone are zeros, which add exactly nothing. Block-diagonal B
+costs memory (num_slices times B's size) and a little arithmetic, and buys one matmul per slice
+fewer per run of rows, the faster trade on this CPU at every shape measured.
+
+Which slot each row uses is the step's `LoRABatch`, which the model never sees: a hook on the
+model reads it from the step's attention metadata into the layers' shared `LoRAContext` before
+each forward pass.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ class LoRAContext:
     def __init__(self) -> None:
         self.batch: LoRABatch | None = None
 
-    def read_metadata(self, _model: nn.Module, args: tuple) -> None:
-        """Forward pre-hook of the model: take the batch from the step's metadata (None: no row
-        of this step has an adapter)."""
-        meta = next((a for a in args if isinstance(a, AttentionMetadata)), None)
-        self.batch = None if meta is None else meta.lora
+    def read_metadata(self, _model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the model (with_kwargs=True): take the batch from the step's
+        metadata. A model called without metadata is a wiring error, never a step without LoRA."""
+        meta = next((a for a in (*args, *kwargs.values()) if isinstance(a, AttentionMetadata)), None)
+        if meta is None:
+            raise RuntimeError("LoRA layers are installed, but the model was called without AttentionMetadata")
+        self.batch = meta.lora
 
 
 class LoRALinear(nn.Module):
@@ -48,14 +55,14 @@ class LoRALinear(nn.Module):
         self.out_slices = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # (first column, width)
         self.register_buffer("lora_a", torch.zeros(max_loras, len(sizes) * max_rank, base_layer.input_size,
                                                    dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, max_rank, sum(sizes), dtype=dtype, device=device),
-                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, len(sizes) * max_rank, sum(sizes),
+                                                   dtype=dtype, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         batch = self.context.batch
         if batch is not None:
-            batch.add_lora(y, x, self.lora_a, self.lora_b, self.out_slices, self.max_rank)
+            batch.add_lora(y, x, self.lora_a, self.lora_b)
         return y
 
     def set_slot(self, slot: int, slices: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -65,9 +72,9 @@ class LoRALinear(nn.Module):
         self.lora_b[slot].zero_()
         for index, (a, b) in slices.items():
             first, width = self.out_slices[index]
-            r = a.shape[0]
-            self.lora_a[slot, index * self.max_rank:index * self.max_rank + r].copy_(a, non_blocking=True)
-            self.lora_b[slot, :r, first:first + width].copy_(b.t(), non_blocking=True)
+            rows = slice(index * self.max_rank, index * self.max_rank + a.shape[0])
+            self.lora_a[slot, rows].copy_(a, non_blocking=True)
+            self.lora_b[slot, rows, first:first + width].copy_(b.t(), non_blocking=True)
 
 
 def install_lora_layers(model: nn.Module, max_loras: int, max_rank: int, context: LoRAContext,

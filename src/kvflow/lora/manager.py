@@ -45,7 +45,7 @@ class LoRAManager:
         self.layers: dict[str, LoRALinear] = install_lora_layers(model, max_loras, max_lora_rank, self.context,
                                                                  dtype, self.device)
         self.targets = lora_targets(self.layers, getattr(type(model), "stacked_params", {}))
-        model.register_forward_pre_hook(self.context.read_metadata)
+        model.register_forward_pre_hook(self.context.read_metadata, with_kwargs=True)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by id, least recently used first
         self._slots: OrderedDict[int, int] = OrderedDict()  # id → slot, least recently used first
         self._identities: dict[int, tuple[str, str]] = {}  # id → (name, path), never forgotten
@@ -94,7 +94,7 @@ class LoRAManager:
         slot_of = {r.lora_int_id: self._activate(r, needed) for r in needed}
         row_slots = [slot_of[r.lora_int_id] if r is not None else -1
                      for r, n in zip(requests, num_rows) for _ in range(n)]
-        return LoRABatch.build(row_slots, self.max_loras, self.dtype, self.device)
+        return LoRABatch.build(row_slots)
 
     def _activate(self, request: LoRARequest, needed: list[LoRARequest]) -> int:
         if request.lora_int_id in self._slots:
