@@ -138,3 +138,33 @@ def test_lora_needs_enable_lora(base, loras):
     assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="one .or None. per prompt"):
         _llm(base[1]).generate([_prompt(5)] * 2, PARAMS, use_tqdm=False, lora_request=[loras[0]])
+
+
+def test_adapters_of_unfinished_requests_stay_in_host_memory(base, loras, tmp_path):
+    """One slot and one host entry, and the files of an adapter a queued request needs are gone
+    before it runs: it still runs from host memory, and nobody's step fails."""
+    import shutil
+
+    doomed = LoRARequest("doomed", 50, str(tmp_path / "doomed"))
+    shutil.copytree(loras[0].lora_path, doomed.lora_path)
+    plan = [("a", doomed, 0), ("b", loras[1], 1), ("c", doomed, 2), ("d", loras[2], 3)]
+    alone = {name: _llm(base[1]).generate([_prompt(9, seed)], PARAMS, use_tqdm=False, lora_request=lora)[0]
+             for name, lora, seed in plan}
+    engine = LLMEngine(EngineArgs(base[1], dtype="float32", skip_tokenizer_init=True, enable_lora=True, max_loras=1,
+                                  max_cpu_loras=1, max_lora_rank=8, disable_log_stats=True))
+    finished = {}
+
+    def run_until(condition):
+        while not condition():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+
+    for name, lora, seed in plan[:2]:
+        engine.add_request(name, _prompt(9, seed), PARAMS, lora_request=lora)
+    run_until(lambda: "a" in finished)  # b's adapter now holds the only slot
+    engine.add_request("c", _prompt(9, 2), PARAMS, lora_request=doomed)
+    shutil.rmtree(doomed.lora_path)
+    engine.add_request("d", _prompt(9, 3), PARAMS, lora_request=loras[2])  # over the host bound
+    run_until(lambda: not engine.has_unfinished_requests())
+    for name in alone:
+        assert finished[name].outputs[0].token_ids == alone[name].outputs[0].token_ids
+    assert engine.lora.list_loras() == [loras[2].lora_int_id]  # the bound holds again once they finished

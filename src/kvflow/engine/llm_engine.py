@@ -46,7 +46,8 @@ class LLMEngine:
         model = self._load_model(checkpoint, dummy)
         lora = self.config.lora
         self.lora = None if lora is None else LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras,
-                                                          self.config.model.dtype, self.config.device)
+                                                          self.config.model.dtype, self.config.device,
+                                                          in_use=self._adapters_in_use)
         cache, dtype = self.config.cache, self.config.model.dtype
         useful = -(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
         self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype, useful)
@@ -178,6 +179,9 @@ class LLMEngine:
 
     def list_loras(self) -> list[int]:
         return [] if self.lora is None else self.lora.list_loras()
+
+    def _adapters_in_use(self) -> set[int]:
+        return {r.lora_int_id for r in self.scheduler.requests.values()} - {0}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -6,8 +6,11 @@ The engine loads an adapter when a request naming it arrives, so a bad adapter i
 it is queued. Each step the runner asks for the step's adapters to be active: each missing one
 takes a free slot or the least recently used slot that this step does not need, its weights are
 copied into every LoRA layer's stacked tensors, and the step's `LoRABatch` says which slot each
-row uses. An adapter evicted from host memory is read from disk again when next needed. The
-scheduler never runs more adapters at once than there are slots.
+row uses. The scheduler never runs more adapters at once than there are slots.
+
+Host memory keeps `max_cpu_loras` adapters, but never evicts one that an unfinished request
+uses (`in_use`, the engine's answer): a step then never reads a disk, whose files may have
+changed or gone since the request was admitted, and cannot fail for everyone in it.
 
 An id names one adapter (name and path) for the manager's whole life, even after removal: blocks
 cached under the id must never be served to another adapter.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +42,7 @@ class LoRAStats:
 
 class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device) -> None:
+                 dtype: torch.dtype, device, in_use: Callable[[], set[int]] = set) -> None:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype, self.device = dtype, torch.device(device)
         self.context = LoRAContext()
@@ -49,6 +53,7 @@ class LoRAManager:
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by id, least recently used first
         self._slots: OrderedDict[int, int] = OrderedDict()  # id → slot, least recently used first
         self._identities: dict[int, tuple[str, str]] = {}  # id → (name, path), never forgotten
+        self.in_use = in_use  # ids of adapters that unfinished requests run with
         self.stats = LoRAStats()
 
     # -- host memory -----------------------------------------------------------------------
@@ -68,16 +73,25 @@ class LoRAManager:
             self.stats.disk_load_seconds += time.perf_counter() - started
             self._identities[request.lora_int_id] = identity
             self._host[request.lora_int_id] = adapter
-            while len(self._host) > self.max_cpu_loras:
-                self._host.popitem(last=False)
         self._host.move_to_end(request.lora_int_id)
+        self._evict_host(keep=request.lora_int_id)
         return adapter
 
+    def _evict_host(self, keep: int) -> None:
+        if len(self._host) <= self.max_cpu_loras:
+            return
+        pinned = self.in_use() | {keep}
+        for lora_int_id in [i for i in self._host if i not in pinned][:len(self._host) - self.max_cpu_loras]:
+            del self._host[lora_int_id]
+
     def remove(self, lora_int_id: int) -> bool:
-        """Forget the adapter's weights (host and slot). Requests still running with it read it
-        from disk again if they need it; returns whether it was loaded."""
-        slot_held = self._slots.pop(lora_int_id, None) is not None
-        return self._host.pop(lora_int_id, None) is not None or slot_held
+        """Forget the adapter's weights (host and slot); returns whether it was loaded. While
+        unfinished requests use it, it stays for them, to be evicted like any other later."""
+        loaded = lora_int_id in self._host or lora_int_id in self._slots
+        if lora_int_id not in self.in_use():
+            self._host.pop(lora_int_id, None)
+            self._slots.pop(lora_int_id, None)
+        return loaded
 
     def list_loras(self) -> list[int]:
         return list(self._host)
