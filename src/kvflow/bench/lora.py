@@ -3,16 +3,18 @@ adapters, against the base model alone, and the adapters' load latency.
 
 Random rank-r PEFT adapters of every linear module (q/k/v/o, gate/up/down) are written for the
 engine's model in a temporary directory. Prompt i runs with adapter i mod K; all adapters fit on
-the device at once (max_loras = the largest K), and each run is preceded by a warm-up that loads
-and activates its adapters, so the runs time steady-state batching. Load latency is measured on
-those first loads: disk → host (read, check, cast) and host → device slot.
+the device at once (max_loras = the largest K) and are loaded and activated by a warm-up, so the
+runs time steady-state batching. Two engines live side by side, one without LoRA (the base) and
+one with it, and the runs are interleaved round by round (`--rounds`, medians reported), so a
+machine whose load drifts affects all of them alike. Load latency is measured on the first
+loads: disk → host (read, check, cast) and host → device slot.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +39,7 @@ def add_lora_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-input-len", type=int, default=d.min_input_len)
     p.add_argument("--max-input-len", type=int, default=d.max_input_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of all runs; medians are reported")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_lora_bench)
@@ -58,6 +61,7 @@ def write_random_adapter(directory: Path, targets: dict[str, LoRATarget], rank: 
 
 
 def run_workload(engine, prompts: list[list[int]], params: SamplingParams, loras: list[LoRARequest | None]) -> dict:
+    engine.reset_prefix_cache()  # every run computes its prompts: no run finds another's blocks
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(None, prompt, params, lora_request=loras[i % len(loras)])
@@ -75,45 +79,43 @@ def run_lora_bench(args: argparse.Namespace) -> int:
     w = ThroughputWorkload(args.num_prompts, args.min_input_len, args.max_input_len, args.output_len, args.seed)
     params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
-    warm = params.clone(max_tokens=2)
     counts = sorted(set(args.num_adapters))
-    results: dict = {"rank": args.lora_rank, "runs": {}}
-
-    base_args = EngineArgs.from_cli_args(args)
+    base_args, lora_args = EngineArgs.from_cli_args(args), EngineArgs.from_cli_args(args)
     base_args.enable_lora = False
-    engine = LLMEngine(base_args)
-    prompts = random_prompts(w.num_prompts, w.min_input_len, w.max_input_len, engine.arch.vocab_size, w.seed)
-    run_workload(engine, prompts[:2], warm, [None])
-    results["runs"]["base"] = run_workload(engine, prompts, params, [None])
-    del engine
-    gc.collect()
-
-    lora_args = EngineArgs.from_cli_args(args)
     lora_args.enable_lora, lora_args.max_loras, lora_args.max_lora_rank = True, max(counts), args.lora_rank
-    engine = LLMEngine(lora_args)
+    base, engine = LLMEngine(base_args), LLMEngine(lora_args)
+    prompts = random_prompts(w.num_prompts, w.min_input_len, w.max_input_len, engine.arch.vocab_size, w.seed)
     with tempfile.TemporaryDirectory(prefix="kvflow-lora-bench-") as tmp:
         adapters = []
         for i in range(max(counts)):
             write_random_adapter(Path(tmp) / f"adapter{i}", engine.lora.targets, args.lora_rank, seed=i)
             adapters.append(LoRARequest(f"adapter{i}", i + 1, str(Path(tmp) / f"adapter{i}")))
+        warm = params.clone(max_tokens=2)
+        run_workload(base, prompts[:2], warm, [None])
         run_workload(engine, prompts[:len(adapters)], warm, adapters)  # loads and activates them all
         stats = engine.lora.stats
-        results["load_ms"] = {"disk_to_host": 1e3 * stats.disk_load_seconds / stats.disk_loads,
-                              "host_to_slot": 1e3 * stats.slot_load_seconds / stats.slot_loads,
-                              "adapter_mb": engine.lora.load(adapters[0]).nbytes / 2**20}
-        results["runs"]["base, LoRA enabled"] = run_workload(engine, prompts, params, [None])
-        for k in counts:
-            results["runs"][f"{k} adapters"] = run_workload(engine, prompts, params, adapters[:k])
-    base = results["runs"]["base"]["output_tok_s"]
+        load_ms = {"disk_to_host": 1e3 * stats.disk_load_seconds / stats.disk_loads,
+                   "host_to_slot": 1e3 * stats.slot_load_seconds / stats.slot_loads,
+                   "adapter_mb": engine.lora.load(adapters[0]).nbytes / 2**20}
+        runs = {"base": (base, [None]), "base, LoRA enabled": (engine, [None]),
+                **{f"{k} adapters": (engine, adapters[:k]) for k in counts}}
+        samples: dict[str, list[dict]] = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name, (runner, loras) in runs.items():
+                samples[name].append(run_workload(runner, prompts, params, loras))
+    results = {"rank": args.lora_rank, "rounds": args.rounds, "load_ms": load_ms,
+               "runs": {name: {key: statistics.median(s[key] for s in runs_) for key in runs_[0]}
+                        for name, runs_ in samples.items()}}
     for run in results["runs"].values():
-        run["vs_base"] = run["output_tok_s"] / base
+        run["vs_base"] = run["output_tok_s"] / results["runs"]["base"]["output_tok_s"]
     print(json.dumps(results) if args.json else _table(results, w))
     return 0
 
 
 def _table(results: dict, w: ThroughputWorkload) -> str:
     lines = [f"W1-style: {w.num_prompts} prompts of {w.min_input_len}-{w.max_input_len} tokens, {w.output_len} "
-             f"output tokens each; rank-{results['rank']} adapters on every linear module",
+             f"output tokens each; rank-{results['rank']} adapters on every linear module; "
+             f"medians of {results['rounds']} interleaved rounds",
              f"{'run':<22}{'output tok/s':>14}{'total tok/s':>13}{'vs base':>9}"]
     for name, run in results["runs"].items():
         lines.append(f"{name:<22}{run['output_tok_s']:>14.1f}{run['total_tok_s']:>13.1f}{run['vs_base']:>8.2f}x")
