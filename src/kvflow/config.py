@@ -26,6 +26,8 @@ class ModelConfig:
     seed: int
     skip_tokenizer_init: bool
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
+    quantization: str | None = None  # None: the checkpoint as stored (a GGUF's own blocks)
+    group_size: int | None = None  # int4/awq: input channels per scale
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
+    group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -133,6 +137,7 @@ class EngineArgs:
             self.attention_backend in ("auto", "torch_sdpa", "torch_reference", "triton"),
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
+        _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         return EngineConfig(
@@ -144,6 +149,8 @@ class EngineArgs:
                 seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
                 max_logprobs=self.max_logprobs,
+                quantization=self.quantization,
+                group_size=self.group_size,
             ),
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
@@ -195,6 +202,10 @@ class EngineArgs:
         g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank accepted")
         g.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept in host memory (default: --max-loras); others are read from disk again")
+        g.add_argument("--quantization", "-q", default=None,
+                       help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
+                            "(default: run the checkpoint as stored; a GGUF on its own blocks)")
+        g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

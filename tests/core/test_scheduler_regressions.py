@@ -27,7 +27,7 @@ def _drive(s: Scheduler, max_steps: int = 50) -> int:
         out = s.schedule()
         assert out.chunks, "a step with nothing to run while requests wait"
         for chunk in out.chunks:  # every chunk stays inside its block table
-            assert chunk.start_pos + chunk.num_tokens <= len(chunk.block_ids) * s.kv_cache.block_size
+            assert chunk.start_pos + chunk.num_tokens <= min(map(len, chunk.block_ids)) * s.kv_cache.block_size
         s.update_from_output(out, {c.request_id: 7 for c in out.chunks if c.sample})
     raise AssertionError(f"not finished after {max_steps} steps")
 
@@ -67,7 +67,7 @@ def test_priority_preemption_does_not_grow_the_chunk_past_its_blocks():
     assert out.preempted_request_ids == ["b"]
     [chunk] = out.chunks
     assert chunk.request_id == "a" and chunk.num_tokens == 16
-    assert chunk.start_pos + chunk.num_tokens <= len(chunk.block_ids) * 4
+    assert chunk.start_pos + chunk.num_tokens <= min(map(len, chunk.block_ids)) * 4
 
 
 def test_waiting_queue_keeps_order_through_removals_and_requeues():

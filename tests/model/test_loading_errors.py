@@ -32,7 +32,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="'GPTNeoXForCausalLM' is not supported; supported: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="'GPTNeoXForCausalLM' is not supported; supported: .*Gemma3ForCausalLM, LlamaForCausalLM"):
         LLM(str(tmp_path), skip_tokenizer_init=True)
 
 

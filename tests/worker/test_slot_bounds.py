@@ -14,7 +14,7 @@ from kvflow.worker.model_runner import ModelRunner
 
 
 def _chunk(rid: str, start: int, num: int, blocks: list[int]) -> ScheduledChunk:
-    return ScheduledChunk(rid, list(range(1, num + 1)), start, blocks, True, SamplingParams(), [1] * (start + num),
+    return ScheduledChunk(rid, list(range(1, num + 1)), start, (blocks,), True, SamplingParams(), [1] * (start + num),
                           [], frozenset())
 
 
@@ -24,8 +24,9 @@ def _runner() -> ModelRunner:
 
 def test_slots_follow_the_block_table_and_reads_pad_with_block_zero():
     batch = _runner().prepare([_chunk("a", 0, 6, [7, 3]), _chunk("b", 2, 1, [5])])
-    assert batch.attn.slot_mapping.tolist() == [28, 29, 30, 31, 12, 13, 22]
-    assert batch.attn.block_tables.tolist() == [[7, 3], [5, 0]]
+    [attn] = batch.attn  # one KV group
+    assert attn.slot_mapping.tolist() == [28, 29, 30, 31, 12, 13, 22]
+    assert attn.block_tables.tolist() == [[7, 3], [5, 0]]
 
 
 def test_a_chunk_past_its_block_table_is_refused():

@@ -37,6 +37,8 @@ class AttentionLayerSpec:
     head_dim: int
     scale: float
     sliding_window: int | None  # a query at p sees keys k with p - k < window
+    kv_group: int = 0  # whose block tables this layer reads (kvflow.kv_cache_spec)
+    writes_kv: bool = True  # False: the layer reads an earlier layer's KV (cross-layer sharing)
 
 
 def slot_blocks_and_offsets(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

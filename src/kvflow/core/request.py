@@ -56,6 +56,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of every full block of all_token_ids
     host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
+    max_chunk_tokens: int = 1 << 62  # set at admission: the largest chunk whose KV blocks fit the pool
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -63,17 +63,24 @@ class Scheduler:
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
             return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
                     f"exceeds max_model_len ({self.max_model_len})")
-        # The last sampled token is never written to the cache.
-        blocks = self.kv_cache.blocks_needed(total - 1)
-        if blocks > self.kv_cache.num_blocks:
+        # The last sampled token is never written to the cache; a sliding-window group holds
+        # only the blocks of its window (and of the chunk being computed).
+        if self._max_chunk(total) == 0:
+            blocks = self.kv_cache.max_blocks_held(total - 1, 1)
             return (f"request needs {blocks} KV blocks ({total} tokens) but the whole cache has "
                     f"{self.kv_cache.num_blocks}; raise kv_cache_memory_gb or lower max_tokens")
         return None
+
+    def _max_chunk(self, total_tokens: int) -> int:
+        return self.kv_cache.max_chunk(total_tokens - 1, self.config.max_num_batched_tokens)
 
     def add_request(self, request: Request) -> None:
         error = self.admission_error(request.num_prompt_tokens, request.max_tokens)
         if error:
             raise ValueError(error)
+        # On a sliding-window model a chunk's blocks must fit beside the window's: a request whose
+        # whole context exceeds the pool still runs, in chunks that fit.
+        request.max_chunk_tokens = self._max_chunk(request.num_prompt_tokens + request.max_tokens)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_seq = next(self._arrivals)
@@ -105,7 +112,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = min(request.num_uncomputed_tokens, budget, request.max_chunk_tokens)
             if self._reserve_or_preempt(request, num_new, out):
                 out.add(self._chunk(request, num_new))
         if not out.preempted_request_ids or self.config.policy == "priority":
@@ -131,7 +138,7 @@ class Scheduler:
                 held_back.append(request)
                 continue
             starts = self._start_points(request)
-            if self._reuses_cache(request) and self.kv_cache.prefix_in_flight(request, len(starts[0][0])):
+            if self._reuses_cache(request) and self.kv_cache.prefix_in_flight(request, starts[0][1]):
                 held_back.append(request)
                 continue
             allocated = next(((n, num_new) for blocks, n in starts
@@ -144,19 +151,19 @@ class Scheduler:
         for request in held_back:
             self._enqueue(request)
 
-    def _start_points(self, request: Request) -> list[tuple[list[int], int]]:
+    def _start_points(self, request: Request) -> list[tuple[tuple[list[int], ...], int]]:
         """Where a waiting request may resume: (cached blocks to reuse, tokens they cover), best
         first. A whole-prompt hit needs a spare block for its copy; whole blocks alone need none."""
         if request.status is RequestStatus.SWAPPED:
-            return [([], request.num_computed_tokens)]
+            return [((), request.num_computed_tokens)]
         if not self._reuses_cache(request):
-            return [([], 0)]
-        blocks, num_cached = self.kv_cache.find_cached_prefix(request)
-        whole_blocks = blocks[:(request.num_tokens - 1) // self.kv_cache.block_size]
-        fallback = (whole_blocks, len(whole_blocks) * self.kv_cache.block_size)
+            return [((), 0)]
+        best = self.kv_cache.find_cached_prefix(request)
+        whole = best[1] == request.num_tokens - 1  # a whole-prompt hit may end inside a cached block
+        fallback = self.kv_cache.find_cached_prefix(request, whole_blocks_only=True) if whole else best
         # Offered whenever its blocks differ, even covering as many tokens: a whole-prompt hit
         # that ends where a block starts needs a spare block for its copy, the fallback does not.
-        return [(blocks, num_cached)] if fallback[0] == blocks else [(blocks, num_cached), fallback]
+        return [best] if fallback[0] == best[0] else [best, fallback]
 
     @staticmethod
     def _reuses_cache(request: Request) -> bool:
@@ -179,10 +186,11 @@ class Scheduler:
         # have returned their tokens to the budget, but no blocks were taken for those.
         out.add(self._chunk(request, num_new))
 
-    def _allocate_for_waiting(self, request: Request, num_cached: int, cached: list[int], out: SchedulerOutput) -> int:
+    def _allocate_for_waiting(self, request: Request, num_cached: int, cached: tuple[list[int], ...],
+                              out: SchedulerOutput) -> int:
         """Blocks for the first chunk; returns its length (0: no room). Under the priority policy
         a waiting request may preempt running ones behind it."""
-        num_new = min(request.num_tokens - num_cached, self._budget_left(out))
+        num_new = min(request.num_tokens - num_cached, self._budget_left(out), request.max_chunk_tokens)
         while not self.kv_cache.allocate_slots(request, num_cached, num_new, cached):
             victim = max(self.running, key=self._order, default=None)
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
@@ -215,7 +223,7 @@ class Scheduler:
 
     def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
         """Copy the blocks holding the request's computed tokens to host memory, if there is room."""
-        blocks = self.kv_cache.block_ids(request.request_id)[:self.kv_cache.blocks_needed(request.num_computed_tokens)]
+        blocks = self.kv_cache.resumable_blocks(request)
         if self.host_pool is None or len(blocks) > self.host_pool.num_free_blocks:
             return False
         request.host_blocks = self.host_pool.allocate(len(blocks))
@@ -223,7 +231,7 @@ class Scheduler:
         return True
 
     def _swap_in(self, request: Request, out: SchedulerOutput) -> None:
-        device = self.kv_cache.block_ids(request.request_id)
+        device = self.kv_cache.resumable_blocks(request)
         out.swap_in.extend(zip(device, request.host_blocks))
         self._host_blocks_read.extend(request.host_blocks)
         request.host_blocks = []

@@ -28,37 +28,40 @@ from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
+from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_kv_blocks
+from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
+AWQ_CALIBRATION_TOKENS = 2048  # from the end of the shipped text; perplexity reads its start
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         dummy = args.load_format == "dummy"
-        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy)
+        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy,
+                                     native_gguf=args.quantization is None)
+        self.quant_config = get_quantization_config(args.quantization, args.group_size, checkpoint.quant_config)
         self.arch = ArchConfig.from_hf(checkpoint.hf_config)
+        self.hf_config = checkpoint.hf_config
         self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         model = self._load_model(checkpoint, dummy)
-        lora = self.config.lora
-        self.lora = None if lora is None else LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras,
-                                                          self.config.model.dtype, self.config.device,
-                                                          in_use=self._adapters_in_use)
-        cache, dtype = self.config.cache, self.config.model.dtype
-        useful = -(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
-        self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype, useful)
-        num_host_blocks = int(cache.swap_space_gb * 1024**3) // kv_bytes_per_block(self.arch, cache.block_size, dtype)
+        cache, dtype, layout = self.config.cache, self.config.model.dtype, self.arch.kv_layout
+        block_bytes = layout.block_bytes(cache.block_size, dtype.itemsize)
+        useful = (-(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
+                  * len(layout.groups))
+        self.num_kv_blocks = num_kv_blocks(cache, block_bytes, useful)
+        num_host_blocks = int(cache.swap_space_gb * 1024**3) // block_bytes
         self.runner = self._make_runner(model, num_host_blocks)
         self.scheduler = Scheduler(
             self.config.scheduler,
-            KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching),
+            KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, layout.sliding_windows),
             self.config.model.max_model_len,
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
-            max_loras=None if lora is None else lora.max_loras,
+            max_loras=None if self.config.lora is None else self.config.lora.max_loras,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
@@ -68,13 +71,21 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
+        if getattr(self.quant_config, "needs_calibration", False):
+            self._calibrate_awq()
+        # LoRA wraps the linear layers once they are final: AWQ's calibration rescales bare ones.
+        lora = self.config.lora
+        self.lora = None if lora is None else LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras,
+                                                          self.config.model.dtype, self.config.device,
+                                                          in_use=self._adapters_in_use)
+        self.runner.lora = self.lora
 
     def _load_model(self, checkpoint, dummy: bool) -> torch.nn.Module:
         cfg = self.config
         # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
         static_len = cfg.model.max_model_len if cfg.use_cuda_graphs else None
         model = build_model(self.arch, get_attention_backend(cfg.attention_backend, static_len),
-                            cfg.model.dtype, cfg.device)
+                            cfg.model.dtype, cfg.device, self.quant_config)
         if dummy:
             init_dummy_weights(model, cfg.model.seed)
         else:
@@ -82,17 +93,39 @@ class LLMEngine:
         process_weights_after_loading(model)
         return model
 
+    def _calibrate_awq(self) -> None:
+        """AWQ on a float checkpoint: run calibration text through the float model, then quantize."""
+        from kvflow.data import english_text
+        from kvflow.quant.awq_search import calibrate_and_quantize
+
+        if self.tokenizer is None:
+            raise ValueError("quantization='awq' calibrates on text and needs the model's tokenizer")
+        ids = self.tokenizer.encode(english_text(), add_special_tokens=False)[-AWQ_CALIBRATION_TOKENS:]
+        windows = [ids[i:i + 256] for i in range(0, len(ids), 256)]
+        params = SamplingParams(max_tokens=1, temperature=0)
+
+        def run(prompts: list[list[int]]) -> None:
+            for i, prompt in enumerate(prompts):
+                self.add_request(f"awq-calibration-{i}", {"prompt_token_ids": prompt}, params)
+            while self.has_unfinished_requests():
+                self.step()
+
+        calibrate_and_quantize(self.runner.model, run, windows, self.config.model.seed)
+        self.reset_prefix_cache()  # those blocks hold the float model's keys and values
+
     def _make_runner(self, model: torch.nn.Module, num_host_blocks: int) -> ModelRunner:
         """The runner with its KV tensors (and swap space, and captured decode graphs)."""
         cfg, cache, dtype, device = self.config, self.config.cache, self.config.model.dtype, self.config.device
-        kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
-        host_caches = allocate_kv_caches(self.arch, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
+        layout = self.arch.kv_layout
+        kv_caches = allocate_kv_caches(layout, self.num_kv_blocks, cache.block_size, dtype, device)
+        host_caches = allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
         graphs = None
-        if cfg.use_cuda_graphs:
+        # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
+        if cfg.use_cuda_graphs and self.arch.moe is None:
             graphs = DecodeGraphs(model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
-                                  cfg.model.max_model_len, torch.device(device))
+                                  cfg.model.max_model_len, torch.device(device), len(layout.groups))
             graphs.capture()
-        return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs, self.lora)
+        return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

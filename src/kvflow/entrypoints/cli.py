@@ -1,4 +1,4 @@
-"""The `kvflow` command: serve, generate, chat, bench, plan."""
+"""The `kvflow` command: serve, generate, chat, bench, plan, quantize, eval."""
 
 from __future__ import annotations
 
@@ -27,12 +27,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvflow.analysis.plan_cli import add_plan_parser
+    from kvflow.entrypoints.plan_cli import add_plan_parser
     from kvflow.bench.ceilings import add_ceilings_parser
+    from kvflow.bench.gpu_compile import add_gpu_compile_parser
     from kvflow.bench.latency import add_latency_parser
     from kvflow.bench.lora import add_lora_bench_parser
     from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
+    from kvflow.entrypoints.quantize_cli import add_quantize_parser
+    from kvflow.eval.perplexity import add_eval_parser
 
     parser = argparse.ArgumentParser(prog="kvflow", description="LLM inference with a paged KV cache and continuous batching")
     sub = parser.add_subparsers(title="commands")
@@ -61,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_ceilings_parser(bench_sub)
     add_serve_bench_parser(bench_sub)
     add_lora_bench_parser(bench_sub)
+    add_gpu_compile_parser(bench_sub)
     add_plan_parser(sub)
+    add_quantize_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
@@ -140,6 +146,9 @@ def run_chat(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     tokenizer = engine.get_tokenizer()
+    if not tokenizer.chat_template:
+        raise ValueError(f"{args.model or 'this model'} has no chat template (a base model?): "
+                         "use `kvflow generate` for plain completions")
     params = sampling_params_from_args(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("kvflow chat — /reset clears the conversation, /exit or Ctrl-D quits.")

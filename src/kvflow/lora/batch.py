@@ -21,6 +21,7 @@ import torch
 @dataclass(frozen=True)
 class LoRABatch:
     segments: list[tuple[int, int, int]]  # (slot, first row, end row): runs of rows with one adapter
+    num_rows: int  # the step's rows (tokens): a layer sees exactly these, one per token
 
     @classmethod
     def build(cls, row_slots: list[int]) -> LoRABatch | None:
@@ -31,9 +32,14 @@ class LoRABatch:
                 if row_slots[start] >= 0:
                     segments.append((row_slots[start], start, row))
                 start = row
-        return cls(segments) if segments else None
+        return cls(segments, len(row_slots)) if segments else None
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
-        """y [T, out] += each row's s·(x A^T) B, in place; lora_a [L, S·rank, in], lora_b [L, S·rank, out]."""
+        """y [T, out] += each row's s·(x A^T) B, in place; lora_a [L, S·rank, in], lora_b [L, S·rank, out].
+        A layer called on other rows (a routed subset, a weight read through the identity) would
+        give them the wrong adapters: an error, never a silent mix-up."""
+        if x.shape[0] != self.num_rows:
+            raise RuntimeError(f"a LoRA layer got {x.shape[0]} rows in a step of {self.num_rows} tokens: "
+                               "it must wrap only linears that see each token once")
         for slot, first, end in self.segments:
             y[first:end].addmm_(x[first:end] @ lora_a[slot].t(), lora_b[slot])

@@ -37,8 +37,11 @@ class LoRAContext:
 
     def read_metadata(self, _model: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the model (with_kwargs=True): take the batch from the step's
-        metadata. A model called without metadata is a wiring error, never a step without LoRA."""
-        meta = next((a for a in (*args, *kwargs.values()) if isinstance(a, AttentionMetadata)), None)
+        metadata (one per KV group, all carrying the same batch). A model called without metadata
+        is a wiring error, never a step without LoRA."""
+        found = (m for a in (*args, *kwargs.values()) for m in (a if isinstance(a, (tuple, list)) else (a,))
+                 if isinstance(m, AttentionMetadata))
+        meta = next(found, None)
         if meta is None:
             raise RuntimeError("LoRA layers are installed, but the model was called without AttentionMetadata")
         self.batch = meta.lora
@@ -57,6 +60,14 @@ class LoRALinear(nn.Module):
                                                    dtype=dtype, device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, len(sizes) * max_rank, sum(sizes),
                                                    dtype=dtype, device=device), persistent=False)
+
+    def __getattr__(self, name: str):
+        """What the model reads off its layer (a router's score bias, sizes, weights) reads through
+        to the wrapped layer: the wrapper is invisible but for the deltas it adds."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base_layer"), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
@@ -79,11 +90,19 @@ class LoRALinear(nn.Module):
 
 def install_lora_layers(model: nn.Module, max_loras: int, max_rank: int, context: LoRAContext,
                         dtype: torch.dtype, device) -> dict[str, LoRALinear]:
-    """Wrap every seam linear layer of `model` in place (not the embedding and LM head: PEFT
-    adapts those differently); returns them by layer prefix."""
+    """Wrap every seam linear layer of `model` that sees each token's row once, in place; returns
+    them by layer prefix. Not wrapped: the embedding and LM head (PEFT adapts those differently),
+    and the linears a module lists in `indirect_linears` (routed experts see a gathered subset of
+    rows; MLA's kv_b_proj is read whole and absorbed): an adapter naming them is refused."""
     wrapped = {}
+    skipped = {f"{name}.{child}".lstrip(".") for name, module in model.named_modules()
+               for child in getattr(module, "indirect_linears", ())}
     for name, module in list(model.named_modules()):
+        if any(name == s or name.startswith(s + ".") for s in skipped):
+            continue
         for child_name, child in list(module.named_children()):
+            if f"{name}.{child_name}".lstrip(".") in skipped:
+                continue
             if isinstance(child, LinearBase) and not isinstance(child, VocabParallelEmbedding):
                 if child.tp_size > 1:
                     raise NotImplementedError("LoRA under tensor parallelism is not supported yet")

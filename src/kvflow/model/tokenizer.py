@@ -167,6 +167,16 @@ class Tokenizer:
         )
         return cls(backend, meta)
 
+    def save(self, path: str | Path) -> None:
+        """The files `from_hf_dir` reads back."""
+        path = Path(path)
+        self.backend.save(str(path / "tokenizer.json"))
+        m = self.meta
+        cfg = {k: v for k, v in (("bos_token", m.bos_token), ("eos_token", m.eos_token), ("pad_token", m.pad_token),
+                                 ("unk_token", m.unk_token), ("chat_template", m.chat_template)) if v is not None}
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(m.eos_token_ids)}) + "\n")
+
 
 def has_hf_tokenizer(path: str | Path) -> bool:
     return (Path(path) / "tokenizer.json").is_file()

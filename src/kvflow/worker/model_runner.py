@@ -18,6 +18,7 @@ from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.lora.manager import LoRAManager
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvflow.worker.cuda_graphs import DecodeGraphs
+from kvflow.worker.kv_cache import unique_caches
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 
 # Prompt-logprob rows are scored this many at a time: a long prompt's [rows, vocab] logits (and
@@ -29,7 +30,7 @@ PROMPT_LOGPROB_ROWS = 256
 class FlatBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn: AttentionMetadata
+    attn: tuple[AttentionMetadata, ...]  # one per KV group: same rows, that group's block tables
     sample_rows: list[int]  # row of each sampling chunk's last token
     sample_chunks: list[ScheduledChunk]
     prompt_rows: list[int]  # rows whose next token is a prompt token with logprobs requested
@@ -39,10 +40,9 @@ class FlatBatch:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int,
-                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | None = None,
-                 lora: LoRAManager | None = None) -> None:
+                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
-        self.lora = lora
+        self.lora: LoRAManager | None = None  # the engine's, set once the model's layers are final
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches  # swap space, same layout, in host memory
         self.block_size = block_size
@@ -74,7 +74,7 @@ class ModelRunner:
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_replay(batch.attn.query_lens_cpu):
+        if graphs is not None and graphs.can_replay(batch.attn[0].query_lens_cpu):
             return graphs.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
@@ -83,7 +83,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for cache in self.kv_caches:
+        for cache in unique_caches(self.kv_caches):
             cache[:, dst] = cache[:, src]
 
     def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
@@ -91,7 +91,7 @@ class ModelRunner:
             return
         device_ids = torch.tensor([d for d, _ in pairs], device=self.device)
         host_ids = torch.tensor([h for _, h in pairs])
-        for device_cache, host_cache in zip(self.kv_caches, self.host_kv_caches):
+        for device_cache, host_cache in zip(unique_caches(self.kv_caches), unique_caches(self.host_kv_caches)):
             if to_host:
                 host_cache[:, host_ids] = device_cache[:, device_ids].to("cpu")
             else:
@@ -108,27 +108,30 @@ class ModelRunner:
         query_start_loc[1:] = torch.tensor(query_lens, device=dev).cumsum(0)
         row_request = torch.repeat_interleave(torch.arange(len(chunks), device=dev), torch.tensor(query_lens, device=dev))
         positions = starts[row_request] + torch.arange(row_request.numel(), device=dev) - query_start_loc[row_request]
-        # Every position a chunk writes must lie in its block table: past it, the padding would
+        # Every position a chunk writes must lie in its block tables: past them, padding would
         # name another request's block. The scheduler guarantees it; a bug must not write silently.
-        assert all(c.start_pos + c.num_tokens <= len(c.block_ids) * self.block_size for c in chunks), \
+        assert all(c.start_pos + c.num_tokens <= len(t) * self.block_size for c in chunks for t in c.block_ids), \
             "a chunk writes past its block table"
-        width = max(len(c.block_ids) for c in chunks) + 1  # one more column: where an overrun lands
-        # Reads pad with block 0 (masked by seq_lens); writes pad with -1, a slot that writes nothing.
-        slot_tables = torch.tensor([c.block_ids + [-1] * (width - len(c.block_ids)) for c in chunks], device=dev)
-        block_tables = slot_tables[:, :-1].clamp(min=0)
-        slot_blocks = slot_tables[row_request, (positions // self.block_size).clamp(max=width - 1)]
-        slot_mapping = torch.where(slot_blocks < 0, -1, slot_blocks * self.block_size + positions % self.block_size)
+        width = max(len(t) for c in chunks for t in c.block_ids) + 1  # one more column: where an overrun lands
+        # [groups, requests, width]. Writes pad with -1, a slot that writes nothing. Reads see block 0
+        # there (masked by seq_lens) and where a sliding window gave a block back (NULL_BLOCK, -1;
+        # the window mask hides it).
+        slot_tables = torch.tensor([[c.block_ids[g] + [-1] * (width - len(c.block_ids[g])) for c in chunks]
+                                    for g in range(len(chunks[0].block_ids))], device=dev)
+        block_index, in_block = (positions // self.block_size).clamp(max=width - 1), positions % self.block_size
         seq_lens_cpu = [c.start_pos + c.num_tokens for c in chunks]
-        attn = AttentionMetadata(
+        seq_lens = torch.tensor(seq_lens_cpu, device=dev)
+        lora = None if self.lora is None else self.lora.prepare([c.lora_request for c in chunks], query_lens)
+        attn = tuple(AttentionMetadata(
             query_start_loc=query_start_loc,
-            seq_lens=torch.tensor(seq_lens_cpu, device=dev),
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
+            seq_lens=seq_lens,
+            block_tables=slots[:, :-1].clamp(min=0),
+            slot_mapping=_slot_mapping(slots[row_request, block_index], in_block, self.block_size),
             block_size=self.block_size,
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens_cpu,
-            lora=None if self.lora is None else self.lora.prepare([c.lora_request for c in chunks], query_lens),
-        )
+            lora=lora,
+        ) for slots in slot_tables)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
         batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})
         offset = 0
@@ -222,3 +225,8 @@ def _banned_tokens(chunk: ScheduledChunk) -> list[int]:
     if not params.ignore_eos:
         banned.extend(chunk.eos_token_ids)
     return banned
+
+
+def _slot_mapping(blocks: torch.Tensor, in_block: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of each written row; -1 (writes nothing) where its block is -1."""
+    return torch.where(blocks < 0, -1, blocks * block_size + in_block)

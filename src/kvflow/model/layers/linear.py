@@ -112,14 +112,16 @@ class MergedColumnParallelLinear(LinearBase):
 
 
 class QKVParallelLinear(LinearBase):
-    """q, k and v as one matmul (shard ids "q", "k", "v"); a rank keeps whole heads of each."""
+    """q, k and v as one matmul (shard ids "q", "k", "v"); a rank keeps whole heads of each. With
+    no KV heads it is q alone (a layer that reads another layer's KV)."""
 
     tp_split = "output"
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  quant_config: QuantizationConfig | None = None, prefix: str = "", **tp) -> None:
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias, quant_config, prefix, shard_ids=("q", "k", "v"), **tp)
+        sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * (2 if num_kv_heads else 0)
+        shard_ids = ("q", "k", "v") if num_kv_heads else ("q",)
+        super().__init__(hidden_size, sizes, bias, quant_config, prefix, shard_ids=shard_ids, **tp)
 
 
 class RowParallelLinear(LinearBase):
