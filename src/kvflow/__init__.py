@@ -5,10 +5,11 @@ from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.entrypoints.llm import LLM
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM", "LLMEngine", "AsyncLLM", "EngineArgs", "SamplingParams", "RequestOutputKind",
-    "RequestOutput", "CompletionOutput", "Logprob", "StructuredOutputsParams",
+    "RequestOutput", "CompletionOutput", "Logprob", "StructuredOutputsParams", "LoRARequest",
 ]
 __version__ = "0.1.0"

@@ -57,6 +57,13 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int  # adapters resident on the device (slots), and so the most one step can mix
+    max_lora_rank: int
+    max_cpu_loras: int  # adapters kept in host memory (LRU); evicted ones are read from disk again
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -65,6 +72,7 @@ class EngineConfig:
     device: str  # "cpu" | "cuda[:N]", never "auto"
     use_cuda_graphs: bool  # replay decode steps from captured graphs (CUDA + triton only)
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    lora: LoRAConfig | None = None  # None: LoRA disabled
 
 
 @dataclass
@@ -89,6 +97,10 @@ class EngineArgs:
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
     max_logprobs: int = 20  # vLLM's name and default; -1: no cap
+    enable_lora: bool = False  # vLLM's LoRA knobs, names and defaults
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
     quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
     group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
     kv_cache_dtype: str = "auto"  # vLLM's name: fp8 or int8 stores KV in one byte per number plus scales
@@ -131,6 +143,9 @@ class EngineArgs:
         _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         _require(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         _require(self.max_logprobs >= -1, "max_logprobs", ">= 0, or -1 for no cap")
+        _require(self.max_loras >= 1, "max_loras", ">= 1")
+        _require(self.max_lora_rank >= 1, "max_lora_rank", ">= 1")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras", ">= max_loras")
         _require(
             self.attention_backend in ("auto", "torch_sdpa", "torch_reference", "triton"),
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
@@ -167,12 +182,15 @@ class EngineArgs:
             attention_backend=backend,
             device=device,
             # Graphs remove launch overhead, which only a GPU has; the triton backend is the one
-            # whose decode grid is static.
-            use_cuda_graphs=device.startswith("cuda") and backend == "triton" and not self.enforce_eager,
+            # whose decode grid is static. LoRA's per-step slot mapping is not captured yet.
+            use_cuda_graphs=device.startswith("cuda") and backend == "triton" and not self.enforce_eager
+            and not self.enable_lora,
             structured_outputs=StructuredOutputsConfig(
                 "guidance" if self.structured_outputs_backend == "auto" else self.structured_outputs_backend,
                 self.structured_outputs_compile_timeout,
             ),
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
+            if self.enable_lora else None,
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -202,6 +220,12 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="the most logprobs / prompt_logprobs one request may ask for (-1: no cap)")
+        g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
+        g.add_argument("--max-loras", type=int, default=d.max_loras,
+                       help="adapters resident on the device: the most one step can mix")
+        g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank accepted")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept in host memory (default: --max-loras); others are read from disk again")
         g.add_argument("--quantization", "-q", default=None,
                        help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
                             "(default: run the checkpoint as stored; a GGUF on its own blocks)")

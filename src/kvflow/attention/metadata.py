@@ -23,6 +23,9 @@ class AttentionMetadata:
     # What a backend derives from this batch once and reuses in every layer (gather indices,
     # masks): keyed by backend name, filled on the first layer's call.
     plans: dict = field(default_factory=dict, compare=False)
+    # Which LoRA adapter slot each row uses (a kvflow.lora.batch.LoRABatch), for the LoRA layers
+    # wrapped around the linear layers; None when no row of the step has an adapter.
+    lora: object | None = None
 
     @property
     def num_requests(self) -> int:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +52,7 @@ class Request:
     priority: int = 0  # lower runs first (priority scheduling)
     arrival_seq: int = 0  # set by the scheduler: the order of arrival, ties broken
     cache_salt: str | None = None  # requests with different salts never share cached blocks
+    lora_request: LoRARequest | None = None  # requests with different adapters never share cached blocks
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of every full block of all_token_ids
     host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
@@ -58,7 +63,12 @@ class Request:
 
     @property
     def cache_extra_keys(self) -> tuple:
-        return () if self.cache_salt is None else (self.cache_salt,)
+        salt = () if self.cache_salt is None else (self.cache_salt,)
+        return salt if self.lora_request is None else (*salt, ("lora", self.lora_request.lora_int_id))
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

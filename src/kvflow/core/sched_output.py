@@ -7,8 +7,12 @@ which blocks hold the request's KV, and how to sample if the chunk reaches the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class ScheduledChunk:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # for penalties and min_tokens; read-only for the worker
     eos_token_ids: frozenset[int]
+    lora_request: LoRARequest | None = None  # the adapter its rows run with
 
     @property
     def num_tokens(self) -> int:

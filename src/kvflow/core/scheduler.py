@@ -11,6 +11,9 @@ Order is one key for both policies: arrival for "fcfs"; (priority, arrival) for 
 where a waiting request may also preempt running requests that come after it. With
 preemption_mode="swap" a preempted request's KV is copied to host blocks instead of being
 recomputed, when the host pool has room.
+
+With LoRA, the requests running at once use at most `max_loras` distinct adapters (the device
+slots): a waiting request whose adapter would be one too many waits, and later ones may pass it.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ class SchedulerStallError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 host_pool: BlockPool | None = None) -> None:
+                 host_pool: BlockPool | None = None, max_loras: int | None = None) -> None:
         self.config = config
+        self.max_loras = max_loras  # None: no LoRA
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.host_pool = host_pool  # swap space, in blocks
@@ -126,9 +130,13 @@ class Scheduler:
         return self.config.max_num_batched_tokens - out.num_batched_tokens
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
-        held_back = []  # requests whose prefix another request is computing right now
+        held_back = []  # requests whose prefix another request is computing, or whose adapter has no slot
+        adapters = {r.lora_int_id for r in self.running} - {0}
         while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop()
+            if request.lora_int_id and request.lora_int_id not in adapters and len(adapters) >= (self.max_loras or 0):
+                held_back.append(request)
+                continue
             starts = self._start_points(request)
             if self._reuses_cache(request) and self.kv_cache.prefix_in_flight(request, starts[0][1]):
                 held_back.append(request)
@@ -139,6 +147,7 @@ class Scheduler:
                 self._enqueue(request)
                 break
             self._start_running(request, *allocated, out)
+            adapters |= {request.lora_int_id} - {0}
         for request in held_back:
             self._enqueue(request)
 
@@ -239,6 +248,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            lora_request=request.lora_request,
         )
 
     # -- after the model ran ---------------------------------------------------------------

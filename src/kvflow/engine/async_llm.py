@@ -19,13 +19,14 @@ from collections.abc import AsyncIterator, Callable
 
 from kvflow.config import EngineArgs
 from kvflow.engine.engine_thread import (
-    AbortCommand, AddCommand, EngineDeadError, EngineThread, Item, RequestFailedError, StopCommand,
+    AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineThread, Item, RequestFailedError, StopCommand,
 )
 from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
 from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.request_timing import FinishedRequest
 from kvflow.engine.stats import EngineStats
+from kvflow.lora.request import LoRARequest
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import SamplingParams
 
@@ -101,7 +102,8 @@ class AsyncLLM:
 
     # -- requests --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+                          priority: int = 0, cache_salt: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it. Raises ValueError for bad input
         (nothing queued), EngineOverloadedError when too many requests wait, and EngineDeadError
         when the engine is not running. A grammar is compiled here, off the engine thread, so the
@@ -112,7 +114,7 @@ class AsyncLLM:
         stream = RequestStream(request_id, self._abort_stream)
         accepted = loop.create_future()
         self._thread.submit(AddCommand(request_id, prompt, params, time.monotonic(), priority, cache_salt,
-                                       loop, stream.put, accepted, owner=stream))
+                                       loop, stream.put, accepted, owner=stream, lora_request=lora_request))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -121,13 +123,27 @@ class AsyncLLM:
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, priority, cache_salt)
+                       priority: int = 0, cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, priority, cache_salt, lora_request)
         try:
             async for output in stream:
                 yield output
         finally:  # cancelled, closed early (GeneratorExit) or failed: free the request's blocks
             stream.close()
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter on the engine thread; ValueError names what is wrong with it."""
+        return await self._call(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call(lambda engine: engine.remove_lora(lora_int_id))
+
+    async def _call(self, fn):
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._thread.submit(CallCommand(fn, loop, done))
+        return await done
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort from any thread; a no-op for unknown or finished requests and a dead engine."""

@@ -32,6 +32,7 @@ from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
 from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.request_timing import FinishedRequest, RequestTiming
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.device_faults import is_device_fault
 
@@ -61,6 +62,17 @@ class AddCommand:
     deliver: Deliver
     accepted: asyncio.Future  # resolved (or failed with the ValueError) before any output
     owner: object  # the caller's handle of this request (its stream), for AbortCommand.owner
+    lora_request: LoRARequest | None = None
+
+
+@dataclass
+class CallCommand:
+    """Run `fn(engine)` between steps (load or remove a LoRA adapter); `done` gets its result, or
+    the ValueError it raised."""
+
+    fn: Callable[[LLMEngine], object]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
 
 
 @dataclass
@@ -113,7 +125,7 @@ class EngineThread:
         self._thread.start()
 
     # -- any thread ------------------------------------------------------------------------
-    def submit(self, command: AddCommand | AbortCommand | StopCommand) -> None:
+    def submit(self, command: AddCommand | AbortCommand | StopCommand | CallCommand) -> None:
         with self._lock:
             if self._closed_reason is not None:
                 raise EngineDeadError(self._closed_reason)
@@ -152,6 +164,8 @@ class EngineThread:
                 return command.reason
             if isinstance(command, AddCommand):
                 self._backlog[_backlog_key(command)] = command
+            elif isinstance(command, CallCommand):
+                self._call(command)
             else:
                 self._abort(command.request_ids, command.owner)
         for _ in range(min(len(self._backlog), self.limits.max_admissions_per_step)):
@@ -175,7 +189,8 @@ class EngineThread:
                 f"the server is busy: {self.engine.scheduler.num_waiting} completions are waiting; try again later"))
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority, cmd.cache_salt)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority, cmd.cache_salt,
+                                    cmd.lora_request)
         except ValueError as e:  # bad input: the engine queued nothing
             self._outbox.post(cmd.loop, _settle(cmd.accepted), e)
             return
@@ -185,6 +200,18 @@ class EngineThread:
             return
         self._live[cmd.request_id] = _Live(cmd.loop, cmd.deliver, cmd.owner, RequestTiming(cmd.request_id))
         self._outbox.post(cmd.loop, _settle(cmd.accepted), None)
+
+    def _call(self, cmd: CallCommand) -> None:
+        try:
+            result = cmd.fn(self.engine)
+        except ValueError as e:  # refused input (a bad adapter): the engine is unchanged
+            self._outbox.post(cmd.loop, _settle(cmd.done), e)
+            return
+        except Exception:  # a fault of ours, but the call's alone: the loop goes on
+            logger.exception("engine call failed")
+            self._outbox.post(cmd.loop, _settle(cmd.done), RequestFailedError("internal error in the engine call"))
+            return
+        self._outbox.post(cmd.loop, _settle(cmd.done, result), None)
 
     def _abort(self, request_ids: list[str], owner: object | None = None) -> None:
         if owner is not None and owner in self._backlog:  # never added: nothing to abort
@@ -266,6 +293,8 @@ class EngineThread:
         for cmd in queued:
             if isinstance(cmd, AddCommand):
                 self._outbox.post(cmd.loop, _settle(cmd.accepted), EngineDeadError(reason))
+            elif isinstance(cmd, CallCommand):
+                self._outbox.post(cmd.loop, _settle(cmd.done), EngineDeadError(reason))
         for live in self._live.values():
             self._outbox.post(live.loop, live.deliver, EngineDeadError(reason))
         self._live.clear()
@@ -276,12 +305,12 @@ def _backlog_key(cmd: AddCommand) -> object:
     return cmd if cmd.owner is None else cmd.owner  # an abort names its request by owner
 
 
-def _settle(future: asyncio.Future) -> Callable[[BaseException | None], None]:
+def _settle(future: asyncio.Future, result: object = None) -> Callable[[BaseException | None], None]:
     def settle(error: BaseException | None) -> None:
         if future.done():  # the caller gave up waiting (cancelled)
             return
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
 

@@ -20,6 +20,8 @@ from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
 from kvflow.engine.stats import EngineStats, StatsLogger
+from kvflow.lora.manager import LoRAManager
+from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.resolve import load_checkpoint
@@ -62,6 +64,7 @@ class LLMEngine:
             KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, layout.sliding_windows),
             self.config.model.max_model_len,
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
+            max_loras=None if self.config.lora is None else self.config.lora.max_loras,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # user request id → engine request ids
@@ -72,6 +75,12 @@ class LLMEngine:
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
         if getattr(self.quant_config, "needs_calibration", False):
             self._calibrate_awq()
+        # LoRA wraps the linear layers once they are final: AWQ's calibration rescales bare ones.
+        lora = self.config.lora
+        self.lora = None if lora is None else LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras,
+                                                          self.config.model.dtype, self.config.device,
+                                                          in_use=self._adapters_in_use)
+        self.runner.lora = self.lora
 
     def _load_model(self, checkpoint, dummy: bool) -> torch.nn.Module:
         cfg = self.config
@@ -148,11 +157,12 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request. Raises ValueError if it can never run or its id is in use; whatever it
         raises, nothing of the request is queued. `priority`: lower runs first under
         scheduling_policy="priority". `cache_salt`: only requests with the same salt share
-        prefix-cache blocks."""
+        prefix-cache blocks. `lora_request`: the adapter to run with, loaded (and checked) now."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -160,6 +170,8 @@ class LLMEngine:
         if request_id in self._children or any(c in self.scheduler.requests for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_params(params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or max(1, self.config.model.max_model_len - len(token_ids))
         error = self.scheduler.admission_error(len(token_ids), max_tokens)
@@ -174,7 +186,7 @@ class LLMEngine:
                 child_params = params if params.n == 1 else params.clone(
                     n=1, seed=None if params.seed is None else _child_seed(params.seed, index))
                 request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival,
-                                  priority=priority, cache_salt=cache_salt)
+                                  priority=priority, cache_salt=cache_salt, lora_request=lora_request)
                 self.scheduler.add_request(request)
                 queued.append(child_id)
                 if grammar is not None:  # freed by the runner once the request finishes
@@ -203,6 +215,28 @@ class LLMEngine:
                    if any(e in self._running_at_step or e not in waiting for e in engine_ids)]
         self.abort_request(touched)
         return touched
+
+    # -- LoRA adapters (vLLM's names) -------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter into host memory. Raises ValueError naming it if it cannot
+        run on this model, or if LoRA is not enabled."""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} was asked for, "
+                             "but LoRA is not enabled (enable_lora=True, --enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest; got {type(lora_request).__name__}")
+        self.lora.load(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from memory; requests running with it read it from disk again if needed."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.lora is None else self.lora.list_loras()
+
+    def _adapters_in_use(self) -> set[int]:
+        return {r.lora_int_id for r in self.scheduler.requests.values()} - {0}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.bench.ceilings import add_ceilings_parser
     from kvflow.bench.gpu_compile import add_gpu_compile_parser
     from kvflow.bench.latency import add_latency_parser
+    from kvflow.bench.lora import add_lora_bench_parser
     from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
     from kvflow.entrypoints.quantize_cli import add_quantize_parser
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_latency_parser(bench_sub)
     add_ceilings_parser(bench_sub)
     add_serve_bench_parser(bench_sub)
+    add_lora_bench_parser(bench_sub)
     add_gpu_compile_parser(bench_sub)
     add_plan_parser(sub)
     add_quantize_parser(sub)
@@ -81,6 +83,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="tokenize special-token text in chat messages as plain text, so users cannot forge roles")
     g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
                    help="the format tool calls are read from when tool_choice is auto")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served by name (needs --enable-lora): name=path, or JSON {\"name\", \"path\"}")
+    g.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("KVFLOW_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which let clients make the "
+                        "server read adapters from its disk (default: $KVFLOW_ALLOW_RUNTIME_LORA_UPDATING)")
     ServerLimits.add_cli_args(parser)
 
 

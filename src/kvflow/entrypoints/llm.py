@@ -16,6 +16,7 @@ from tqdm import tqdm
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.outputs import RequestOutput
+from kvflow.lora.request import LoRARequest
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
@@ -39,18 +40,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """`priority`: one per prompt, lower runs first; used under scheduling_policy="priority"."""
+        """`priority`: one per prompt, lower runs first; used under scheduling_policy="priority".
+        `lora_request`: one adapter for all prompts, or one (or None) per prompt."""
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
+        loras = _loras_per_prompt(lora_request, len(prompts))
         ids = []
         try:
-            for prompt, p, rank in zip(prompts, params, priority):
+            for prompt, p, rank, lora in zip(prompts, params, priority, loras):
                 ids.append(self.llm_engine.add_request(f"llm-{next(self._ids)}", prompt,
-                                                       p.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=rank))
+                                                       p.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=rank,
+                                                       lora_request=lora))
         except ValueError as e:
             self.llm_engine.abort_request(ids)  # all or nothing: the batch is refused as a whole
             raise ValueError(f"prompt {len(ids)}: {e}") from e
@@ -62,12 +67,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -98,3 +104,12 @@ def _params_per_prompt(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt")
     return params
+
+
+def _loras_per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts; give one, or one (or None) per prompt")
+    return loras

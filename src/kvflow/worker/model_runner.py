@@ -15,6 +15,7 @@ from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
+from kvflow.lora.manager import LoRAManager
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.worker.cuda_graphs import DecodeGraphs
@@ -43,6 +44,7 @@ class ModelRunner:
                  host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | None = None,
                  structured_output: StructuredOutputManager | None = None) -> None:
         self.model = model
+        self.lora: LoRAManager | None = None  # the engine's, set once the model's layers are final
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches  # swap space, same layout, in host memory
         self.block_size = block_size
@@ -105,6 +107,8 @@ class ModelRunner:
     # -- inputs ----------------------------------------------------------------------------
     def prepare(self, chunks: list[ScheduledChunk]) -> FlatBatch:
         dev = self.device
+        if self.lora is not None:  # rows of one adapter next to each other: few segments per layer
+            chunks = sorted(chunks, key=lambda c: 0 if c.lora_request is None else c.lora_request.lora_int_id)
         query_lens = [c.num_tokens for c in chunks]
         starts = torch.tensor([c.start_pos for c in chunks], device=dev)
         query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.long, device=dev)
@@ -124,6 +128,7 @@ class ModelRunner:
         block_index, in_block = (positions // self.block_size).clamp(max=width - 1), positions % self.block_size
         seq_lens_cpu = [c.start_pos + c.num_tokens for c in chunks]
         seq_lens = torch.tensor(seq_lens_cpu, device=dev)
+        lora = None if self.lora is None else self.lora.prepare([c.lora_request for c in chunks], query_lens)
         attn = tuple(AttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -132,6 +137,7 @@ class ModelRunner:
             block_size=self.block_size,
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens_cpu,
+            lora=lora,
         ) for slots in slot_tables)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
         batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})

@@ -28,14 +28,18 @@ from pydantic import BaseModel, ValidationError
 
 from kvflow.config import EngineArgs
 from kvflow.engine.async_llm import AsyncLLM
+from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.openai.errors import APIError, from_exception, from_validation, install_error_handlers
 from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from kvflow.entrypoints.openai.responses import ModelCard, ModelList
 from kvflow.entrypoints.openai.serving_chat import ChatServing
 from kvflow.entrypoints.openai.serving_completion import CompletionServing
+from kvflow.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest, ServingModels, UnloadLoRAAdapterRequest, parse_lora_modules,
+)
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
+from kvflow.lora.request import LoRARequest
 from kvflow.model.chat_template import compile_chat_template
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -44,9 +48,11 @@ SHUTDOWN_GRACE_SECONDS = 5.0  # after the drain: time to write the 503s before c
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               limits: ServerLimits = ServerLimits(), escape_special_tokens: bool = False,
-              tool_call_parser: str = "hermes") -> FastAPI:
+              tool_call_parser: str = "hermes", lora_modules: list[LoRARequest] = (),
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """Raises ValueError for a configuration that must not serve: an empty API key (an empty
-    KVFLOW_API_KEY would otherwise turn auth off without a word), a chat template that does not compile."""
+    KVFLOW_API_KEY would otherwise turn auth off without a word), a chat template that does not compile.
+    `lora_modules`: adapters served by name (already loaded into the engine)."""
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty (--api-key or KVFLOW_API_KEY): give a key, or unset it to serve without one")
     if async_llm.tokenizer is not None and async_llm.tokenizer.chat_template:
@@ -57,8 +63,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     async_llm.add_finish_listener(metrics.observe)
     tokenizer = PromptTokenizer(async_llm.tokenizer, async_llm.max_model_len, limits.tokenizer_workers,
                                 escape_special_tokens)
-    chat = ChatServing(async_llm, served_model_name, limits, tokenizer, tool_call_parser)
-    completions = CompletionServing(async_llm, served_model_name, limits, tokenizer)
+    models = ServingModels(async_llm, served_model_name, list(lora_modules))
+    chat = ChatServing(async_llm, models, limits, tokenizer, tool_call_parser)
+    completions = CompletionServing(async_llm, models, limits, tokenizer)
 
     @app.get("/health")
     async def health() -> Response:
@@ -71,8 +78,17 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_key(api_key))] if api_key else [])
 
     @v1.get("/models")
-    async def models() -> Response:
-        return _json(ModelList(data=[ModelCard(id=served_model_name, max_model_len=async_llm.max_model_len)]))
+    async def list_models() -> Response:
+        return _json(models.model_list())
+
+    if allow_runtime_lora_updating:
+        @v1.post("/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return await _answer(request, LoadLoRAAdapterRequest, models.load, limits)
+
+        @v1.post("/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return await _answer(request, UnloadLoRAAdapterRequest, models.unload, limits)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -214,11 +230,15 @@ def served_name(model: str | None) -> str:
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     limits = ServerLimits.from_cli_args(args)
-    async_llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), limits.load_limits())
+    lora_modules = parse_lora_modules(args.lora_modules)
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    for adapter in lora_modules:  # a bad adapter stops the start, naming it
+        engine.add_lora(adapter)
+    async_llm = AsyncLLM(engine, limits.load_limits())
     name = args.served_model_name or served_name(args.model)
     try:
         app = build_app(async_llm, name, args.api_key, limits, args.disallow_special_tokens_in_content,
-                        args.tool_call_parser)
+                        args.tool_call_parser, lora_modules, args.allow_runtime_lora_updating)
     except ValueError:
         async_llm.shutdown()
         raise

@@ -140,6 +140,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "kvflow"
+    root: str | None = None  # vLLM's: the base model, or an adapter's path
+    parent: str | None = None  # an adapter's base model
     max_model_len: int
 
 

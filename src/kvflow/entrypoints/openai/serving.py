@@ -23,7 +23,9 @@ from kvflow.engine.outputs import CompletionOutput, PositionLogprobDict, Request
 from kvflow.entrypoints.openai.errors import APIError, bad_request, from_exception
 from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.protocol import SamplingFields
+from kvflow.entrypoints.openai.serving_models import ServingModels
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -52,16 +54,16 @@ class Choice:
 
 
 class Serving:
-    def __init__(self, async_llm: AsyncLLM, model_name: str, limits: ServerLimits, tokenizer: PromptTokenizer) -> None:
+    def __init__(self, async_llm: AsyncLLM, models: ServingModels, limits: ServerLimits, tokenizer: PromptTokenizer) -> None:
         self.async_llm = async_llm
-        self.model_name = model_name
+        self.models = models
+        self.model_name = models.base_name
         self.limits = limits
         self.tokenizer = tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter the request's `model` names (None: the base model); 404 if none is served."""
+        return self.models.resolve(model)
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -103,11 +105,13 @@ class Serving:
                                 f"{self.limits.max_logprob_entries} (--max-logprob-entries); lower n, max_tokens "
                                 "or the number of logprobs", param="logprobs")
 
-    async def start(self, request_id: str, prompts: list[PromptType], params: SamplingParams) -> list[RequestStream]:
+    async def start(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """One engine request per prompt, all or none: the first refusal closes the others, and so
         does a client that leaves (cancellation) while they are being queued."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        adds = [asyncio.ensure_future(self.async_llm.add_request(i, p, params)) for i, p in zip(ids, prompts)]
+        adds = [asyncio.ensure_future(self.async_llm.add_request(i, p, params, lora_request=lora_request))
+                for i, p in zip(ids, prompts)]
         try:
             results = await asyncio.gather(*adds, return_exceptions=True)
         except asyncio.CancelledError:  # the adds are cancelled too; close what they already got

@@ -23,21 +23,21 @@ from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS, ChoiceOutput, c
 
 
 class ChatServing(Serving):
-    def __init__(self, async_llm: AsyncLLM, model_name: str, limits: ServerLimits, tokenizer: PromptTokenizer,
+    def __init__(self, async_llm: AsyncLLM, models: ServingModels, limits: ServerLimits, tokenizer: PromptTokenizer,
                  tool_call_parser: str = "hermes") -> None:
-        super().__init__(async_llm, model_name, limits, tokenizer)
+        super().__init__(async_llm, models, limits, tokenizer)
         if tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}; got {tool_call_parser!r}")
         self.tool_call_parser = tool_call_parser  # how `tool_choice="auto"` finds calls in the text
 
     async def create(self, req: ChatCompletionRequest) -> ChatCompletion | EventStreamResponse:
-        self.check_model(req.model)
+        lora_request = self.check_model(req.model)
         self.check_fan_out(1, req.n)
         params = self.sampling_params(req, req.max_new_tokens, req.num_logprobs)
         prompt = await self._render(req)
         self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        [stream] = await self.start(request_id, [prompt], params)
+        [stream] = await self.start(request_id, [prompt], params, lora_request)
         if req.stream:
             return self.event_stream(self._events(request_id, req, stream), [stream])
         try:
@@ -63,7 +63,7 @@ class ChatServing(Serving):
             for delta in out.outputs:
                 choices[delta.index].add(delta)
         return ChatCompletion(
-            id=request_id, model=self.model_name,
+            id=request_id, model=req.model or self.model_name,
             choices=[self._choice(i, c, req) for i, c in enumerate(choices)],
             usage=Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)),
         )
@@ -83,7 +83,8 @@ class ChatServing(Serving):
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage))
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=req.model or self.model_name,
+                                           choices=choices, usage=usage))
 
         for index in range(req.n):  # the role first, as OpenAI sends it
             yield chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])

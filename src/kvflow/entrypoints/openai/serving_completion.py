@@ -31,7 +31,7 @@ class _Cursor:
 
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest) -> Completion | EventStreamResponse:
-        self.check_model(req.model)
+        lora_request = self.check_model(req.model)
         prompts = req.prompts()
         self.check_fan_out(len(prompts), req.n)
         prompt_logprobs = req.logprobs if req.echo else None
@@ -39,7 +39,7 @@ class CompletionServing(Serving):
         prompts = await self._tokenized(prompts)
         self.check_logprobs([len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts], params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.start(request_id, prompts, params)
+        streams = await self.start(request_id, prompts, params, lora_request)
         if req.stream:
             return self.event_stream(self._events(request_id, req, streams), streams)
         try:
@@ -74,7 +74,7 @@ class CompletionServing(Serving):
             text, logprobs = self._piece(firsts[index // req.n], choice.text, choice.token_ids, choice.logprobs, req, cursor)
             result.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason))
         prompt_tokens = sum(len(out.prompt_token_ids) for out in firsts.values())
-        return Completion(id=request_id, model=self.model_name, choices=result,
+        return Completion(id=request_id, model=req.model or self.model_name, choices=result,
                           usage=Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)))
 
     async def _events(self, request_id: str, req: CompletionRequest, streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -88,10 +88,12 @@ class CompletionServing(Serving):
                 completion_tokens += sum(len(delta.token_ids) for delta in out.outputs)
                 choices = [c for delta in out.outputs if (c := self._delta(out, delta, prompt_index, req, cursors))]
                 if choices:
-                    yield sse(Completion(id=request_id, created=created, model=self.model_name, choices=choices))
+                    yield sse(Completion(id=request_id, created=created, model=req.model or self.model_name,
+                                         choices=choices))
         if req.include_usage:
             usage = Usage.of(sum(prompt_tokens.values()), completion_tokens)
-            yield sse(Completion(id=request_id, created=created, model=self.model_name, choices=[], usage=usage))
+            yield sse(Completion(id=request_id, created=created, model=req.model or self.model_name, choices=[],
+                                 usage=usage))
 
     def _delta(self, out: RequestOutput, delta: CompletionOutput, prompt_index: int, req: CompletionRequest,
                cursors: list[_Cursor]) -> CompletionChoice | None:

@@ -53,6 +53,10 @@ def _best_groups_only(choice: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
 
 
 class SparseMoE(nn.Module):
+    # Children whose linears run on rows other than one per token (each expert on its routed
+    # subset): per-token wrappers around linears (LoRA) must leave them alone.
+    indirect_linears = ("experts",)
+
     def __init__(self, hidden_size: int, moe: MoEConfig, quant_config: QuantizationConfig | None, prefix: str,
                  activation: str = "silu") -> None:
         super().__init__()

@@ -41,6 +41,10 @@ LATENT_NORM_EPS = 1e-6  # the latent norms use their class default, not the conf
 
 
 class DeepseekV2MLAttention(nn.Module):
+    # kv_b_proj never runs on the tokens: its weight is read once and absorbed into the query and
+    # output matmuls (`absorbed`), so per-token wrappers around linears (LoRA) must leave it alone.
+    indirect_linears = ("kv_b_proj",)
+
     def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend,
                  quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()

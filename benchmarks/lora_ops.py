@@ -1,0 +1,115 @@
+"""How to add a step's LoRA deltas, timed on the default model's layer shapes: kvflow's segments
+(kvflow/lora/batch.py: per run of rows sharing an adapter, two matmuls on exactly those rows)
+against a gathered bmm (the runs' rows gathered into one zero-padded [adapters, rows, in] batch,
+the adapters' A and B gathered beside them, two bmm calls, the result scattered back).
+
+    .venv/bin/python benchmarks/lora_ops.py [--rank 16 --max-loras 16 --repeats 15 --threads N]
+
+Each row is one layer at one shape: T rows spread evenly over K adapters (sorted, as the runner
+orders them), K of the slots resident. Times are medians over interleaved rounds of the whole
+layer (base matmul + deltas), in microseconds; "base" is the layer without adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvflow.lora.batch import LoRABatch
+from kvflow.lora.layers import LoRAContext, LoRALinear
+from kvflow.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64  # SmolLM2-135M
+LAYERS = {
+    "qkv_proj": lambda: QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS),
+    "o_proj": lambda: RowParallelLinear(HIDDEN, HIDDEN),
+    "gate_up_proj": lambda: MergedColumnParallelLinear(HIDDEN, [INTERMEDIATE] * 2),
+    "down_proj": lambda: RowParallelLinear(INTERMEDIATE, HIDDEN),
+}
+# (rows, adapters): decode steps (a row per request) and prefill chunks
+SHAPES = [(16, 4), (16, 16), (64, 4), (64, 16), (128, 4), (128, 16), (256, 1), (512, 4), (2048, 4), (2048, 16)]
+
+
+def build(kind: str, max_loras: int, rank: int) -> LoRALinear:
+    base = LAYERS[kind]()
+    with torch.no_grad():
+        base.weight.normal_(0, 0.02)
+    layer = LoRALinear(base, max_loras, rank, LoRAContext(), torch.float32, torch.device("cpu"))
+    for slot in range(max_loras):
+        layer.set_slot(slot, {i: (torch.randn(rank, base.input_size) * 0.02, torch.randn(size, rank) * 0.02)
+                              for i, size in enumerate(base.output_sizes)})
+    return layer
+
+
+class GatheredBmm:
+    """The alternative: one padded batch per layer, whatever the number of adapters."""
+
+    def __init__(self, batch: LoRABatch) -> None:
+        self.width = max(end - first for _, first, end in batch.segments)
+        rows, keep = [], []
+        for _, first, end in batch.segments:
+            pad = self.width - (end - first)
+            rows += [*range(first, end), *[first] * pad]
+            keep += [1.0] * (end - first) + [0.0] * pad
+        self.rows, self.keep = torch.tensor(rows), torch.tensor(keep)[:, None]
+        self.slots = torch.tensor([slot for slot, _, _ in batch.segments])
+
+    def __call__(self, layer: LoRALinear, x: torch.Tensor) -> torch.Tensor:
+        y = layer.base_layer(x)
+        xs = (x.index_select(0, self.rows) * self.keep).view(len(self.slots), self.width, -1)  # padding adds 0
+        a, b = layer.lora_a.index_select(0, self.slots), layer.lora_b.index_select(0, self.slots)
+        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b)
+        return y.index_add_(0, self.rows, delta.view(-1, y.shape[1]))
+
+
+def timed(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-loras", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1 on a shared machine: a busy core stalls every multi-threaded op)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, rank {args.rank}")
+    print(f"{'layer':<13}{'T':>6}{'K':>4}{'base':>9}{'segments':>10}{'gathered bmm':>14}  LoRA cost (segments)")
+    totals = {"base": 0.0, "segments": 0.0, "bmm": 0.0}
+    with torch.inference_mode():
+        for kind in LAYERS:
+            layer = build(kind, args.max_loras, args.rank)
+            for rows, k in SHAPES:
+                x = torch.randn(rows, layer.base_layer.input_size)
+                batch = LoRABatch.build([r * k // rows for r in range(rows)])
+                bmm = GatheredBmm(batch)
+                layer.context.batch = batch
+                torch.testing.assert_close(bmm(layer, x), layer(x), atol=1e-4, rtol=1e-4)
+                runs = {"base": (None, lambda: layer(x)), "segments": (batch, lambda: layer(x)),
+                        "bmm": (None, lambda: bmm(layer, x))}
+                calls = max(1, 2048 // rows)  # a few milliseconds per sample
+                samples: dict[str, list[float]] = {name: [] for name in runs}
+                for _ in range(args.repeats):
+                    for name, (context, fn) in runs.items():
+                        layer.context.batch = context
+                        samples[name].append(timed(fn, calls))
+                us = {name: statistics.median(v) * 1e6 for name, v in samples.items()}
+                for name in totals:
+                    totals[name] += us[name]
+                print(f"{kind:<13}{rows:>6}{k:>4}{us['base']:>9.0f}{us['segments']:>10.0f}{us['bmm']:>14.0f}"
+                      f"  {us['segments'] / us['base'] - 1:+.0%}", flush=True)
+    print(f"sum over all rows: base {totals['base']:.0f}, segments {totals['segments']:.0f}, "
+          f"gathered bmm {totals['bmm']:.0f}")
+
+
+if __name__ == "__main__":
+    main()
