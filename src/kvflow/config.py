@@ -48,6 +48,19 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    # tcp://host:port where the ranks meet (rank 0 listens); None: this machine, a free port.
+    distributed_init_method: str | None = None
+    node_rank: int = 0  # this process's rank when the ranks are started by hand (one per node)
+    distributed_timeout_s: float = 60.0  # a rank silent this long has failed
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -55,6 +68,7 @@ class EngineConfig:
     attention_backend: str  # "torch_sdpa" (fast CPU path) | "torch_reference" (the oracle) | "triton" (GPU)
     device: str  # "cpu" | "cuda[:N]", never "auto"
     use_cuda_graphs: bool  # replay decode steps from captured graphs (CUDA + triton only)
+    parallel: ParallelConfig = ParallelConfig()
 
 
 @dataclass
@@ -81,6 +95,10 @@ class EngineArgs:
     max_logprobs: int = 20  # vLLM's name and default; -1: no cap
     quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
     group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    node_rank: int = 0
+    distributed_timeout_s: float = 60.0
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -123,6 +141,9 @@ class EngineArgs:
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
         _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1")
+        _require(0 <= self.node_rank < self.tensor_parallel_size, "node_rank", "in [0, tensor_parallel_size)")
+        _require(self.distributed_timeout_s > 0, "distributed_timeout_s", "> 0")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         return EngineConfig(
@@ -149,6 +170,8 @@ class EngineArgs:
             # Graphs remove launch overhead, which only a GPU has; the triton backend is the one
             # whose decode grid is static.
             use_cuda_graphs=device.startswith("cuda") and backend == "triton" and not self.enforce_eager,
+            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_init_method, self.node_rank,
+                                    self.distributed_timeout_s),
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -182,6 +205,14 @@ class EngineArgs:
                        help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
                             "(default: run the checkpoint as stored; a GGUF on its own blocks)")
         g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="split every layer over N ranks (processes), joined by gloo on CPU, NCCL on GPU")
+        g.add_argument("--distributed-init-method", default=None,
+                       help="tcp://host:port where the ranks meet (rank 0 listens); default: ranks on this machine")
+        g.add_argument("--node-rank", type=int, default=d.node_rank,
+                       help="this process's rank when ranks are started one per node (0 runs the engine)")
+        g.add_argument("--distributed-timeout-s", type=float, default=d.distributed_timeout_s,
+                       help="a rank that does not answer for this long has failed")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
