@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import weakref
 
 import torch
 
@@ -53,6 +54,7 @@ class MultiprocExecutor(Executor):
         self._threads = torch.get_num_threads()
         self._failed: str | None = None
         self._processes: list[mp.Process] = []
+        self._finalizer = None
         store, init = create_store(init)
         if spawn:
             ctx = mp.get_context("spawn")
@@ -72,6 +74,8 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.encoder = StepEncoder()
+        # An engine dropped without shutdown() (a script that just ends) still stops its ranks cleanly.
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.groups, self._processes, True, self._threads)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
@@ -93,21 +97,35 @@ class MultiprocExecutor(Executor):
             raise WorkerDiedError(f"the engine lost a worker: {self._failed}")
 
     def shutdown(self) -> None:
-        if getattr(self, "groups", None) is not None and self._failed is None:
-            try:
-                if all(p.is_alive() for p in self._processes):
-                    broadcast_object(self.groups.cpu_group, None, 0)
-            except RuntimeError as e:
-                logger.warning("stopping workers: %s", e)
-        for p in self._processes:
-            if self._failed is None:
-                p.join(timeout=10)  # a clean exit after the stop message
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self._processes = []
-        self._failed = self._failed or "shut down"
-        torch.set_num_threads(self._threads)
+        if self._failed is None:
+            self._failed = "shut down"
+            self._stop(clean=True)
+        else:
+            self._stop(clean=False)
+
+    def _stop(self, clean: bool) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _stop_ranks(getattr(self, "groups", None), self._processes, clean, self._threads)
+
+
+def _stop_ranks(groups, processes: list[mp.Process], clean: bool, threads: int) -> None:
+    """Send the stop message (`clean`: every rank is alive and between steps), wait a little,
+    kill what is left. Also run at interpreter exit for an engine nobody shut down."""
+    if groups is not None and clean:
+        try:
+            if all(p.is_alive() for p in processes):
+                broadcast_object(groups.cpu_group, None, 0)
+        except RuntimeError as e:
+            logger.warning("stopping workers: %s", e)
+    for p in processes:
+        if clean:
+            p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    processes.clear()
+    torch.set_num_threads(threads)
 
 
 def _for_rank(init: DistributedInit, rank: int) -> DistributedInit:

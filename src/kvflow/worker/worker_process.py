@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from kvflow.config import EngineConfig
+from kvflow.config import EngineArgs, EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.distributed.process_groups import (DistributedInit, ProcessGroups, broadcast_object, create_groups,
                                                die_with_parent)
@@ -69,3 +69,24 @@ def run_worker_process(config: EngineConfig, init: DistributedInit, spawned: boo
         if msg is None:
             return
         worker.execute_model(decoder.decode(msg))
+
+
+def external_rank(args: EngineArgs) -> DistributedInit | None:
+    """Where this process joins as a rank other than 0, when it was started as one (by torchrun,
+    or by hand with --distributed-init-method and --node-rank); None when it runs the engine."""
+    if args.tensor_parallel_size == 1:
+        return None
+    if args.distributed_init_method:
+        init = DistributedInit.parse(args.distributed_init_method, args.tensor_parallel_size, args.node_rank,
+                                     args.distributed_timeout_s)
+    else:
+        init = DistributedInit.from_torchrun(args.distributed_timeout_s)
+    return init if init is not None and init.rank != 0 else None
+
+
+def run_external_rank(args: EngineArgs, init: DistributedInit) -> None:
+    """A rank started outside the engine: the same worker, until rank 0 stops or is lost."""
+    hf_config = load_checkpoint(args.model, load_tokenizer=False, load_weights=False).hf_config
+    config = args.create_config(ArchConfig.from_hf(hf_config).max_position_embeddings)
+    logger.info("rank %d of %d: joining %s:%d", init.rank, init.world_size, init.host, init.port)
+    run_worker_process(config, init, spawned=False)
