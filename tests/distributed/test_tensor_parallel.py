@@ -14,7 +14,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.attention.backend import get_attention_backend
 from kvflow.distributed.parallel_state import TensorParallel, tensor_parallel_scope
-from kvflow.executor.multiprocess import WorkerDiedError
+from kvflow.worker.device_faults import WorkerDiedError, is_device_fault
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.hf import load_hf_dir
 from kvflow.model.loader.weights import process_weights_after_loading
@@ -126,8 +126,9 @@ def _a_dead_rank_ends_the_step_with_an_error(llm):
     os.kill(rank1.pid, signal.SIGKILL)
     rank1.join(timeout=10)
     start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="kvflow-rank-1"):
+    with pytest.raises(WorkerDiedError, match="kvflow-rank-1") as error:
         engine.step()
+    assert is_device_fault(error.value)  # a server declares its engine dead: /health turns 503
     assert time.monotonic() - start < 10
     assert engine.abort_failed_step() == ["doomed"]
     with pytest.raises(WorkerDiedError):  # and every later step, at once

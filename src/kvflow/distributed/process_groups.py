@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 _PR_SET_PDEATHSIG = 1
+IDLE_FOREVER = timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,10 @@ def create_groups(init: DistributedInit, device: torch.device, store=None) -> Pr
     if store is None:
         store, init = create_store(init)
     timeout = timedelta(seconds=init.timeout_s)
-    cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), init.rank, init.world_size, timeout)
+    # Waiting for the next step is not a failure (an idle server sends none for hours): the host
+    # group never times out. A rank that dies closes its connections, which gloo reports at once;
+    # a rank that hangs inside a step is caught by the device group's timeout.
+    cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), init.rank, init.world_size, IDLE_FOREVER)
     if device.type == "cuda":
         from torch.distributed import ProcessGroupNCCL
 

@@ -26,16 +26,13 @@ from kvflow.distributed.process_groups import DistributedInit, broadcast_object,
 from kvflow.executor.base import Executor
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader import Checkpoint
+from kvflow.worker.device_faults import WorkerDiedError
 from kvflow.worker.runner_output import ModelRunnerOutput
 from kvflow.worker.step_message import StepEncoder
 from kvflow.worker.worker import Worker, rank_arch
 from kvflow.worker.worker_process import run_worker_process, start_worker, threads_per_rank
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerDiedError(RuntimeError):
-    """A rank is gone: this engine cannot run another step."""
 
 
 class MultiprocExecutor(Executor):
