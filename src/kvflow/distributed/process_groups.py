@@ -59,15 +59,7 @@ class ProcessGroups:
     init: DistributedInit
     store: object
     device_group: object  # the model's all-reduce / all-gather
-    cpu_group: object  # step messages, health
-
-    @property
-    def rank(self) -> int:
-        return self.init.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.init.world_size
+    cpu_group: object  # step messages, agreeing on the KV pool size
 
 
 def create_store(init: DistributedInit) -> tuple[object, DistributedInit]:

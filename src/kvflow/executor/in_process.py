@@ -16,7 +16,7 @@ class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint) -> None:
         self.driver_worker = Worker(config, arch, quant_config)
         self.driver_worker.load_model(checkpoint)
-        self.num_kv_blocks, self.num_host_blocks = self.driver_worker.num_kv_blocks()
+        self.num_kv_blocks, self.num_host_blocks = self.driver_worker.determine_num_kv_blocks()
         self.driver_worker.initialize_cache(self.num_kv_blocks, self.num_host_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

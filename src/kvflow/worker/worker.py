@@ -60,7 +60,7 @@ class Worker:
         self.model = model
         return model
 
-    def num_kv_blocks(self) -> tuple[int, int]:
+    def determine_num_kv_blocks(self) -> tuple[int, int]:
         """(device blocks, host blocks for swapping) this rank can hold: the configured budget,
         capped by the memory measured free now that the model is loaded."""
         cache, layout = self.config.cache, self.local_arch.kv_layout

@@ -35,7 +35,7 @@ def start_worker(worker: Worker, groups: ProcessGroups, checkpoint) -> tuple[int
     """Load, size the pool as the smallest any rank can hold, allocate: every rank calls this.
     Returns the (device, host) block counts agreed on."""
     worker.load_model(checkpoint)
-    blocks = torch.tensor(worker.num_kv_blocks(), dtype=torch.int64)
+    blocks = torch.tensor(worker.determine_num_kv_blocks(), dtype=torch.int64)
     opts = torch.distributed.AllreduceOptions()
     opts.reduceOp = torch.distributed.ReduceOp.MIN
     groups.cpu_group.allreduce([blocks], opts).wait()
