@@ -61,7 +61,8 @@ class GGUFMethod(QuantMethod):
         if tuple(loaded.shape) != expected:
             raise ValueError(f"has shape {tuple(loaded.shape)}, expected {expected}")
         if layer.tp_split == "input" and layer.tp_size > 1:
-            raise ValueError("cannot split GGUF blocks over input channels (row-parallel ranks)")
+            raise ValueError("cannot split GGUF blocks over input channels (row-parallel ranks); to run a GGUF "
+                             "tensor-parallel, re-quantize each rank's slice: --quantization int8 (or int4, fp8, ...)")
         layer.gguf_shards[index] = (loaded.narrow_rows(start, rows) if isinstance(loaded, GGUFBlocks)
                                     else loaded.narrow(0, start, rows))
 
