@@ -47,7 +47,8 @@ class MultiprocExecutor(Executor):
         if init.world_size != par.world_size:
             raise ValueError(f"tensor_parallel_size={par.world_size}, but {init.world_size} ranks were started")
         if init.rank != 0:
-            raise ValueError(f"rank {init.rank} runs a worker, not the engine: start it with `kvflow worker`")
+            raise ValueError(f"rank {init.rank} does not run the engine: run the same `kvflow` command there "
+                             "(ranks other than 0 become workers)")
         self._threads = torch.get_num_threads()
         self._failed: str | None = None
         self._processes: list[mp.Process] = []
@@ -130,5 +131,8 @@ def _for_rank(init: DistributedInit, rank: int) -> DistributedInit:
 
 
 def _is_collective_error(e: RuntimeError) -> bool:
+    """Whether a step failed in a collective (a peer gone or silent), not in the model itself."""
+    if isinstance(e, torch.distributed.DistBackendError):
+        return True
     text = str(e).lower()
     return any(s in text for s in ("connection", "timed out", "timeout", "gloo", "nccl", "peer"))
