@@ -64,6 +64,19 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    # tcp://host:port where the ranks meet (rank 0 listens); None: this machine, a free port.
+    distributed_init_method: str | None = None
+    node_rank: int = 0  # this process's rank when the ranks are started by hand (one per node)
+    distributed_timeout_s: float = 60.0  # a rank silent this long has failed
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -73,6 +86,7 @@ class EngineConfig:
     use_cuda_graphs: bool  # replay decode steps from captured graphs (CUDA + triton only)
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     lora: LoRAConfig | None = None  # None: LoRA disabled
+    parallel: ParallelConfig = ParallelConfig()
 
 
 @dataclass
@@ -106,6 +120,10 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # vLLM's name: fp8 or int8 stores KV in one byte per number plus scales
     structured_outputs_backend: str = "auto"  # guidance (llguidance; what auto means) or xgrammar
     structured_outputs_compile_timeout: float = 10.0  # seconds
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    node_rank: int = 0
+    distributed_timeout_s: float = 60.0
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -151,10 +169,16 @@ class EngineArgs:
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
         _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1")
+        _require(0 <= self.node_rank < self.tensor_parallel_size, "node_rank", "in [0, tensor_parallel_size)")
+        _require(self.distributed_timeout_s > 0, "distributed_timeout_s", "> 0")
         _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", "auto, fp8 or int8")
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet (adapters are not "
+                             "sharded); use tensor_parallel_size=1")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         if self.kv_cache_dtype != "auto" and backend == "triton":
@@ -191,6 +215,8 @@ class EngineArgs:
             ),
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
             if self.enable_lora else None,
+            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_init_method, self.node_rank,
+                                    self.distributed_timeout_s),
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -237,6 +263,14 @@ class EngineArgs:
                        choices=["auto", "guidance", "xgrammar"], help="grammar library (auto: guidance, i.e. llguidance)")
         g.add_argument("--structured-outputs-compile-timeout", type=float, default=d.structured_outputs_compile_timeout,
                        help="seconds a JSON schema, regex or grammar may take to compile before it is refused")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="split every layer over N ranks (processes), joined by gloo on CPU, NCCL on GPU")
+        g.add_argument("--distributed-init-method", default=None,
+                       help="tcp://host:port where the ranks meet (rank 0 listens); default: ranks on this machine")
+        g.add_argument("--node-rank", type=int, default=d.node_rank,
+                       help="this process's rank when ranks are started one per node (0 runs the engine)")
+        g.add_argument("--distributed-timeout-s", type=float, default=d.distributed_timeout_s,
+                       help="a rank that does not answer for this long has failed")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

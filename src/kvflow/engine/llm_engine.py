@@ -9,9 +9,6 @@ from __future__ import annotations
 import itertools
 import time
 
-import torch
-
-from kvflow.attention.backend import get_attention_backend
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -22,17 +19,13 @@ from kvflow.engine.outputs import RequestMetrics, RequestOutput
 from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
+from kvflow.executor.base import create_executor
 from kvflow.model.arch_config import ArchConfig
-from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.resolve import load_checkpoint
-from kvflow.model.loader.weights import process_weights_after_loading
-from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.structured_output.manager import StructuredOutputManager
-from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks
-from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
@@ -49,16 +42,14 @@ class LLMEngine:
         self.hf_config = checkpoint.hf_config
         self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
-        model = self._load_model(checkpoint, dummy)
-        cache, dtype, layout = self.config.cache, self.config.model.dtype, self.arch.kv_layout
-        block_bytes = layout.block_bytes(cache.block_size, dtype.itemsize, cache.cache_dtype)
-        useful = (-(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
-                  * len(layout.groups))
-        self.num_kv_blocks = num_kv_blocks(cache, block_bytes, useful)
-        num_host_blocks = int(cache.swap_space_gb * 1024**3) // block_bytes
+        # The workers load the model and size and allocate the KV pool; the engine schedules.
+        self.model_executor = create_executor(self.config, self.arch, self.quant_config, checkpoint)
+        self.num_kv_blocks, num_host_blocks = self.model_executor.num_kv_blocks, self.model_executor.num_host_blocks
+        cache, layout = self.config.cache, self.arch.kv_layout
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
+        # Rank 0 samples for every rank, so only its runner masks with the grammars.
         self.structured_output = self._make_structured_output()
-        self.runner = self._make_runner(model, num_host_blocks)
+        self.runner.structured_output = self.structured_output
         self.scheduler = Scheduler(
             self.config.scheduler,
             KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, layout.sliding_windows),
@@ -77,23 +68,10 @@ class LLMEngine:
             self._calibrate_awq()
         # LoRA wraps the linear layers once they are final: AWQ's calibration rescales bare ones.
         lora = self.config.lora
-        self.lora = None if lora is None else LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras,
-                                                          self.config.model.dtype, self.config.device,
-                                                          in_use=self._adapters_in_use)
+        self.lora = None if lora is None else LoRAManager(
+            self.runner.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.config.model.dtype,
+            self.config.device, in_use=self._adapters_in_use)
         self.runner.lora = self.lora
-
-    def _load_model(self, checkpoint, dummy: bool) -> torch.nn.Module:
-        cfg = self.config
-        # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
-        static_len = cfg.model.max_model_len if cfg.use_cuda_graphs else None
-        model = build_model(self.arch, get_attention_backend(cfg.attention_backend, static_len),
-                            cfg.model.dtype, cfg.device, self.quant_config)
-        if dummy:
-            init_dummy_weights(model, cfg.model.seed)
-        else:
-            model.load_weights(checkpoint.weights)
-        process_weights_after_loading(model)
-        return model
 
     def _calibrate_awq(self) -> None:
         """AWQ on a float checkpoint: run calibration text through the float model, then quantize."""
@@ -115,22 +93,6 @@ class LLMEngine:
         calibrate_and_quantize(self.runner.model, run, windows, self.config.model.seed)
         self.reset_prefix_cache()  # those blocks hold the float model's keys and values
 
-    def _make_runner(self, model: torch.nn.Module, num_host_blocks: int) -> ModelRunner:
-        """The runner with its KV tensors (and swap space, and captured decode graphs)."""
-        cfg, cache, dtype, device = self.config, self.config.cache, self.config.model.dtype, self.config.device
-        layout = self.arch.kv_layout
-        kv_caches = allocate_kv_caches(layout, self.num_kv_blocks, cache.block_size, dtype, device, cache.cache_dtype)
-        host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype)
-                       if num_host_blocks else None)
-        graphs = None
-        # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
-        if cfg.use_cuda_graphs and self.arch.moe is None:
-            graphs = DecodeGraphs(model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
-                                  cfg.model.max_model_len, torch.device(device), len(layout.groups))
-            graphs.capture()
-        return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs,
-                           self.structured_output)
-
     def _make_structured_output(self) -> StructuredOutputManager | None:
         """Grammar matchers need the vocabulary: none without a tokenizer."""
         if self.tokenizer is None:
@@ -145,6 +107,15 @@ class LLMEngine:
         if self.structured_output is None:
             raise ValueError("structured_outputs needs the model's tokenizer; this engine was started without one")
         return self.structured_output.compile(params)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's runner, in this process (its model: AWQ calibration, `kvflow quantize`, tests)."""
+        return self.model_executor.driver_worker.model_runner
+
+    def shutdown(self) -> None:
+        """Stop the workers (ranks in other processes); idempotent."""
+        self.model_executor.shutdown()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -253,7 +224,7 @@ class LLMEngine:
         except SchedulerStallError as e:
             self._running_at_step.update(e.request_ids)  # abort_failed_step ends them too
             raise
-        runner_out = self.runner.execute(sched)
+        runner_out = self.model_executor.execute_model(sched)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled)
         self._generation_tokens_total += len(produced)
         outputs, stopped = self.output_processor.process(produced, runner_out)

@@ -18,12 +18,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if _runs_a_worker_rank(args):
+            return 0
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _runs_a_worker_rank(args: argparse.Namespace) -> bool:
+    """Under torchrun (or --node-rank > 0) every rank runs the same command; rank 0 runs it, the
+    others become its tensor-parallel workers."""
+    if getattr(args, "tensor_parallel_size", 1) == 1:
+        return False
+    from kvflow.worker.worker_process import external_rank, run_external_rank
+
+    engine_args = EngineArgs.from_cli_args(args)
+    init = external_rank(engine_args)
+    if init is not None:
+        run_external_rank(engine_args, init)
+    return init is not None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,14 +55,14 @@ class GGUFMethod(QuantMethod):
 
     def _load(self, layer: nn.Module, loaded, shard_id) -> None:
         index = layer.shard_index(shard_id)
-        expected = (layer.output_sizes[index] * (layer.tp_size if layer.tp_split == "output" else 1),
-                    layer.input_size * (layer.tp_size if layer.tp_split == "input" else 1))
+        rows = layer.output_sizes[index]
+        full_rows, start = layer.tp_shard_rows(index) if layer.tp_split == "output" else (rows, 0)
+        expected = (full_rows, layer.input_size * (layer.tp_size if layer.tp_split == "input" else 1))
         if tuple(loaded.shape) != expected:
             raise ValueError(f"has shape {tuple(loaded.shape)}, expected {expected}")
         if layer.tp_split == "input" and layer.tp_size > 1:
-            raise ValueError("cannot split GGUF blocks over input channels (row-parallel ranks)")
-        rows = layer.output_sizes[index]
-        start = layer.tp_rank * rows if layer.tp_split == "output" else 0
+            raise ValueError("cannot split GGUF blocks over input channels (row-parallel ranks); to run a GGUF "
+                             "tensor-parallel, re-quantize each rank's slice: --quantization int8 (or int4, fp8, ...)")
         layer.gguf_shards[index] = (loaded.narrow_rows(start, rows) if isinstance(loaded, GGUFBlocks)
                                     else loaded.narrow(0, start, rows))
 

@@ -39,15 +39,42 @@ def kv_cache_shape(spec: KVCacheSpec, num_blocks: int, block_size: int, quantize
     return (2, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
 
 
-def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_useful_blocks: int) -> int:
+# Memory left free after the KV pool is allocated: activations of the largest step, the
+# sampler's logits, allocator slack. The pool never takes it, whatever the budget says.
+MEMORY_HEADROOM_BYTES = 1024**3
+
+
+def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_useful_blocks: int,
+                  available_bytes: int | None = None) -> int:
     """Blocks of `block_bytes` that fit in the memory budget, but never more than
-    `max_useful_blocks` (what max_num_seqs requests of max_model_len tokens could ever hold)."""
+    `max_useful_blocks` (what max_num_seqs requests of max_model_len tokens could ever hold), nor
+    more than the memory measured free (`available_bytes`, after the model is loaded) less
+    `MEMORY_HEADROOM_BYTES`."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    blocks = int(cache.kv_cache_memory_gb * 1024**3) // block_bytes
+    budget = int(cache.kv_cache_memory_gb * 1024**3)
+    if available_bytes is not None and available_bytes - MEMORY_HEADROOM_BYTES < budget:
+        budget = available_bytes - MEMORY_HEADROOM_BYTES
+        if budget < block_bytes:
+            raise ValueError(f"kv_cache_memory_gb={cache.kv_cache_memory_gb}: only {available_bytes / 1024**3:.2f} GiB "
+                             f"is free after loading the model, less than {MEMORY_HEADROOM_BYTES / 1024**3:.0f} GiB "
+                             f"of headroom plus one KV block of {block_bytes} bytes")
+    blocks = budget // block_bytes
     if blocks < 1:
         raise ValueError(f"kv_cache_memory_gb={cache.kv_cache_memory_gb} holds no KV block of {block_bytes} bytes")
     return min(blocks, max_useful_blocks)
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for the KV pool now: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):  # not Linux: the configured budget alone decides
+        return None
 
 
 def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype, device,

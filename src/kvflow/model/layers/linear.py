@@ -5,6 +5,11 @@ shard of a fused projection fills (q/k/v, gate/up) and, under tensor parallelism
 rank `tp_rank` of `tp_size` keeps (output channels for column-parallel layers, input channels for
 row-parallel ones). Its `quant_method` decides what the parameters are and how x @ W^T runs.
 Models build these layers and never branch on quantization or sharding.
+
+A layer takes its rank and group from the tensor-parallel scope it is built in
+(`kvflow.distributed.parallel_state`); `tp_rank`/`tp_size` given explicitly build one rank's
+slice with no group (to load and inspect shards). A row-parallel layer's ranks each hold part
+of the sum x W^T: they all-reduce it, then add the bias once.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.distributed.parallel_state import TensorParallel, current_tensor_parallel, split_heads
 from kvflow.quant.base import QuantizationConfig, QuantMethod, copy_checked, set_weight_attrs
 from kvflow.quant.unquantized import UnquantizedMethod
 
@@ -29,14 +35,15 @@ class LinearBase(nn.Module):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 shard_ids: tuple = (None,), tp_rank: int = 0, tp_size: int = 1) -> None:
+                 shard_ids: tuple = (None,), tp_rank: int | None = None, tp_size: int | None = None) -> None:
         super().__init__()
         self.prefix, self.shard_ids = prefix, shard_ids
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tensor_parallel_for(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         if self.tp_split == "input":
-            input_size = _divide(input_size, tp_size, prefix)
+            input_size = _divide(input_size, self.tp_size, prefix)
         if self.tp_split == "output":
-            output_sizes = [_divide(s, tp_size, prefix) for s in output_sizes]
+            output_sizes = [_divide(s, self.tp_size, prefix) for s in output_sizes]
         self.input_size, self.output_sizes = input_size, list(output_sizes)  # this rank's
         self.quant_method = quant_method_for(quant_config, self.quant_kind, prefix)
         self.quant_method.create_weights(self, input_size, self.output_sizes, torch.get_default_dtype())
@@ -64,22 +71,30 @@ class LinearBase(nn.Module):
         dest, index = param.data, self.shard_index(shard_id)
         full_shape = list(dest.shape)
         out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+        first = 0
         if out_dim is not None:
             pack = getattr(param, "packed_factor", 1) if getattr(param, "packed_dim", None) == out_dim else 1
             start, size = sum(self.output_sizes[:index]) // pack, self.output_sizes[index] // pack
             dest = dest.narrow(out_dim, start, size)
             full_shape = list(dest.shape)
             if self.tp_split == "output":
-                full_shape[out_dim] *= self.tp_size
+                full_rows, first = self.tp_shard_rows(index)
+                full_shape[out_dim], first = full_rows // pack, first // pack
         if in_dim is not None and self.tp_split == "input":
             full_shape[in_dim] *= self.tp_size
         if list(loaded.shape) != full_shape:
             raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(full_shape)}")
         if out_dim is not None and self.tp_split == "output":
-            loaded = loaded.narrow(out_dim, self.tp_rank * dest.shape[out_dim], dest.shape[out_dim])
+            loaded = loaded.narrow(out_dim, first, dest.shape[out_dim])
         if in_dim is not None and self.tp_split == "input":
             loaded = loaded.narrow(in_dim, self.tp_rank * dest.shape[in_dim], dest.shape[in_dim])
         copy_checked(dest, loaded)
+
+    def tp_shard_rows(self, index: int) -> tuple[int, int]:
+        """(rows of shard `index` in the checkpoint, the first of them this rank keeps): a
+        column-parallel rank keeps an equal consecutive slice."""
+        rows = self.output_sizes[index]
+        return rows * self.tp_size, rows * self.tp_rank
 
 
 class ReplicatedLinear(LinearBase):
@@ -112,16 +127,27 @@ class MergedColumnParallelLinear(LinearBase):
 
 
 class QKVParallelLinear(LinearBase):
-    """q, k and v as one matmul (shard ids "q", "k", "v"); a rank keeps whole heads of each. With
-    no KV heads it is q alone (a layer that reads another layer's KV)."""
+    """q, k and v as one matmul (shard ids "q", "k", "v"); a rank keeps whole heads of each: its
+    share of the query heads, and its KV heads (with fewer KV heads than ranks, the one KV head
+    its query heads read, which other ranks keep too). With no KV heads it is q alone (a layer
+    that reads another layer's KV)."""
 
     tp_split = "output"
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  quant_config: QuantizationConfig | None = None, prefix: str = "", **tp) -> None:
-        sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * (2 if num_kv_heads else 0)
+        self.head_dim, self.num_kv_heads = head_dim, num_kv_heads
+        self.heads = split_heads(num_heads, num_kv_heads, tensor_parallel_for(**tp), prefix or "qkv_proj")
+        size = tensor_parallel_for(**tp).size
+        # Sizes as if every rank kept an equal slice; the base class divides them by the ranks.
+        sizes = [num_heads * head_dim] + [self.heads.num_kv_heads * head_dim * size] * (2 if num_kv_heads else 0)
         shard_ids = ("q", "k", "v") if num_kv_heads else ("q",)
         super().__init__(hidden_size, sizes, bias, quant_config, prefix, shard_ids=shard_ids, **tp)
+
+    def tp_shard_rows(self, index: int) -> tuple[int, int]:
+        if index == 0:
+            return super().tp_shard_rows(index)
+        return self.num_kv_heads * self.head_dim, self.heads.first_kv_head * self.head_dim
 
 
 class RowParallelLinear(LinearBase):
@@ -134,9 +160,17 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size, [output_size], bias, quant_config, prefix, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            raise NotImplementedError("row-parallel outputs need an all-reduce over ranks, which kvflow does not have yet")
-        return super().forward(x)
+        if self.tp_size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(self.quant_method.apply(self, x))
+        return y if self.bias is None else y + self.bias
+
+
+def tensor_parallel_for(tp_rank: int | None = None, tp_size: int | None = None) -> TensorParallel:
+    """The group in scope, or rank `tp_rank` of `tp_size` with no group when they are given."""
+    if tp_rank is None and tp_size is None:
+        return current_tensor_parallel()
+    return TensorParallel(tp_rank or 0, tp_size or 1)
 
 
 def _divide(size: int, parts: int, prefix: str) -> int:

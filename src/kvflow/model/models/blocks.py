@@ -21,6 +21,7 @@ from torch import nn
 
 from kvflow.attention.backend import AttentionBackend
 from kvflow.attention.metadata import AttentionLayerSpec
+from kvflow.distributed.parallel_state import current_tensor_parallel, split_heads
 from kvflow.kv_cache_spec import SharedKVSpec
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.attention import Attention
@@ -39,10 +40,11 @@ STACKED_PARAMS = {
 
 
 def attention_layer_spec(cfg: ArchConfig, layer_idx: int, scale: float) -> AttentionLayerSpec:
-    """The layer's attention shape, window and place in the KV pool."""
+    """The layer's attention shape (this tensor-parallel rank's heads), window and place in the KV pool."""
     group, _ = cfg.kv_layout.places[layer_idx]
     shares = isinstance(cfg.kv_cache_specs()[layer_idx], SharedKVSpec)
-    return AttentionLayerSpec(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, cfg.sliding_windows[layer_idx],
+    heads = split_heads(cfg.num_heads, cfg.num_kv_heads, current_tensor_parallel(), cfg.architecture)
+    return AttentionLayerSpec(heads.num_heads, heads.num_kv_heads, cfg.head_dim, scale, cfg.sliding_windows[layer_idx],
                               kv_group=group, writes_kv=not shares)
 
 
@@ -57,9 +59,9 @@ class RopeAttention(nn.Module):
         d = cfg.head_dim
         spec = attention_layer_spec(cfg, layer_idx, d**-0.5 if scale is None else scale)
         kv_heads = cfg.num_kv_heads if spec.writes_kv else 0
-        self.sizes = [cfg.num_heads * d] + [kv_heads * d] * (2 if kv_heads else 0)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, kv_heads, cfg.attention_bias,
                                           quant_config, f"{prefix}.qkv_proj")
+        self.sizes = self.qkv_proj.output_sizes  # this rank's q, k, v
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, quant_config, f"{prefix}.o_proj")
         self.qk_norm = qk_norm
         if qk_norm is not None:

@@ -1,0 +1,138 @@
+"""One worker per rank: rank 0 in this process (its output is the step's), the others in their
+own processes, joined by torch.distributed.
+
+Each step, rank 0 broadcasts the encoded step (`StepMessage`, only what changed) on a gloo
+group, then every rank runs the same forward pass; the model's all-reduces and all-gathers keep
+them in lockstep. Ranks are started here (`multiprocessing`, spawn) unless the user started them
+(torchrun, or `--distributed-init-method` with `--node-rank` on each machine).
+
+A rank that dies is noticed before the next step (its process is gone) or inside a collective
+(gloo reports the closed connection, or the timeout passes): the step raises, the engine ends
+the requests it carried with an error, and every later step raises at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import weakref
+
+import torch
+
+from kvflow.config import EngineConfig
+from kvflow.core.sched_output import SchedulerOutput
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.distributed.process_groups import DistributedInit, broadcast_object, create_groups, create_store
+from kvflow.executor.base import Executor
+from kvflow.model.arch_config import ArchConfig
+from kvflow.model.loader import Checkpoint
+from kvflow.worker.device_faults import WorkerDiedError
+from kvflow.worker.runner_output import ModelRunnerOutput
+from kvflow.worker.step_message import StepEncoder
+from kvflow.worker.worker import Worker, rank_arch
+from kvflow.worker.worker_process import run_worker_process, start_worker, threads_per_rank
+
+logger = logging.getLogger(__name__)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint) -> None:
+        par = config.parallel
+        rank_arch(arch, TensorParallel(0, par.world_size))  # a model that cannot split fails before any rank starts
+        init = (DistributedInit.parse(par.distributed_init_method, par.world_size, par.node_rank, par.distributed_timeout_s)
+                if par.distributed_init_method else DistributedInit.from_torchrun(par.distributed_timeout_s))
+        spawn = init is None
+        if spawn:
+            init = DistributedInit("127.0.0.1", 0, par.world_size, 0, par.distributed_timeout_s)
+        if init.world_size != par.world_size:
+            raise ValueError(f"tensor_parallel_size={par.world_size}, but {init.world_size} ranks were started")
+        if init.rank != 0:
+            raise ValueError(f"rank {init.rank} does not run the engine: run the same `kvflow` command there "
+                             "(ranks other than 0 become workers)")
+        self._threads = torch.get_num_threads()
+        self._failed: str | None = None
+        self._processes: list[mp.Process] = []
+        self._finalizer = None
+        store, init = create_store(init)
+        if spawn:
+            ctx = mp.get_context("spawn")
+            for rank in range(1, init.world_size):
+                p = ctx.Process(target=run_worker_process, args=(config, _for_rank(init, rank)), daemon=True,
+                                name=f"kvflow-rank-{rank}")
+                p.start()
+                self._processes.append(p)
+        if config.device == "cpu":
+            torch.set_num_threads(threads_per_rank(init.world_size))
+        self.groups = create_groups(init, torch.device(config.device), store)
+        self.driver_worker = Worker(config, arch, quant_config, TensorParallel(0, init.world_size, self.groups.device_group))
+        try:
+            self.num_kv_blocks, self.num_host_blocks = start_worker(self.driver_worker, self.groups, checkpoint)
+        except BaseException:
+            self._failed = "a rank failed to start"
+            self.shutdown()
+            raise
+        self.encoder = StepEncoder()
+        # An engine dropped without shutdown() (a script that just ends) still stops its ranks cleanly.
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.groups, self._processes, True, self._threads)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.check_health()
+        try:
+            broadcast_object(self.groups.cpu_group, self.encoder.encode(sched), 0)
+            return self.driver_worker.execute_model(sched)
+        except RuntimeError as e:
+            if isinstance(e, WorkerDiedError) or not _is_collective_error(e):
+                raise
+            self._failed = f"a tensor-parallel rank stopped answering ({e})"
+            raise WorkerDiedError(self._failed) from e
+
+    def check_health(self) -> None:
+        if self._failed is None:
+            dead = [p for p in self._processes if not p.is_alive()]
+            if dead:
+                self._failed = ", ".join(f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
+        if self._failed is not None:
+            raise WorkerDiedError(f"the engine lost a worker: {self._failed}")
+
+    def shutdown(self) -> None:
+        if self._failed is None:
+            self._failed = "shut down"
+            self._stop(clean=True)
+        else:
+            self._stop(clean=False)
+
+    def _stop(self, clean: bool) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _stop_ranks(getattr(self, "groups", None), self._processes, clean, self._threads)
+
+
+def _stop_ranks(groups, processes: list[mp.Process], clean: bool, threads: int) -> None:
+    """Send the stop message (`clean`: every rank is alive and between steps), wait a little,
+    kill what is left. Also run at interpreter exit for an engine nobody shut down."""
+    if groups is not None and clean:
+        try:
+            if all(p.is_alive() for p in processes):
+                broadcast_object(groups.cpu_group, None, 0)
+        except RuntimeError as e:
+            logger.warning("stopping workers: %s", e)
+    for p in processes:
+        if clean:
+            p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    processes.clear()
+    torch.set_num_threads(threads)
+
+
+def _for_rank(init: DistributedInit, rank: int) -> DistributedInit:
+    return DistributedInit(init.host, init.port, init.world_size, rank, init.timeout_s)
+
+
+def _is_collective_error(e: RuntimeError) -> bool:
+    """Whether a step failed in a collective (a peer gone or silent), not in the model itself."""
+    if isinstance(e, torch.distributed.DistBackendError):
+        return True
+    text = str(e).lower()
+    return any(s in text for s in ("connection", "timed out", "timeout", "gloo", "nccl", "peer"))

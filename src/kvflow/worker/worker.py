@@ -1,0 +1,102 @@
+"""Worker: one rank's device, model, KV cache and runner.
+
+Its life, in the order every rank follows (ranks stay in lockstep because they make the same
+collective calls in the same order):
+
+1. `__init__`: the device, and the tensor-parallel group this rank belongs to;
+2. `load_model`: the model built for this rank (its slices of every layer), weights loaded;
+3. `num_kv_blocks`: how many KV blocks fit, from memory measured after loading;
+4. `initialize_cache`: the KV tensors (the count every rank agreed on), swap space, CUDA graphs,
+   and the `ModelRunner` that runs steps on them;
+5. `execute_model`: one step.
+
+The worker knows nothing of requests' text or of scheduling; it receives `SchedulerOutput`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvflow.attention.backend import get_attention_backend
+from kvflow.config import EngineConfig
+from kvflow.core.sched_output import SchedulerOutput
+from kvflow.distributed.parallel_state import SINGLE, TensorParallel, split_heads, tensor_parallel_scope
+from kvflow.model.arch_config import ArchConfig
+from kvflow.model.loader import Checkpoint
+from kvflow.model.loader.dummy import init_dummy_weights
+from kvflow.model.loader.weights import process_weights_after_loading
+from kvflow.model.registry import build_model
+from kvflow.worker.cuda_graphs import DecodeGraphs
+from kvflow.worker.kv_cache import allocate_kv_caches, available_memory_bytes, num_kv_blocks
+from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.runner_output import ModelRunnerOutput
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, quant_config, tp: TensorParallel = SINGLE) -> None:
+        self.config = config
+        self.arch = arch
+        self.quant_config = quant_config
+        self.tp = tp
+        self.device = torch.device(config.device)
+        self.model: torch.nn.Module | None = None
+        self.model_runner: ModelRunner | None = None
+        self.local_arch = rank_arch(arch, tp)
+
+    def load_model(self, checkpoint: Checkpoint) -> torch.nn.Module:
+        cfg = self.config
+        # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
+        static_len = cfg.model.max_model_len if cfg.use_cuda_graphs else None
+        with tensor_parallel_scope(self.tp):
+            model = build_model(self.arch, get_attention_backend(cfg.attention_backend, static_len),
+                                cfg.model.dtype, cfg.device, self.quant_config)
+        if cfg.model.load_format == "dummy":
+            init_dummy_weights(model, cfg.model.seed)
+        else:
+            model.load_weights(checkpoint.weights)
+        process_weights_after_loading(model)
+        self.model = model
+        return model
+
+    def determine_num_kv_blocks(self) -> tuple[int, int]:
+        """(device blocks, host blocks for swapping) this rank can hold: the configured budget,
+        capped by the memory measured free now that the model is loaded."""
+        cache, layout = self.config.cache, self.local_arch.kv_layout
+        block_bytes = layout.block_bytes(cache.block_size, self.config.model.dtype.itemsize, cache.cache_dtype)
+        useful = (-(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
+                  * len(layout.groups))
+        device_blocks = num_kv_blocks(cache, block_bytes, useful, available_memory_bytes(self.device))
+        return device_blocks, int(cache.swap_space_gb * 1024**3) // block_bytes
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        """The KV tensors, swap space and captured decode graphs; then the runner."""
+        cfg, cache, dtype = self.config, self.config.cache, self.config.model.dtype
+        layout = self.local_arch.kv_layout
+        kv_caches = allocate_kv_caches(layout, num_blocks, cache.block_size, dtype, self.device, cache.cache_dtype)
+        host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype)
+                       if num_host_blocks else None)
+        graphs = None
+        # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
+        if cfg.use_cuda_graphs and self.arch.moe is None:
+            graphs = DecodeGraphs(self.model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
+                                  cfg.model.max_model_len, self.device, len(layout.groups))
+            graphs.capture()
+        self.model_runner = ModelRunner(self.model, kv_caches, cache.block_size, self.device, cfg.model.seed,
+                                        host_caches, graphs)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute(sched)
+
+
+def rank_arch(arch: ArchConfig, tp: TensorParallel) -> ArchConfig:
+    """The architecture as rank `tp.rank` sees it: its share of the attention heads (so its KV
+    layout holds only its KV heads). Raises if the model cannot be split `tp.size` ways."""
+    if tp.size == 1:
+        return arch
+    if arch.mla is not None or arch.moe is not None:
+        raise ValueError(f"tensor_parallel_size={tp.size}: {arch.architecture} cannot run tensor-parallel yet "
+                         "(latent attention and mixtures of experts are not sharded); use tensor_parallel_size=1")
+    heads = split_heads(arch.num_heads, arch.num_kv_heads, tp, arch.architecture)
+    return dataclasses.replace(arch, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)

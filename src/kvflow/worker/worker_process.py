@@ -1,0 +1,92 @@
+"""A rank other than 0: a worker in its own process, executing the steps rank 0 broadcasts.
+
+It follows the same life as rank 0's worker (load, agree on the KV pool size, allocate), then
+loops: receive a `StepMessage`, rebuild the `SchedulerOutput`, run it (its collectives meet rank
+0's), and drop the output: rank 0 samples for everyone. A `None` message, or losing rank 0,
+ends the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvflow.config import EngineArgs, EngineConfig
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.distributed.process_groups import (DistributedInit, ProcessGroups, broadcast_object, create_groups,
+                                               die_with_parent)
+from kvflow.model.arch_config import ArchConfig
+from kvflow.model.loader.resolve import load_checkpoint
+from kvflow.quant.registry import get_quantization_config
+from kvflow.worker.step_message import StepDecoder
+from kvflow.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Ranks on one CPU share its cores: each gets its part, so they do not oversubscribe."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def start_worker(worker: Worker, groups: ProcessGroups, checkpoint) -> tuple[int, int]:
+    """Load, size the pool as the smallest any rank can hold, allocate: every rank calls this.
+    Returns the (device, host) block counts agreed on."""
+    worker.load_model(checkpoint)
+    blocks = torch.tensor(worker.determine_num_kv_blocks(), dtype=torch.int64)
+    opts = torch.distributed.AllreduceOptions()
+    opts.reduceOp = torch.distributed.ReduceOp.MIN
+    groups.cpu_group.allreduce([blocks], opts).wait()
+    device_blocks, host_blocks = (int(b) for b in blocks)
+    worker.initialize_cache(device_blocks, host_blocks)
+    return device_blocks, host_blocks
+
+
+def run_worker_process(config: EngineConfig, init: DistributedInit, spawned: bool = True) -> None:
+    """The whole life of rank `init.rank` (> 0). `spawned`: started by rank 0 on this machine,
+    so it dies with it."""
+    if spawned:
+        die_with_parent()
+    if config.device == "cpu":
+        torch.set_num_threads(threads_per_rank(init.world_size))
+    checkpoint = load_checkpoint(config.model.model or None, load_tokenizer=False,
+                                 load_weights=config.model.load_format != "dummy",
+                                 native_gguf=config.model.quantization is None)
+    arch = ArchConfig.from_hf(checkpoint.hf_config)
+    quant_config = get_quantization_config(config.model.quantization, config.model.group_size, checkpoint.quant_config)
+    groups = create_groups(init, torch.device(config.device))
+    worker = Worker(config, arch, quant_config, TensorParallel(init.rank, init.world_size, groups.device_group))
+    start_worker(worker, groups, checkpoint)
+    decoder = StepDecoder()
+    while True:
+        try:
+            msg = broadcast_object(groups.cpu_group, None, init.rank)
+        except RuntimeError as e:  # rank 0 is gone (closed connection, or silent past the timeout)
+            logger.error("rank %d: lost rank 0 (%s); exiting", init.rank, e)
+            return
+        if msg is None:
+            return
+        worker.execute_model(decoder.decode(msg))
+
+
+def external_rank(args: EngineArgs) -> DistributedInit | None:
+    """Where this process joins as a rank other than 0, when it was started as one (by torchrun,
+    or by hand with --distributed-init-method and --node-rank); None when it runs the engine."""
+    if args.tensor_parallel_size == 1:
+        return None
+    if args.distributed_init_method:
+        init = DistributedInit.parse(args.distributed_init_method, args.tensor_parallel_size, args.node_rank,
+                                     args.distributed_timeout_s)
+    else:
+        init = DistributedInit.from_torchrun(args.distributed_timeout_s)
+    return init if init is not None and init.rank != 0 else None
+
+
+def run_external_rank(args: EngineArgs, init: DistributedInit) -> None:
+    """A rank started outside the engine: the same worker, until rank 0 stops or is lost."""
+    hf_config = load_checkpoint(args.model, load_tokenizer=False, load_weights=False).hf_config
+    config = args.create_config(ArchConfig.from_hf(hf_config).max_position_embeddings)
+    logger.info("rank %d of %d: joining %s:%d", init.rank, init.world_size, init.host, init.port)
+    run_worker_process(config, init, spawned=False)
