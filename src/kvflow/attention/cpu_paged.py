@@ -16,6 +16,7 @@ torch path (for A/B measurements).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -42,8 +43,11 @@ def load_kernel():
     switched off by KVFLOW_CPU_ATTENTION_KERNEL=0)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    if hasattr(torch.ops, _OP_NAMESPACE) and hasattr(getattr(torch.ops, _OP_NAMESPACE), "paged_attention"):
-        return torch.ops.kvflow_cpu.paged_attention  # this process loaded it already
+    return _load_or_build()
+
+
+@functools.cache  # once per process: a failed build is not retried by every engine
+def _load_or_build():
     library = build_dir() / f"{_build_name()}.so"
     try:
         if not library.is_file():
