@@ -87,7 +87,7 @@ def write_index(entry: Path, index: GGUFIndex) -> None:
             index.tokenizer.save(partial / "tokenizer")
             (partial / "tokenizer").rename(entry / "tokenizer")  # fails if another start won the race
         (partial / "index.json").replace(entry / "index.json")
-    except OSError:
+    except (OSError, TypeError, ValueError):  # unwritable, or a value JSON cannot hold: parse next time
         pass
     finally:
         shutil.rmtree(partial, ignore_errors=True)
