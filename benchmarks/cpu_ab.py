@@ -57,6 +57,8 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             results[name]["w1"].append(measure_throughput(engine, w1, ceilings)["output_tok_s"])
             results[name]["w2"].append(measure_latency(engine, LatencyWorkload(), ceilings)["decode_tok_s"])
+            print(f"lever {name}: W1 {results[name]['w1'][-1]:.1f} output tok/s, W2 {results[name]['w2'][-1]:.1f} "
+                  f"decode tok/s (load {loads[-1]:.1f})", flush=True)  # a run cut short still reports
     summary = {name: {w: statistics.median(v) for w, v in r.items()} for name, r in results.items()}
     print(f"lever {args.lever}: {args.rounds} interleaved rounds, W1 {w1.num_prompts} prompts, "
           f"load average {min(loads):.1f}–{max(loads):.1f} on {os.cpu_count()} CPUs")
