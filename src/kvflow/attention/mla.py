@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.attention.metadata import AttentionMetadata, allowed_keys, slot_blocks_and_offsets
+from kvflow.attention.metadata import AttentionMetadata, allowed_keys, slot_blocks_and_offsets, zero_unseen_
 
 
 def write_latents(entries: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -70,6 +70,7 @@ def mla_batched(query, cache, meta: AttentionMetadata, scale: float, rank: int) 
         latents = gather_latents(cache, meta.block_tables[index, :n_blocks])  # [B, L, C]
         key_pos = torch.arange(latents.shape[1], device=query.device)
         visible = key_pos[None, :] < meta.seq_lens[index][:, None]  # [B, L]
+        latents = zero_unseen_(latents, visible)
         out[rows] = _attend(query[rows], latents, visible[:, None, :], scale, rank)
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         if q_len == 1:

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, allowed_keys, gather_kv, write_kv
+from kvflow.attention.metadata import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    allowed_keys,
+    gather_kv,
+    write_kv,
+    zero_unseen_,
+)
 
 
 class TorchReferenceBackend:
@@ -29,7 +36,9 @@ class TorchReferenceBackend:
             queries = q[start:start + q_len].float()  # [n, H, D]
             scores = torch.einsum("nhd,lhd->hnl", queries, keys) * layer.scale
             query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            scores.masked_fill_(~allowed_keys(query_pos, seq_len, layer.sliding_window), float("-inf"))
+            allowed = allowed_keys(query_pos, seq_len, layer.sliding_window)
+            scores.masked_fill_(~allowed, float("-inf"))
+            values = zero_unseen_(values.transpose(0, 1), allowed.any(0)).transpose(0, 1)  # released blocks
             probs = scores.softmax(dim=-1)
             out[start:start + q_len] = torch.einsum("hnl,lhd->nhd", probs, values).to(q.dtype)
             start += q_len

@@ -18,8 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.attention import kv_quant
-from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, gather_index, gather_kv, write_kv
+from kvflow.attention import cpu_paged, kv_quant
+from kvflow.attention.metadata import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    gather_index,
+    gather_kv,
+    write_kv,
+    zero_unseen_,
+)
 
 # A decode joins the current bucket while its context is at least this fraction of the bucket's
 # longest: bounds padded work to 1 / BUCKET_RATIO of the real work, with few buckets.
@@ -41,10 +48,14 @@ class _Group:
 class _Plan:
     fresh_prompts: list[slice]
     groups: list[_Group]
+    in_place: torch.Tensor | None = None  # requests the CPU kernel attends in the pool (cpu_paged)
 
 
 class TorchSDPABackend:
     name = "torch_sdpa"
+
+    def __init__(self) -> None:
+        self.kernel = cpu_paged.load_kernel()  # None: no compiler here, or switched off
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         if layer.writes_kv:
@@ -52,13 +63,16 @@ class TorchSDPABackend:
         key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.writes_kv)  # layers may differ in all
         plan = meta.plans.get(key)
         if plan is None:
-            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv)
+            in_place = self.kernel is not None and q.device.type == "cpu" and kv_cache.dtype == q.dtype
+            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv, in_place)
         out = torch.empty_like(q)
         if plan.fresh_prompts and kv_quant.is_quantized(kv_cache):
             # A prompt sees its own keys as every later read will: quantized.
             k, v = kv_quant.round_trip(k, kv_cache.dtype), kv_quant.round_trip(v, kv_cache.dtype)
         for rows in plan.fresh_prompts:
             out[rows] = _causal_prompt(q[rows], k[rows], v[rows], layer)
+        if plan.in_place is not None:
+            cpu_paged.attend_in_place(self.kernel, q, kv_cache, meta, layer, plan.in_place, out)
         for g in plan.groups:
             # Whole blocks: the mask hides the rest.
             keys, values = gather_kv(kv_cache, g.blocks, g.index, meta.block_size, q.dtype)
@@ -67,22 +81,27 @@ class TorchSDPABackend:
         return out
 
 
-def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer_writes: bool) -> _Plan:
+def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer_writes: bool,
+               in_place: bool = False) -> _Plan:
     """A fresh prompt attends to its own new keys, unless the layer writes none (it reads a
-    shared layer's cache) or has a window (the masked path keeps only the window's blocks)."""
+    shared layer's cache) or has a window (the masked path keeps only the window's blocks).
+    `in_place`: the other requests with few queries go to the CPU kernel (`cpu_paged`)."""
     starts = meta.query_start_loc.tolist()
-    fresh, groups, decodes = [], [], []
+    fresh, groups, decodes, kernel = [], [], [], []
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if q_len == 1:
+        is_fresh = q_len == seq_len and window is None and layer_writes
+        if in_place and q_len <= cpu_paged.MAX_QUERIES and not is_fresh:
+            kernel.append(i)
+        elif q_len == 1:
             decodes.append(i)
-        elif q_len == seq_len and window is None and layer_writes:
+        elif is_fresh:
             fresh.append(slice(starts[i], starts[i + 1]))
         else:
             groups.append(_group(meta, [i], slice(starts[i], starts[i + 1]), q_len, window, kv_heads))
     for bucket in _length_buckets(decodes, meta.seq_lens_cpu):
         rows = torch.tensor([starts[i] for i in bucket], device=meta.seq_lens.device)
         groups.append(_group(meta, bucket, rows, 1, window, kv_heads))
-    return _Plan(fresh, groups)
+    return _Plan(fresh, groups, torch.tensor(kernel, device=meta.seq_lens.device) if kernel else None)
 
 
 def _group(meta: AttentionMetadata, requests: list[int], rows, n: int, window: int | None, kv_heads: int) -> _Group:
@@ -101,7 +120,8 @@ def _group(meta: AttentionMetadata, requests: list[int], rows, n: int, window: i
 
 
 def grouped_attention(q, k, v, mask: torch.Tensor | None, layer: AttentionLayerSpec) -> torch.Tensor:
-    """q [B, n, H, D], k/v [B, Hkv, L, D] contiguous, mask [B, n, L] or None → [B, n, H, D]. The
+    """q [B, n, H, D], k/v [B, Hkv, L, D] contiguous (v is overwritten where masked), mask [B, n, L]
+    or None → [B, n, H, D]. The
     G = H / Hkv query heads that share a KV head are stacked, so K and V are read once per KV head."""
     batch, n, heads, dim = q.shape
     kv_heads = layer.num_kv_heads
@@ -110,6 +130,7 @@ def grouped_attention(q, k, v, mask: torch.Tensor | None, layer: AttentionLayerS
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * layer.scale  # [B, Hkv, G*n, L]
     if mask is not None:
         scores = scores.view(batch, kv_heads, group, n, -1).masked_fill(~mask[:, None, None], float("-inf"))
+        v = zero_unseen_(v, mask.any(1)[:, None])
     probs = scores.softmax(dim=-1).to(v.dtype).view(batch, kv_heads, group * n, -1)
     out = torch.matmul(probs, v)  # [B, Hkv, G*n, D]
     return out.view(batch, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(batch, n, heads, dim)

@@ -29,6 +29,10 @@ class QuantMethod(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         return None
 
+    def finish_loading(self) -> None:
+        """Called once every layer is processed (e.g. to store what processing computed)."""
+        return None
+
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ bias) for x [T, input_size]."""

@@ -11,6 +11,9 @@ float tensors — is decoded to the model dtype, that tensor only. On a GPU ever
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,13 +21,26 @@ from torch import nn
 from kvflow.quant.base import QuantizationConfig, QuantMethod
 from kvflow.quant.gguf_blocks import BLOCK_SIZES, Affine, GGUFBlocks, decode
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
+from kvflow.quant.packed_cache import PackedWeightsCache
 
 
 class GGUFConfig(QuantizationConfig):
     name = "gguf"
 
+    def __init__(self, cache_dir: str | None = None) -> None:
+        # Where the checkpoint's parse is cached (`gguf_cache`): the packed planes go beside it.
+        self.cache_dir = cache_dir
+        self.packed: dict[torch.dtype, PackedWeightsCache] = {}
+
     def get_quant_method(self, kind: str, prefix: str) -> QuantMethod:
-        return GGUFMethod()
+        return GGUFMethod(self)
+
+    def packed_cache(self, dtype: torch.dtype) -> PackedWeightsCache | None:
+        if self.cache_dir is None:
+            return None
+        if dtype not in self.packed:
+            self.packed[dtype] = PackedWeightsCache(Path(self.cache_dir), dtype, (sys.modules[__name__],))
+        return self.packed[dtype]
 
 
 class DenseWeight(nn.Module):
@@ -45,6 +61,9 @@ class DenseWeight(nn.Module):
 
 
 class GGUFMethod(QuantMethod):
+    def __init__(self, config: GGUFConfig) -> None:
+        self.config = config
+
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         # A placeholder the loader can name; the shards' blocks wait in `gguf_shards`.
@@ -67,8 +86,23 @@ class GGUFMethod(QuantMethod):
                                     else loaded.narrow(0, start, rows))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]
         on_cpu = layer.weight.device.type == "cpu"
+        cache = self.config.packed_cache(layer.gguf_dtype) if on_cpu else None  # GPUs decode to dense
+        states = None if cache is None else cache.get(layer.prefix)
+        if states is not None:
+            layer.gguf_parts = nn.ModuleList(_part_from_state(state) for state in states)
+        else:
+            layer.gguf_parts = self._parts(layer, on_cpu)
+            if cache is not None:
+                cache.put(layer.prefix, [_part_state(part) for part in layer.gguf_parts])
+        del layer.weight, layer.gguf_shards
+
+    def finish_loading(self) -> None:
+        for cache in self.config.packed.values():
+            cache.save()
+
+    def _parts(self, layer: nn.Module, on_cpu: bool) -> nn.ModuleList:
+        shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]
         forms = [_affine(s) if on_cpu else None for s in shards]
         parts, i = [], 0
         while i < len(shards):  # consecutive shards with the same group run as one set of planes
@@ -77,8 +111,7 @@ class GGUFMethod(QuantMethod):
                 j += 1
             parts.append(self._part(shards[i:j], forms[i:j], layer))
             i = j
-        layer.gguf_parts = nn.ModuleList(parts)
-        del layer.weight, layer.gguf_shards
+        return nn.ModuleList(parts)
 
     @staticmethod
     def _part(shards, forms, layer) -> nn.Module:
@@ -98,6 +131,19 @@ class GGUFMethod(QuantMethod):
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return layer.gguf_parts[0].rows(ids)
+
+
+def _part_state(part: nn.Module) -> dict:
+    if isinstance(part, Int4Planes):
+        return {"kind": "int4", "packed": part.packed, "scale_zero": part.scale_zero, "group": part.group,
+                "out_features": part.out_features}
+    return {"kind": "dense", "weight": part.weight}
+
+
+def _part_from_state(state: dict) -> nn.Module:
+    if state["kind"] == "int4":
+        return Int4Planes.from_packed(state["packed"], state["scale_zero"], state["group"], state["out_features"])
+    return DenseWeight(state["weight"])
 
 
 def _affine(shard) -> Affine | None:

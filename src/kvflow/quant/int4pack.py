@@ -61,7 +61,6 @@ class Int4Planes(nn.Module):
             raise ValueError(f"{name}: group size {group} is not one the int4 kernel runs ({GROUP_SIZES})")
         if k % group:
             raise ValueError(f"{name}: group size {group} does not divide its {k} input channels")
-        self.out_features, self.in_features, self.group = n, k, group
         pad = -n % _ROW_BLOCK
         packed, scale_zero = [], []
         for q, scale, zero in planes:
@@ -69,8 +68,20 @@ class Int4Planes(nn.Module):
             packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             sz = torch.stack([F.pad(scale.float(), (0, 0, 0, pad)), F.pad(zero.float(), (0, 0, 0, pad))], -1)
             scale_zero.append(sz.transpose(0, 1).contiguous().to(dtype))  # [K / group, N, 2]
-        self.register_buffer("packed", torch.stack(packed))
-        self.register_buffer("scale_zero", torch.stack(scale_zero))
+        self._hold(torch.stack(packed), torch.stack(scale_zero), group, n)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int) -> Int4Planes:
+        """The module again from its own buffers (as `packed_cache` stored them)."""
+        planes = cls.__new__(cls)
+        nn.Module.__init__(planes)
+        planes._hold(packed, scale_zero, group, out_features)
+        return planes
+
+    def _hold(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int) -> None:
+        self.out_features, self.in_features, self.group = out_features, scale_zero.shape[1] * group, group
+        self.register_buffer("packed", packed)  # [P, N padded, K / 2] uint8
+        self.register_buffer("scale_zero", scale_zero)  # [P, K / group, N padded, 2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

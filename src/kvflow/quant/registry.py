@@ -15,7 +15,7 @@ def get_quantization_config(quantization: str | None, group_size: int | None,
     "quantization_config" of a quantized checkpoint)."""
     stored = (checkpoint_quant or {}).get("quant_method")
     if stored == "gguf":
-        return _config("gguf", None, None)
+        return _config("gguf", None, checkpoint_quant)
     if stored is not None:
         if quantization is not None and quantization != stored:
             raise ValueError(f"quantization={quantization!r}, but the checkpoint is already quantized with {stored!r}")
@@ -32,7 +32,7 @@ def _config(name: str, group_size: int | None, stored: dict | None) -> Quantizat
     if name == "gguf":
         from kvflow.quant.gguf import GGUFConfig
 
-        return GGUFConfig()
+        return GGUFConfig((stored or {}).get("cache_dir"))
     configs = _online_configs()
     if name not in configs:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {name!r}")

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.quant.base import QuantMethod, set_weight_attrs
+from kvflow.quant.packed_linear import pack_weight, packed_linear, should_pack
 
 
 class UnquantizedMethod(QuantMethod):
@@ -16,7 +17,16 @@ class UnquantizedMethod(QuantMethod):
         layer.register_parameter("weight", set_weight_attrs(weight, output_dim=0, input_dim=1,
                                                             weight_loader=layer.weight_loader))
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # bf16 on CPU: oneDNN's layout once, not at every call (packed_linear.py). An attribute, not
+        # a buffer: the opaque tensor stays out of state_dict; `weight` stays the float truth.
+        if should_pack(layer.weight):
+            layer.packed_weight = pack_weight(layer.weight)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = getattr(layer, "packed_weight", None)
+        if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return packed_linear(x, packed, bias)
         return F.linear(x, layer.weight, bias)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,9 @@ Either way dimension 1 is the block, which is all block copies and swaps need to
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from kvflow.attention import kv_quant
@@ -84,10 +87,21 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     codes = kv_quant.storage_dtype(kv_cache_dtype)
     quantized = codes is not None
     first = layout.groups[0].spec
-    pool = [torch.zeros(kv_cache_shape(first, num_blocks, block_size, quantized), dtype=codes or dtype, device=device)
+    pool = [zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device)
             for _ in range(layout.group_size)]
     return [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
             for group, slot in layout.places]
+
+
+def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero tensor whose pages the OS maps on first write, on CPU: calloc's memory is zero by
+    contract and, for large blocks, fresh pages that no one has touched, where torch.zeros writes
+    every byte (seconds for a GiB-sized pool, paid at every start). Attention never depends on the
+    zeros (it masks what no one wrote, `attention.metadata`); they only keep garbage out."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def unique_caches(kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:

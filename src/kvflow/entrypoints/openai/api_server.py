@@ -17,9 +17,12 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import uvicorn
@@ -44,6 +47,7 @@ from kvflow.model.chat_template import compile_chat_template
 
 Body = TypeVar("Body", bound=BaseModel)
 SHUTDOWN_GRACE_SECONDS = 5.0  # after the drain: time to write the 503s before connections are cut
+_IMPORTED_AT = time.monotonic()  # the fallback origin of the ready time (no /proc)
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
@@ -196,7 +200,8 @@ class _Server(uvicorn.Server):
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             host = f"[{host}]" if ":" in host else host
-            print(f"kvflow: {self.banner} on http://{host}:{port} (OpenAI API at /v1)", flush=True)
+            print(f"kvflow: {self.banner} on http://{host}:{port} (OpenAI API at /v1), "
+                  f"ready {seconds_since_process_start():.1f} s after the process started", flush=True)
 
     async def shutdown(self, sockets=None) -> None:
         # uvicorn stops accepting, then waits for the open connections (timeout_graceful_shutdown,
@@ -219,6 +224,17 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def seconds_since_process_start() -> float:
+    """Wall time since this process began (Linux: its start time in /proc, so the interpreter's
+    start and every import count), or since this module was imported where there is no /proc."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in clock ticks
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT
 
 
 def served_name(model: str | None) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +18,11 @@ import gguf
 import numpy as np
 import torch
 
+from kvflow.disk_cache import code_fingerprint, file_digest
+from kvflow.model import gguf_sentencepiece, gguf_tokenizer, registry
+from kvflow.model import tokenizer as tokenizer_module
 from kvflow.model.gguf_tokenizer import tokenizer_from_gguf
-from kvflow.model.loader import Checkpoint
+from kvflow.model.loader import Checkpoint, gguf_cache
 from kvflow.model.registry import gguf_architectures
 from kvflow.quant.gguf_blocks import BLOCK_SIZES, GGUFBlocks
 
@@ -50,13 +54,30 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 def load_gguf(path: str | Path, *, with_tokenizer: bool = True, native: bool = False) -> Checkpoint:
-    """Read `path`; weights are read lazily, one tensor at a time, as the iterator is consumed."""
+    """Read `path`; weights are read lazily, one tensor at a time, as the iterator is consumed.
+    What parsing yields is cached by the file's hash (`gguf_cache`): a second load skips it."""
     path = Path(path)
+    index = _cached_index(path, with_tokenizer)
+    plan = [(t, hf_name) for t in index.tensors if (hf_name := hf_tensor_name(t.name, path, index.arch)) is not None]
+    quant = {"quant_method": "gguf", "cache_dir": str(index.cache_dir)} if native else None
+    return Checkpoint(index.hf_config, _iter_weights(plan, index.arch, index.hf_config, native), index.tokenizer, quant)
+
+
+def _cached_index(path: Path, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
+    if not path.is_file():
+        open_gguf(path)  # the error that names what is wrong
+    # Keyed by what the file holds and by the code that parses it.
+    code = code_fingerprint(sys.modules[__name__], gguf_cache, gguf_tokenizer, gguf_sentencepiece, tokenizer_module,
+                            registry)
+    entry = gguf_cache.entry_dir(file_digest(path), code)
+    index = gguf_cache.read_index(entry, path, with_tokenizer)
+    if index is not None:
+        return index
     reader = open_gguf(path)
     arch = _architecture(reader, path)
-    plan = [(t, hf_name) for t in reader.tensors if (hf_name := hf_tensor_name(t.name, path, arch)) is not None]
-    for qtype, name in {tensor.tensor_type: tensor.name for tensor, _ in plan}.items():
-        _check_dequantizable(qtype, name, path)
+    for qtype, name in {t.tensor_type: t.name for t in reader.tensors}.items():
+        if hf_tensor_name(name, path, arch) is not None:
+            _check_dequantizable(qtype, name, path)
     try:  # metadata problems: say which file they are in
         config = hf_config_from_gguf(reader)
         tokenizer = None
@@ -64,8 +85,10 @@ def load_gguf(path: str | Path, *, with_tokenizer: bool = True, native: bool = F
             tokenizer = tokenizer_from_gguf(reader)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    quant = {"quant_method": "gguf"} if native else None
-    return Checkpoint(config, _iter_weights(plan, arch, config, native), tokenizer, quant)
+    index = gguf_cache.GGUFIndex(config, arch, reader.tensors, tokenizer, entry)
+    if with_tokenizer:  # an entry holds the tokenizer whenever the file has one
+        gguf_cache.write_index(entry, index)
+    return index
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -321,6 +344,7 @@ def unpermute_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     if rows % (2 * n_heads):
         raise ValueError(f"cannot un-permute a Q/K weight of {rows} rows over {n_heads} heads")
-    rest = weight.shape[1:]
-    per_head = weight.reshape(n_heads, rows // n_heads // 2, 2, *rest)
-    return per_head.transpose(1, 2).reshape(weight.shape).contiguous()
+    order = np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(0, 2, 1).reshape(-1)
+    # One row gather in numpy: a torch copy runs on the OpenMP team, which on a busy machine costs
+    # milliseconds of waiting per call (seconds over a model's layers at every start).
+    return torch.from_numpy(weight.numpy()[order])

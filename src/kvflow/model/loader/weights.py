@@ -40,10 +40,13 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
 def process_weights_after_loading(model: nn.Module) -> None:
     """Let each layer's quant method turn loaded weights into the form it runs (once per layer,
     so a tied embedding/head is processed once)."""
+    methods = [m for module in model.modules() if (m := getattr(module, "quant_method", None)) is not None]
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    for method in methods:
+        method.finish_loading()
 
 
 def _locate(name: str, stacked: StackedParams) -> tuple[str, object]:

@@ -1,0 +1,74 @@
+"""An interleaved A/B of one CPU lever on W1 and W2, both engines in one process.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/cpu_ab.py --lever attention-kernel [--rounds 3] [--quick]
+
+Levers: `attention-kernel` (decode attention in place, attention/cpu_paged.py; B: the torch
+gather + matmul path, KVFLOW_CPU_ATTENTION_KERNEL=0). Engine A (lever on) and engine B (off)
+are built once, then each round runs W1 (`kvflow bench throughput`'s workload; --quick: 32
+prompts) and W2 (`kvflow bench latency`'s) on A, then on B: on a shared machine the load drifts,
+and alternating spreads it over both. The medians of the rounds and their ratio are printed with
+the load average; numbers for docs/performance.md's peer table come from compare_cpu.py on a
+quiet machine, not from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+from kvflow.attention import cpu_paged
+from kvflow.bench.ceilings import Ceilings
+from kvflow.bench.latency import LatencyWorkload, measure_latency
+from kvflow.bench.throughput import ThroughputWorkload, measure_throughput
+from kvflow.config import EngineArgs
+from kvflow.engine.llm_engine import LLMEngine
+
+LEVERS = {"attention-kernel": {cpu_paged.DISABLE_ENV: "0"}}  # lever → the environment that turns it off
+
+
+def build(off_env: dict[str, str] | None) -> LLMEngine:
+    saved = {k: os.environ.get(k) for k in (off_env or {})}
+    os.environ.update(off_env or {})
+    try:
+        return LLMEngine(EngineArgs(kv_cache_memory_gb=1.0))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lever", choices=sorted(LEVERS), default="attention-kernel")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="W1 with 32 prompts instead of 128")
+    args = parser.parse_args()
+    engines = {"on": build(None), "off": build(LEVERS[args.lever])}
+    ceilings = Ceilings(memory_bandwidth_gb_s=1.0, peak_flops=1e12, dtype="bfloat16", device="cpu")  # ratios only
+    w1 = ThroughputWorkload(num_prompts=32 if args.quick else 128)
+    results = {name: {"w1": [], "w2": []} for name in engines}
+    loads = []
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            loads.append(os.getloadavg()[0])
+            results[name]["w1"].append(measure_throughput(engine, w1, ceilings)["output_tok_s"])
+            results[name]["w2"].append(measure_latency(engine, LatencyWorkload(), ceilings)["decode_tok_s"])
+            print(f"lever {name}: W1 {results[name]['w1'][-1]:.1f} output tok/s, W2 {results[name]['w2'][-1]:.1f} "
+                  f"decode tok/s (load {loads[-1]:.1f})", flush=True)  # a run cut short still reports
+    summary = {name: {w: statistics.median(v) for w, v in r.items()} for name, r in results.items()}
+    print(f"lever {args.lever}: {args.rounds} interleaved rounds, W1 {w1.num_prompts} prompts, "
+          f"load average {min(loads):.1f}–{max(loads):.1f} on {os.cpu_count()} CPUs")
+    print("| | lever on | lever off | on / off |")
+    print("|---|---|---|---|")
+    for w, label in (("w1", "W1 output tok/s"), ("w2", "W2 batch-1 decode tok/s")):
+        on, off = summary["on"][w], summary["off"][w]
+        print(f"| {label} | {on:.1f} | {off:.1f} | {on / off:.2f}× |")
+    print(json.dumps({"lever": args.lever, "rounds": results, "load": loads}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Decode attention on CPU: the in-place kernel (attention/cpu_paged.py) against the torch path
+(gather the blocks, two batched matmuls), on SmolLM2's attention shape, interleaved in one process.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/cpu_attention.py [--rounds 7]
+
+Each case times one layer's attention for a batch of decodes whose contexts are drawn like W1's
+(prompts of 32..512 tokens, up to 128 generated), over a shuffled block pool. Both paths run in
+turn within each round, and the table reports the median of the rounds and their ratio; the
+machine's load is printed beside it (a shared machine makes every absolute number noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from kvflow.attention import cpu_paged
+from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
+from kvflow.attention.torch_sdpa import TorchSDPABackend
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
+
+
+def decode_batch(batch: int, seed: int, dtype: torch.dtype, max_context: int):
+    rng = random.Random(seed)
+    lens = [min(max_context, rng.randint(32, 512) + rng.randint(1, 128)) for _ in range(batch)]
+    blocks_each = [-(-n // BLOCK) for n in lens]
+    physical = list(range(sum(blocks_each)))
+    rng.shuffle(physical)
+    tables = [[physical.pop() for _ in range(b)] for b in blocks_each]
+    width = max(blocks_each)
+    cache = torch.randn(2, sum(blocks_each), KV_HEADS, BLOCK, HEAD_DIM).to(dtype)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1), seq_lens=torch.tensor(lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)]),
+        block_size=BLOCK, query_lens_cpu=[1] * batch, seq_lens_cpu=lens,
+    )
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+    k, v = (torch.randn(batch, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(2))
+    return q, k, v, cache, meta, AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, None)
+
+
+def time_layer(backend, batch, repeats: int) -> float:
+    q, k, v, cache, meta, layer = batch
+    start = time.perf_counter()
+    for _ in range(repeats):
+        meta.plans.clear()  # planned once per step, as in a real step (one plan, many layers)
+        backend.forward(q, k, v, cache, meta, layer)
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    in_place = TorchSDPABackend()
+    if in_place.kernel is None:
+        raise SystemExit("the CPU kernel is unavailable here (see the warning above)")
+    os.environ[cpu_paged.DISABLE_ENV] = "0"
+    gather = TorchSDPABackend()
+    rows = []
+    for batch_size, max_context in ((1, 160), (16, 640), (64, 640), (128, 640)):
+        batch = decode_batch(batch_size, 0, dtype, max_context)
+        repeats = max(3, 200 // batch_size)
+        times = {"kernel": [], "torch": []}
+        for _ in range(args.rounds):
+            times["kernel"].append(time_layer(in_place, batch, repeats))
+            times["torch"].append(time_layer(gather, batch, repeats))
+        kernel_ms, torch_ms = (statistics.median(times[k]) * 1e3 for k in ("kernel", "torch"))
+        rows.append({"batch": batch_size, "mean_context": sum(batch[4].seq_lens_cpu) / batch_size,
+                     "kernel_ms": round(kernel_ms, 4), "torch_ms": round(torch_ms, 4),
+                     "speedup": round(torch_ms / kernel_ms, 2)})
+    print(f"dtype {args.dtype}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+    print("| decodes | mean context | in-place kernel ms/layer | gather + bmm ms/layer | speed-up |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['mean_context']:.0f} | {r['kernel_ms']:.3f} | {r['torch_ms']:.3f} | {r['speedup']:.2f}× |")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

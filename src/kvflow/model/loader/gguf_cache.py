@@ -1,0 +1,93 @@
+"""What parsing a GGUF yields, kept on disk keyed by the file's SHA-256, so a restart skips the parse.
+
+gguf-py's reader decodes every metadata field when it opens a file — for SmolLM2 that is 49,152
+token strings and 48,900 merges, seconds of Python — and the tokenizer is then rebuilt from them.
+Neither changes while the file does not, so the first load writes, under
+`$KVFLOW_CACHE_DIR/gguf/<sha256>/`:
+
+- `index.json`: the HF-style config and, per tensor, its type, shape and byte range in the file;
+- `tokenizer/`: the rebuilt tokenizer in HF's files (`Tokenizer.save` / `from_hf_dir`);
+
+and later loads memory-map the tensors straight from the file. The directory name also carries a
+fingerprint of the code that produced its contents (this package's parsing modules), so a change
+to that code never reads a stale entry. Entries are written under a temporary name and renamed
+when whole: concurrent starts never see half an entry. Derived forms of the weights (the int4
+planes of `kvflow.quant.gguf`) live beside them, in `entry_dir()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from kvflow.model.packaged_models import kvflow_cache_dir
+from kvflow.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class IndexedTensor:
+    """The parts of a `gguf.ReaderTensor` the loader reads, rebuilt from the index."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: np.ndarray  # GGUF order: innermost dimension first
+    data: np.ndarray  # a read-only view of the file's bytes, as the reader would give it
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    hf_config: dict
+    arch: str  # general.architecture
+    tensors: list  # IndexedTensor or gguf.ReaderTensor
+    tokenizer: Tokenizer | None
+    cache_dir: Path  # this file's entry: derived forms of its weights may be cached there too
+
+
+def entry_dir(digest: str, fingerprint: str) -> Path:
+    return kvflow_cache_dir() / "gguf" / f"{digest}-{fingerprint}"
+
+
+def read_index(entry: Path, path: Path, with_tokenizer: bool) -> GGUFIndex | None:
+    """The cached index of `path`, or None when there is none. An entry holds the tokenizer
+    whenever the file has one (only loads that build it write entries)."""
+    index_file = entry / "index.json"
+    if not index_file.is_file():
+        return None
+    index = json.loads(index_file.read_text())
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = [IndexedTensor(t["name"], gguf.GGMLQuantizationType(t["type"]), np.array(t["shape"]),
+                             data[t["offset"]:t["offset"] + t["n_bytes"]].view(np.dtype(t["dtype"])).reshape(t["data_shape"]))
+               for t in index["tensors"]]
+    tokenizer = None
+    if with_tokenizer and (entry / "tokenizer").is_dir():
+        tokenizer = Tokenizer.from_hf_dir(entry / "tokenizer")
+    return GGUFIndex(index["hf_config"], index["arch"], tensors, tokenizer, entry)
+
+
+def write_index(entry: Path, index: GGUFIndex) -> None:
+    """Store `index` (best effort: a read-only or full cache directory only costs the next start).
+    The tokenizer and the index are renamed into place in that order: a reader that finds
+    index.json finds the tokenizer too."""
+    partial = entry.with_name(f"{entry.name}.{os.getpid()}.partial")
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+        tensors = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
+                    "offset": int(t.data_offset), "n_bytes": int(t.n_bytes), "dtype": t.data.dtype.str,
+                    "data_shape": list(t.data.shape)} for t in index.tensors]
+        (partial / "index.json").write_text(json.dumps({"hf_config": index.hf_config, "arch": index.arch, "tensors": tensors}))
+        entry.mkdir(parents=True, exist_ok=True)
+        if index.tokenizer is not None and not (entry / "tokenizer").exists():
+            (partial / "tokenizer").mkdir()
+            index.tokenizer.save(partial / "tokenizer")
+            (partial / "tokenizer").rename(entry / "tokenizer")  # fails if another start won the race
+        (partial / "index.json").replace(entry / "index.json")
+    except (OSError, TypeError, ValueError):  # unwritable, or a value JSON cannot hold: parse next time
+        pass
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)

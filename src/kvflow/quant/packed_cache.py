@@ -1,0 +1,60 @@
+"""The processed form of a GGUF checkpoint's weights, kept on disk so a restart does not repack.
+
+Turning SmolLM2's Q4_1 blocks into int4 planes for aten's kernel (`gguf.GGUFMethod`) decodes and
+repacks every weight: several seconds at every start for a result that depends only on the file,
+the model dtype, the code that packs and the CPU kernel's layout. So the first load stores each
+layer's parts (packed planes with their scales, or a dense tensor) in one file beside the
+checkpoint's parse cache (`kvflow.model.loader.gguf_cache`), named by all of those, and later
+loads memory-map it. A layer is looked up by its prefix (`model.layers.3.mlp.gate_up_proj`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+from kvflow.disk_cache import code_fingerprint
+from kvflow.quant import gguf_blocks, int4pack
+
+
+class PackedWeightsCache:
+    """Per layer prefix, a list of parts' states (dicts of tensors and ints) for the file that
+    `checkpoint_dir` caches, packed to `dtype` by `packing_modules`."""
+
+    def __init__(self, checkpoint_dir: Path, dtype: torch.dtype, packing_modules: tuple) -> None:
+        layout = "avx512" if int4pack._layout_known() else "other"
+        code = code_fingerprint(*packing_modules, gguf_blocks, int4pack)
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.path = checkpoint_dir / f"packed-{dtype_name}-torch{torch.__version__}-{layout}-{code}.pt"
+        self.stored: dict | None = None
+        if self.path.is_file():
+            try:
+                self.stored = torch.load(self.path, mmap=True, weights_only=True)
+            except (OSError, RuntimeError):  # truncated or foreign: repack and overwrite
+                self.stored = None
+        self.new: dict[str, list[dict]] = {}
+
+    def get(self, prefix: str) -> list[dict] | None:
+        """The states `put` stored for this layer (tensors map the file), or None."""
+        return None if self.stored is None else self.stored.get(prefix)
+
+    def put(self, prefix: str, states: list[dict]) -> None:
+        if self.stored is None:
+            self.new[prefix] = states
+
+    def save(self) -> None:
+        """Write what `put` collected, once (best effort: a read-only cache only costs the next start)."""
+        if not self.new:
+            return
+        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.new, partial)
+            partial.replace(self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+        self.new = {}

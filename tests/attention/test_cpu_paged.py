@@ -1,0 +1,148 @@
+"""The CPU paged-attention kernel (attention/cpu_paged.py) against the torch reference, on pools
+whose every slot that no request wrote holds NaN: a fresh block's tail, padding entries of the
+block tables (block 0, never handed out here) and blocks a sliding window released. Masked keys
+must not be read (0 × NaN is NaN), by the kernel or by the torch paths around it."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvflow.attention import cpu_paged
+from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
+from kvflow.attention.torch_reference import TorchReferenceBackend
+from kvflow.attention.torch_sdpa import TorchSDPABackend
+
+DIM = 32
+
+
+def nan_pool_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype, window: int | None,
+                   max_new: int = 20):
+    """A mixed batch (decodes, few-query and longer chunks after a cached prefix, fresh prompts)
+    over shuffled blocks of a NaN pool: only the cached positions of each context hold numbers.
+    With a window, the blocks that no query of a request can see are released (table entry 0)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cases = [(rng.randint(1, 90), 1) for _ in range(rng.randint(1, 6))] + \
+            [(rng.randint(1, 50), rng.randint(2, max_new)), (0, rng.randint(2, 30)), (rng.randint(1, 40), 24)]
+    rng.shuffle(cases)
+    total_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in cases)
+    physical = list(range(1, total_blocks))  # block 0: padding only, never written
+    rng.shuffle(physical)
+    cache = torch.full((2, total_blocks, kv_heads, block_size, DIM), float("nan"), dtype=dtype)
+    tables, slots = [], []
+    for cached, new in cases:
+        table = [physical.pop() for _ in range(-(-(cached + new) // block_size))]
+        for p in range(cached):  # the context written by earlier steps
+            cache[:, table[p // block_size], :, p % block_size] = torch.randn(2, kv_heads, DIM, generator=gen).to(dtype)
+        if window is not None:  # released: no query of this step sees any key of the block
+            first_seen = max(0, cached - window + 1)
+            table = [0 if (b + 1) * block_size <= first_seen else t for b, t in enumerate(table)]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, cached + new)]
+    width = max(len(t) for t in tables) + 2  # trailing padding columns
+    query_lens = [n for _, n in cases]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0] + query_lens).cumsum(0), seq_lens=torch.tensor([c + n for c, n in cases]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor(slots), block_size=block_size,
+        query_lens_cpu=query_lens, seq_lens_cpu=[c + n for c, n in cases],
+    )
+    tokens = sum(query_lens)
+    q, k, v = (torch.randn(tokens, h, DIM, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    return q, k, v, cache, meta, AttentionLayerSpec(heads, kv_heads, DIM, DIM**-0.5, window)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = cpu_paged.load_kernel()
+    assert op is not None, "the kernel did not build here (a C++ compiler is needed: scripts/setup.sh builds it)"
+    return op
+
+
+def _kernel_attention(kernel, q, k, v, cache, meta, layer):
+    """Every request through the kernel (after the new K/V are written, as the backend does)."""
+    from kvflow.attention.metadata import write_kv
+
+    write_kv(k, v, cache, meta)
+    out = torch.full_like(q, float("nan"))
+    cpu_paged.attend_in_place(kernel, q, cache, meta, layer, torch.arange(meta.num_requests), out)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_kernel_matches_reference_fp32(kernel, seed, block_size, heads, kv_heads, window):
+    q, k, v, cache, meta, layer = nan_pool_batch(seed, block_size, heads, kv_heads, torch.float32, window)
+    expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), meta, layer)
+    got = _kernel_attention(kernel, q, k, v, cache, meta, layer)
+    assert not expected.isnan().any()
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernel_matches_reference_bf16(kernel, seed, window):
+    q, k, v, cache, meta, layer = nan_pool_batch(seed, 16, 8, 2, torch.bfloat16, window)
+    expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
+    got = _kernel_attention(kernel, q, k, v, cache, meta, layer).float()
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # the output is rounded to bf16 once
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("window", [None, 7])
+def test_backend_dispatch_matches_reference_on_nan_pool(kernel, seed, window):
+    """The torch_sdpa backend with the kernel: few-query requests in place, the rest on the torch
+    paths (a 24-query chunk, fresh prompts), none of them touched by the NaN in unwritten slots."""
+    q, k, v, cache, meta, layer = nan_pool_batch(seed, 16, 6, 2, torch.float32, window, max_new=cpu_paged.MAX_QUERIES)
+    expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), meta, layer)
+    backend = TorchSDPABackend()
+    assert backend.kernel is not None
+    got = backend.forward(q, k, v, cache, meta, layer)
+    plan = next(p for key, p in meta.plans.items() if key[0] == "torch_sdpa")
+    in_place = set(plan.in_place.tolist())
+    assert in_place == {i for i, n in enumerate(meta.query_lens_cpu) if n <= cpu_paged.MAX_QUERIES
+                        and not (n == meta.seq_lens_cpu[i] and window is None)}
+    assert len(in_place) < meta.num_requests  # the torch paths ran too
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_torch_path_is_nan_safe(monkeypatch, seed):
+    monkeypatch.setenv(cpu_paged.DISABLE_ENV, "0")
+    q, k, v, cache, meta, layer = nan_pool_batch(seed, 16, 6, 2, torch.float32, 7)
+    expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), meta, layer)
+    backend = TorchSDPABackend()
+    assert backend.kernel is None
+    torch.testing.assert_close(backend.forward(q, k, v, cache, meta, layer), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_bad_block_table_entry_is_an_error_not_a_wild_read(kernel):
+    q, k, v, cache, meta, layer = nan_pool_batch(0, 16, 4, 4, torch.float32, None)
+    meta.block_tables[0, 0] = cache.shape[1] + 5
+    with pytest.raises(RuntimeError, match="block table entry"):
+        _kernel_attention(kernel, q, k, v, cache, meta, layer)
+
+
+def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
+    """A machine where the kernel was never built and no compiler runs: a warning, then torch."""
+    script = (
+        "import torch\n"
+        "from kvflow.attention.torch_sdpa import TorchSDPABackend\n"
+        "backend = TorchSDPABackend()\n"
+        "print('kernel', backend.kernel)\n"
+    )
+    env = dict(os.environ, KVFLOW_CACHE_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"),
+               PATH=str(tmp_path), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env.pop(cpu_paged.DISABLE_ENV, None)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "kernel None" in result.stdout
+    assert "paged-attention kernel is unavailable" in result.stderr
