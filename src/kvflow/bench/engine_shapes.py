@@ -19,7 +19,7 @@ from kvflow.attention.metadata import AttentionMetadata
 from kvflow.config import CacheConfig, EngineArgs
 from kvflow.model.arch_config import ArchConfig
 from kvflow.worker.cuda_graphs import decode_buckets
-from kvflow.worker.kv_cache import num_kv_blocks
+from kvflow.worker.kv_cache import pool_blocks
 
 META = torch.device("meta")
 DEFAULT_CONTEXT_LEN = 1024  # each decoding request's context in the decode steps
@@ -100,12 +100,12 @@ def engine_shapes(model: str | None, args: EngineArgs, dtype: torch.dtype = torc
     max_len = args.max_model_len or arch.max_position_embeddings
     if context_len < 1:
         raise ValueError("context_len must be >= 1")
-    useful = -(-max_len // args.block_size) * args.max_num_seqs
-    cache = CacheConfig(args.block_size, args.kv_cache_memory_gb, args.num_kv_blocks)
+    cache = CacheConfig(args.block_size, args.kv_cache_memory_gb, args.num_kv_blocks, cache_dtype=args.kv_cache_dtype)
+    blocks, _ = pool_blocks(cache, arch.kv_layout, dtype.itemsize, max_len, args.max_num_seqs)
     return EngineShapes(
         model=name, arch=arch, dtype=dtype, block_size=args.block_size, max_model_len=max_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=num_kv_blocks(cache, arch.kv_layout.block_bytes(args.block_size, dtype.itemsize), useful), context_len=context_len,
+        num_kv_blocks=blocks, context_len=context_len,
     )
 
 

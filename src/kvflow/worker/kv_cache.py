@@ -68,6 +68,17 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_useful_blocks: int,
     return min(blocks, max_useful_blocks)
 
 
+def pool_blocks(cache: CacheConfig, layout: KVLayout, dtype_bytes: int, max_model_len: int, max_num_seqs: int,
+                available_bytes: int | None = None) -> tuple[int, int]:
+    """(device blocks, host blocks for swapping) of a pool laid out by `layout`: the budget, capped
+    by what max_num_seqs requests of max_model_len tokens could hold in every group and by
+    `available_bytes` (`num_kv_blocks`)."""
+    block_bytes = layout.block_bytes(cache.block_size, dtype_bytes, cache.cache_dtype)
+    useful = -(-max_model_len // cache.block_size) * max_num_seqs * len(layout.groups)
+    return (num_kv_blocks(cache, block_bytes, useful, available_bytes),
+            int(cache.swap_space_gb * 1024**3) // block_bytes)
+
+
 def available_memory_bytes(device: torch.device) -> int | None:
     """Memory free for the KV pool now: the GPU's free memory, or the host's MemAvailable."""
     if device.type == "cuda":

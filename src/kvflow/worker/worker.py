@@ -29,7 +29,7 @@ from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.worker.cuda_graphs import DecodeGraphs
-from kvflow.worker.kv_cache import allocate_kv_caches, available_memory_bytes, num_kv_blocks
+from kvflow.worker.kv_cache import allocate_kv_caches, available_memory_bytes, pool_blocks
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.runner_output import ModelRunnerOutput
 
@@ -63,12 +63,9 @@ class Worker:
     def determine_num_kv_blocks(self) -> tuple[int, int]:
         """(device blocks, host blocks for swapping) this rank can hold: the configured budget,
         capped by the memory measured free now that the model is loaded."""
-        cache, layout = self.config.cache, self.local_arch.kv_layout
-        block_bytes = layout.block_bytes(cache.block_size, self.config.model.dtype.itemsize, cache.cache_dtype)
-        useful = (-(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
-                  * len(layout.groups))
-        device_blocks = num_kv_blocks(cache, block_bytes, useful, available_memory_bytes(self.device))
-        return device_blocks, int(cache.swap_space_gb * 1024**3) // block_bytes
+        cfg = self.config
+        return pool_blocks(cfg.cache, self.local_arch.kv_layout, cfg.model.dtype.itemsize, cfg.model.max_model_len,
+                           cfg.scheduler.max_num_seqs, available_memory_bytes(self.device))
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         """The KV tensors, swap space and captured decode graphs; then the runner."""
