@@ -41,10 +41,11 @@ class FlatBatch:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int,
-                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | None = None,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
-        self.lora: LoRAManager | None = None  # the engine's, set once the model's layers are final
+        # The engine's, set after the workers are built (rank 0's runner samples for every rank):
+        self.lora: LoRAManager | None = None  # once the model's layers are final (after AWQ)
+        self.structured_output: StructuredOutputManager | None = None  # grammar matchers (None: no tokenizer)
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches  # swap space, same layout, in host memory
         self.block_size = block_size
@@ -52,7 +53,6 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, for its whole life
         self.decode_graphs = decode_graphs
-        self.structured_output = structured_output  # grammar matchers (None: no tokenizer)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
