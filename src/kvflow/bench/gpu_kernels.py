@@ -23,9 +23,11 @@ from kvflow.attention.metadata import AttentionLayerSpec
 from kvflow.attention.triton_backend import TritonBackend
 from kvflow.bench.engine_shapes import EngineShapes, Step
 from kvflow.kernel_launch import KernelLaunch
+from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.triton_ops.activation import silu_and_mul_launch
 from kvflow.model.layers.triton_ops.norm import rms_norm_launch
 from kvflow.model.layers.triton_ops.rotary import rotary_launch
+from kvflow.model.registry import model_class
 
 F32, I64 = 4, 8  # bytes
 
@@ -40,9 +42,10 @@ class KernelCase:
     per_forward: int = 1  # launches like this one in one forward pass of the model
 
 
-# Architectures whose attention normalises each head of q and k (their model files pass
-# qk_norm="per_head"): two more RMSNorm launches per layer.
-PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"})
+def per_head_qk_norm(arch: ArchConfig) -> bool:
+    """Whether the model's attention normalises each head of q and k (two more RMSNorm launches
+    per layer), as its model class says."""
+    return model_class(arch.architecture).qk_norm == "per_head"
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ def rms_norm_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
     hidden, layers = s.empty(n, a.hidden_size), a.num_layers
     # Layer 0's input norm has no residual yet; every later norm adds it (the final norm too).
     inputs = [("first layer", hidden, None, 1), ("with residual", hidden, s.empty(n, a.hidden_size), 2 * layers)]
-    if a.architecture in PER_HEAD_QK_NORM:
+    if per_head_qk_norm(a):
         q, k, _ = _qkv_views(s, n)
         inputs += [("q norm", q, None, layers), ("k norm", k, None, layers)]
     cases = []
@@ -125,7 +128,7 @@ def _qkv_views(s: EngineShapes, num_tokens: int) -> tuple[torch.Tensor, torch.Te
 def rotary_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
     a, n, e = s.arch, step.num_tokens, s.dtype.itemsize
     q, k, _ = _qkv_views(s, n)
-    if a.architecture in PER_HEAD_QK_NORM:  # normed q and k are fresh tensors
+    if per_head_qk_norm(a):  # normed q and k are fresh tensors
         q, k = s.empty(n, a.num_heads, a.head_dim), s.empty(n, a.num_kv_heads, a.head_dim)
     tables = s.empty(a.max_position_embeddings, a.head_dim // 2, dtype=torch.float32)
     launch, _ = rotary_launch(q, k, s.empty(n, dtype=torch.int64), tables, tables)

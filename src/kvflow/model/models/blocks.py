@@ -127,6 +127,8 @@ class CausalLM(nn.Module):
     """A decoder `model` (with an `embed_tokens`) under the LM head."""
 
     stacked_params = STACKED_PARAMS
+    # How attention normalises q and k before RoPE: None, "per_head" or "whole" (RopeAttention).
+    qk_norm: str | None = None
 
     def __init__(self, cfg: ArchConfig, model: nn.Module, quant_config: QuantizationConfig | None) -> None:
         super().__init__()

@@ -46,7 +46,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.is_local = cfg.sliding_windows[layer_idx] is not None
         self.input_layernorm = GemmaRMSNorm(size, eps)
         self.self_attn = RopeAttention(cfg, layer_idx, backend, quant_config, f"{prefix}.self_attn",
-                                       scale=cfg.hf["query_pre_attn_scalar"] ** -0.5, qk_norm="per_head",
+                                       scale=cfg.hf["query_pre_attn_scalar"] ** -0.5, qk_norm=Gemma3ForCausalLM.qk_norm,
                                        norm=GemmaRMSNorm)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
@@ -89,6 +89,8 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    qk_norm = "per_head"
+
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__(cfg, Gemma3Model(cfg, backend, quant_config), quant_config)
         self.final_logit_softcapping = cfg.hf.get("final_logit_softcapping")

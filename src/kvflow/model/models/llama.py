@@ -57,5 +57,7 @@ class LlamaForCausalLM(CausalLM):
 
 
 class Qwen3ForCausalLM(CausalLM):
+    qk_norm = "per_head"
+
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
-        super().__init__(cfg, LlamaModel(cfg, backend, quant_config, qk_norm="per_head"), quant_config)
+        super().__init__(cfg, LlamaModel(cfg, backend, quant_config, qk_norm=self.qk_norm), quant_config)

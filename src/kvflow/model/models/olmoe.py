@@ -17,7 +17,9 @@ def olmoe_moe(cfg: ArchConfig, layer_idx: int, quant_config: QuantizationConfig 
 
 
 class OlmoeForCausalLM(CausalLM):
+    qk_norm = "whole"
+
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         if cfg.hf.get("clip_qkv") is not None:
             raise ValueError("OLMoE with clip_qkv is not supported")
-        super().__init__(cfg, LlamaModel(cfg, backend, quant_config, qk_norm="whole", mlp=olmoe_moe), quant_config)
+        super().__init__(cfg, LlamaModel(cfg, backend, quant_config, qk_norm=self.qk_norm, mlp=olmoe_moe), quant_config)

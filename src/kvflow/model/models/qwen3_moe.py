@@ -22,5 +22,7 @@ def qwen3_moe_mlp(cfg: ArchConfig, layer_idx: int, quant_config: QuantizationCon
 
 
 class Qwen3MoeForCausalLM(CausalLM):
+    qk_norm = "per_head"
+
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
-        super().__init__(cfg, LlamaModel(cfg, backend, quant_config, qk_norm="per_head", mlp=qwen3_moe_mlp), quant_config)
+        super().__init__(cfg, LlamaModel(cfg, backend, quant_config, qk_norm=self.qk_norm, mlp=qwen3_moe_mlp), quant_config)
