@@ -103,6 +103,7 @@ def allowed_keys(query_pos: torch.Tensor, key_len: int, window: int | None) -> t
 def zero_unseen_(values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Zero, in place, the positions of `values` [..., L, D] that no query sees (`visible` [..., L]
     False); pass a copy (what a gather returns). A masked key's probability is 0, but 0 × NaN is
-    NaN: a slot no one wrote (a fresh block's tail, a padding or released block) may hold any bits
-    (the pool is allocated, not initialised), so it must not reach softmax · V."""
+    NaN. The pool starts zeroed (`worker.kv_cache.zeros_untouched`) and freed blocks keep finite
+    values, so today no unseen slot holds NaN; this keeps attention's result independent of what
+    unseen slots hold, at one masked_fill per gathered layer (the CPU kernel never reads them)."""
     return values.masked_fill_(~visible[..., None], 0)
