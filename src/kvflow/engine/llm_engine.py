@@ -160,8 +160,8 @@ class LLMEngine:
         self._running_at_step = {r.request_id for r in self.scheduler.running}  # for abort_failed_step
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
-        produced = self.scheduler.update_from_output(sched, runner_out.sampled)
-        self._generation_tokens_total += len(produced)
+        produced = self.scheduler.update_from_output(sched, runner_out.sampled, runner_out.draft_token_ids)
+        self._generation_tokens_total += sum(n for _, n in produced)
         outputs, stopped = self.output_processor.process(produced, runner_out)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:

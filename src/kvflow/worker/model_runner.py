@@ -178,10 +178,10 @@ class ModelRunner:
         ids = None if sampled.logprob_token_ids is None else sampled.logprob_token_ids.tolist()
         ranks = None if sampled.sampled_ranks is None else sampled.sampled_ranks.tolist()
         for i, chunk in enumerate(chunks):
-            out.sampled[chunk.request_id] = tokens[i]
+            out.sampled[chunk.request_id] = [tokens[i]]
             n = chunk.sampling_params.logprobs
             if n is not None:
-                out.logprobs[chunk.request_id] = PositionLogprobs(ids[i][:n + 1], logprobs[i][:n + 1], ranks[i])
+                out.logprobs[chunk.request_id] = [PositionLogprobs(ids[i][:n + 1], logprobs[i][:n + 1], ranks[i])]
 
     @staticmethod
     def _collect_prompt_logprobs(batch: FlatBatch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
