@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from kvflow.spec_decode.config import SpeculativeConfig
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,6 +54,7 @@ class EngineConfig:
     attention_backend: str  # "torch_sdpa" (fast CPU path) | "torch_reference" (the oracle) | "triton" (GPU)
     device: str  # "cpu" | "cuda[:N]", never "auto"
     use_cuda_graphs: bool  # replay decode steps from captured graphs (CUDA + triton only)
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -75,6 +78,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # triton on CUDA, torch_sdpa on CPU
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
+    speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -138,6 +142,7 @@ class EngineArgs:
             # Graphs remove launch overhead, which only a GPU has; the triton backend is the one
             # whose decode grid is static.
             use_cuda_graphs=device.startswith("cuda") and backend == "triton" and not self.enforce_eager,
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -165,6 +170,9 @@ class EngineArgs:
                        choices=["auto", "torch_sdpa", "torch_reference", "triton"])
         g.add_argument("--device", default=d.device, help="auto (cuda when a GPU is visible), cpu, or cuda[:N]")
         g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                            '(methods: ngram, draft_model with "model", layer_skip with "num_draft_layers")')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

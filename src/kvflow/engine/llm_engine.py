@@ -18,6 +18,7 @@ from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
+from kvflow.engine.speculation import setup_speculation
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
 from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.model.arch_config import ArchConfig
@@ -46,11 +47,14 @@ class LLMEngine:
         self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype, useful)
         num_host_blocks = int(cache.swap_space_gb * 1024**3) // kv_bytes_per_block(self.arch, cache.block_size, dtype)
         self.runner = self._make_runner(model, num_host_blocks)
+        self.speculation = setup_speculation(self.config, self.arch, model, self.runner, self.num_kv_blocks,
+                                             lambda ckpt, arch: self._load_model(ckpt, dummy, arch), dummy)
         self.scheduler = Scheduler(
             self.config.scheduler,
             KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching),
             self.config.model.max_model_len,
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
+            self.speculation,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
@@ -61,11 +65,12 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
 
-    def _load_model(self, checkpoint, dummy: bool) -> torch.nn.Module:
+    def _load_model(self, checkpoint, dummy: bool, arch: ArchConfig | None = None) -> torch.nn.Module:
+        """The target model, or another (a draft model) of architecture `arch`."""
         cfg = self.config
         # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
         static_len = cfg.model.max_model_len if cfg.use_cuda_graphs else None
-        model = build_model(self.arch, get_attention_backend(cfg.attention_backend, static_len),
+        model = build_model(arch or self.arch, get_attention_backend(cfg.attention_backend, static_len),
                             cfg.model.dtype, cfg.device)
         if dummy:
             init_dummy_weights(model, cfg.model.seed)
@@ -162,6 +167,9 @@ class LLMEngine:
         runner_out = self.runner.execute(sched)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled, runner_out.draft_token_ids)
         self._generation_tokens_total += sum(n for _, n in produced)
+        if self.speculation is not None:
+            self.speculation.observe_step(sched.num_batched_tokens, runner_out.target_seconds,
+                                          sum(map(len, runner_out.draft_token_ids.values())), runner_out.proposer_seconds)
         outputs, stopped = self.output_processor.process(produced, runner_out)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:
@@ -209,5 +217,6 @@ class LLMEngine:
             prefix_cache_hits_total=self.scheduler.kv_cache.prefix_cache_hits,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            spec_decoding=None if self.speculation is None else self.speculation.stats.snapshot(),
         )
 

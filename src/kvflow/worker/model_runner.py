@@ -2,12 +2,13 @@
 
 The flat batch concatenates every scheduled chunk: `input_ids[T]`, `positions[T]`, and the
 attention metadata that tells attention which rows belong to which request. Logits are computed
-only at rows that need them: the last row of a chunk that samples, and prompt rows whose next
-token's logprob was asked for.
+only at rows that need them: the last row of a chunk that samples (its last k + 1 rows when it
+carries k proposals to verify), and prompt rows whose next token's logprob was asked for.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
+from kvflow.worker.speculator import Speculator
 
 
 @dataclass
@@ -25,7 +27,7 @@ class FlatBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionMetadata
-    sample_rows: list[int]  # row of each sampling chunk's last token
+    sample_rows: list[int]  # row of each sampling chunk's last token (and of its proposals)
     sample_chunks: list[ScheduledChunk]
     prompt_rows: list[int]  # rows whose next token is a prompt token with logprobs requested
     prompt_targets: list[int]
@@ -43,11 +45,14 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, for its whole life
         self.decode_graphs = decode_graphs
+        self.speculator: Speculator | None = None  # set when speculative decoding is on
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.drop([*sched.finished_request_ids, *sched.preempted_request_ids])
         # Order matters: a block may be swapped out, then reused as a copy's destination or a
         # swap-in's, all before the forward pass writes the step's new K/V.
         self._swap(sched.swap_out, to_host=True)
@@ -55,14 +60,22 @@ class ModelRunner:
         self._swap(sched.swap_in, to_host=False)
         if not sched.chunks:
             return ModelRunnerOutput()
+        started = time.perf_counter()
         batch = self.prepare(sched.chunks)
         hidden = self._forward(batch)
         out = ModelRunnerOutput()
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_rows])
-            self._collect_samples(batch.sample_chunks, self.sampler(logits, self._sampling_batch(batch.sample_chunks)), out)
+            if any(c.num_spec_tokens for c in batch.sample_chunks):
+                self.speculator.verify(batch.sample_chunks, logits, self._sampling_batch, self._generator, out)
+            else:
+                self._collect_samples(batch.sample_chunks, self.sampler(logits, self._sampling_batch(batch.sample_chunks)), out)
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, self.model.compute_logits(hidden[batch.prompt_rows]), out)
+        if self.speculator is not None:
+            proposing = time.perf_counter()  # the sampled ids were read back: the device is done
+            self.speculator.propose(batch.sample_chunks, self._generator, out)
+            out.target_seconds, out.proposer_seconds = proposing - started, time.perf_counter() - proposing
         return out
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
@@ -117,7 +130,7 @@ class ModelRunner:
         offset = 0
         for chunk, q_len in zip(chunks, query_lens):
             if chunk.sample:
-                batch.sample_rows.append(offset + q_len - 1)
+                batch.sample_rows.extend(range(offset + q_len - 1 - chunk.num_spec_tokens, offset + q_len))
                 batch.sample_chunks.append(chunk)
             if chunk.sampling_params.prompt_logprobs is not None:
                 self._add_prompt_rows(batch, chunk, offset)

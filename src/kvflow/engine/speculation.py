@@ -1,0 +1,63 @@
+"""Builds speculative decoding for an engine from its `speculative_config`: the proposer (with its
+draft model and KV, if any), the worker's speculator, and the scheduler's adaptive policy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvflow.config import EngineConfig
+from kvflow.model.arch_config import ArchConfig
+from kvflow.model.loader.resolve import load_checkpoint
+from kvflow.spec_decode.adaptive import AdaptiveSpeculation
+from kvflow.spec_decode.model_proposer import ModelProposer
+from kvflow.spec_decode.ngram import NgramProposer
+from kvflow.spec_decode.proposer import Proposer
+from kvflow.worker.draft_runner import DraftRunner
+from kvflow.worker.kv_cache import allocate_kv_caches
+from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.speculator import Speculator
+
+# Builds a model of an architecture on the engine's device, dtype and attention backend, with
+# the given checkpoint's weights (or dummy ones).
+ModelBuilder = Callable[[object, ArchConfig], torch.nn.Module]
+
+
+def setup_speculation(config: EngineConfig, arch: ArchConfig, model: torch.nn.Module, runner: ModelRunner,
+                      num_blocks: int, build_model: ModelBuilder, dummy: bool) -> AdaptiveSpeculation | None:
+    """Attach a speculator to `runner` and return the policy for the scheduler (None: off)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    runner.speculator = Speculator(make_proposer(config, arch, model, runner, num_blocks, build_model, dummy),
+                                   runner.sampler, runner.device)
+    return AdaptiveSpeculation(spec)
+
+
+def make_proposer(config: EngineConfig, arch: ArchConfig, model: torch.nn.Module, runner: ModelRunner,
+                  num_blocks: int, build_model: ModelBuilder, dummy: bool) -> Proposer:
+    spec = config.speculative
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "layer_skip":
+        layers = spec.num_draft_layers or default_draft_layers(arch.num_layers)
+        if layers > arch.num_layers:
+            raise ValueError(f"speculative_config: num_draft_layers ({layers}) exceeds the model's "
+                             f"{arch.num_layers} layers")
+        # Self-speculation: the target's first layers, on the target's own KV for those layers.
+        draft = DraftRunner(model, runner.kv_caches[:layers], runner)
+        return ModelProposer(draft, runner.sampler.generator, shares_target_kv=True)
+    checkpoint = load_checkpoint(spec.model, load_tokenizer=False, load_weights=not dummy)
+    draft_arch = ArchConfig.from_hf(checkpoint.hf_config)
+    if draft_arch.vocab_size != arch.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({draft_arch.vocab_size} tokens) "
+                         f"differs from the target's ({arch.vocab_size}); it must share the tokenizer")
+    draft_model = build_model(checkpoint, draft_arch)
+    kv_caches = allocate_kv_caches(draft_arch, num_blocks, config.cache.block_size, config.model.dtype, config.device)
+    return ModelProposer(DraftRunner(draft_model, kv_caches, runner), runner.sampler.generator, shares_target_kv=False)
+
+
+def default_draft_layers(num_layers: int) -> int:
+    """A quarter of the layers: SmolLM2-135M's first 8 of 30 (see docs/performance.md)."""
+    return max(1, num_layers // 4)
