@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from tiny_models import make_tiny_model
+from tiny_models import COMMON, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -177,3 +177,16 @@ def test_prefix_cache_hits_after_speculation_equal_an_unspeculated_runs(target_d
 def test_a_bad_speculative_config_is_refused_naming_the_key(target_dir, bad, message):
     with pytest.raises(ValueError, match=message):
         _llm(target_dir, bad)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("vocab_size", 61, "vocabulary \\(61 tokens\\) differs from the target's \\(97\\)"),
+    ("max_position_embeddings", 128, "context \\(128 tokens\\) is shorter than max_model_len \\(512\\)"),
+])
+def test_a_draft_model_that_does_not_fit_the_target_is_refused(target_dir, tmp_path, field, value, message):
+    import transformers
+
+    config = transformers.LlamaConfig(**{**COMMON, field: value, "num_attention_heads": 4, "num_key_value_heads": 2})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        _llm(target_dir, {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})

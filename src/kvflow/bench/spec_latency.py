@@ -10,6 +10,11 @@ both alike. Per request the decode phase is timed from the first token to the la
     k = proposed tokens / verifications (the mean k, when it adapts)
     r = proposer seconds per proposed token / the plain engine's seconds per decode step
     predicted = (k·α + 1) / (1 + k·r)   (the seeds' formula, `kvflow plan --speculative`)
+
+The seeds' formula takes verifying k more tokens to be free, as it is on a memory-bound GPU. It
+is not free on a CPU, so the report adds c, a verified token's measured cost relative to a plain
+decode step ((verifying step − proposer time) / plain step − 1, per proposal), and the prediction
+(k·α + 1) / (1 + k·(r + c)).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from kvflow.analysis.planner import speculative_speedup
-from kvflow.bench.spec_prompts import conversations
+from kvflow.bench.spec_prompts import chat_prompt_ids
 from kvflow.bench.workloads import random_prompts
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
@@ -55,10 +60,7 @@ def decode_once(engine, prompt: list[int], output_len: int, totals: DecodeTotals
 def benchmark_prompts(engine, prompt_set: str, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
     if prompt_set == "random":
         return random_prompts(num_prompts, input_len, input_len, engine.arch.vocab_size, seed)
-    tokenizer = engine.get_tokenizer()
-    chats = conversations(prompt_set)
-    return [tokenizer.apply_chat_template(chats[i % len(chats)], add_generation_prompt=True, tokenize=True)
-            for i in range(num_prompts)]
+    return chat_prompt_ids(engine.get_tokenizer(), prompt_set, num_prompts)
 
 
 def measure_speculative_latency(spec_engine, plain_engine, prompts: list[list[int]], output_len: int,
@@ -83,6 +85,8 @@ def measure_speculative_latency(spec_engine, plain_engine, prompts: list[list[in
     k = proposed / drafts if drafts else 0.0
     plain_step_s = plain.seconds / plain.steps if plain.steps else 0.0
     r = proposer_s / proposed / plain_step_s if proposed and plain_step_s else 0.0
+    verify_step_s = (spec.seconds - proposer_s) / spec.steps if spec.steps else 0.0
+    c = (verify_step_s / plain_step_s - 1) / k if k and plain_step_s else 0.0
     return {
         "method": spec_engine.config.speculative.method,
         "num_speculative_tokens": spec_engine.config.speculative.num_speculative_tokens,
@@ -96,6 +100,8 @@ def measure_speculative_latency(spec_engine, plain_engine, prompts: list[list[in
         "r": r,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "predicted_speedup": speculative_speedup(k, alpha, r) if drafts else 1.0,
+        "verify_cost": c,
+        "predicted_speedup_with_verify_cost": speculative_speedup(k, alpha, r + c) if drafts else 1.0,
         "greedy_outputs_identical": f"{identical}/{num_iters * len(prompts)}",
         "dtype": str(spec_engine.config.model.dtype).removeprefix("torch."),
     }
@@ -116,7 +122,8 @@ def run_speculative_latency(args) -> int:
           f"{r['output_len']} tokens, batch 1 ({r['dtype']})\n"
           f"decode {r['plain_decode_tok_s']:.1f} -> {r['spec_decode_tok_s']:.1f} tok/s: "
           f"speedup {r['speedup']:.2f}x measured, {r['predicted_speedup']:.2f}x predicted "
-          f"from alpha {r['alpha']:.2f}, mean k {r['mean_k']:.2f}, r {r['r']:.3f}\n"
+          f"from alpha {r['alpha']:.2f}, mean k {r['mean_k']:.2f}, r {r['r']:.3f} "
+          f"({r['predicted_speedup_with_verify_cost']:.2f}x with the verification's cost c {r['verify_cost']:.3f})\n"
           f"mean acceptance length {r['mean_acceptance_length']:.2f}; "
           f"greedy outputs identical {r['greedy_outputs_identical']}")
     return 0

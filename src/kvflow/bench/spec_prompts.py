@@ -58,3 +58,10 @@ def conversations(name: str) -> list[list[dict]]:
     if name == "chat":
         return [[{"role": "user", "content": question}] for question in QUESTIONS]
     raise ValueError(f"prompt set must be one of {', '.join(PROMPT_SETS)}; got {name!r}")
+
+
+def chat_prompt_ids(tokenizer, name: str, num_prompts: int) -> list[list[int]]:
+    """`num_prompts` prompts of the set, in order and repeated, through the chat template."""
+    chats = conversations(name)
+    return [tokenizer.apply_chat_template(chats[i % len(chats)], add_generation_prompt=True, tokenize=True)
+            for i in range(num_prompts)]

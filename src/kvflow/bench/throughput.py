@@ -16,6 +16,7 @@ from kvflow.bench.mbu import (
     get_ceilings,
     utilization,
 )
+from kvflow.bench.spec_prompts import PROMPT_SETS, chat_prompt_ids
 from kvflow.bench.workloads import random_prompts
 from kvflow.config import EngineArgs
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
@@ -30,6 +31,7 @@ class ThroughputWorkload:
     max_input_len: int = 512
     output_len: int = 128
     seed: int = 0
+    prompt_set: str = "random"  # or a chat set of bench/spec_prompts.py (speculative decoding's workloads)
 
 
 def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
@@ -40,6 +42,8 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-input-len", type=int, default=d.max_input_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--prompt-set", default=d.prompt_set, choices=["random", *PROMPT_SETS],
+                   help="random token ids, or chat prompts: grounded (rewrite a passage) or chat")
     add_ceilings_argument(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_throughput)
@@ -86,7 +90,10 @@ def generate_counting_steps(engine, prompts: list[list[int]], params: SamplingPa
 
 def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings) -> dict:
     w = workload
-    prompts = random_prompts(w.num_prompts, w.min_input_len, w.max_input_len, engine.arch.vocab_size, w.seed)
+    if w.prompt_set == "random":
+        prompts = random_prompts(w.num_prompts, w.min_input_len, w.max_input_len, engine.arch.vocab_size, w.seed)
+    else:
+        prompts = chat_prompt_ids(engine.get_tokenizer(), w.prompt_set, w.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
     generate_counting_steps(engine, prompts[:2], params.clone(max_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -117,7 +124,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     shape = EngineShape.from_engine(engine)
     ceilings = get_ceilings(args.ceilings_json, shape.dtype, shape.device)
-    workload = ThroughputWorkload(args.num_prompts, args.min_input_len, args.max_input_len, args.output_len, args.seed)
+    workload = ThroughputWorkload(args.num_prompts, args.min_input_len, args.max_input_len, args.output_len, args.seed,
+                                  args.prompt_set)
     r = measure_throughput(engine, workload, ceilings)
     print(json.dumps(r) if args.json else
           f"{r['num_prompts']} requests, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens "

@@ -18,8 +18,8 @@ from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
-from kvflow.engine.speculation import setup_speculation
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
+from kvflow.engine.speculation import setup_speculation
 from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.dummy import init_dummy_weights

@@ -53,6 +53,9 @@ def make_proposer(config: EngineConfig, arch: ArchConfig, model: torch.nn.Module
     if draft_arch.vocab_size != arch.vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary ({draft_arch.vocab_size} tokens) "
                          f"differs from the target's ({arch.vocab_size}); it must share the tokenizer")
+    if draft_arch.max_position_embeddings < config.model.max_model_len:
+        raise ValueError(f"speculative_config: the draft model's context ({draft_arch.max_position_embeddings} "
+                         f"tokens) is shorter than max_model_len ({config.model.max_model_len}); lower max_model_len")
     draft_model = build_model(checkpoint, draft_arch)
     kv_caches = allocate_kv_caches(draft_arch, num_blocks, config.cache.block_size, config.model.dtype, config.device)
     return ModelProposer(DraftRunner(draft_model, kv_caches, runner), runner.sampler.generator, shares_target_kv=False)
