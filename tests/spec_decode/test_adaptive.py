@@ -15,7 +15,7 @@ def _policy(**kw) -> AdaptiveSpeculation:
 
 def _memory_bound_steps(policy: AdaptiveSpeculation, fixed: float = 0.030, per_token: float = 0.0005) -> None:
     for tokens in (1, 5, 64, 320, 2, 17):
-        policy.observe_step(tokens, fixed + per_token * tokens, 0, 0.0)
+        policy.observe_step(tokens, fixed + per_token * tokens, 0, 0.0, True)
 
 
 def test_expected_tokens_is_the_geometric_chain():
@@ -67,7 +67,7 @@ def test_a_slow_proposer_lowers_k():
         _memory_bound_steps(policy)
         for _ in range(5):
             policy.observe("r", 4, 3)
-        policy.observe_step(5, 0.0325, 4, proposer_seconds)
+        policy.observe_step(5, 0.0325, 4, proposer_seconds, True)
     assert slow.num_lookahead_tokens("r", 1) < cheap.num_lookahead_tokens("r", 1)
 
 
@@ -86,3 +86,19 @@ def test_stats_count_verifications_per_position():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 4)
     assert stats.per_position_rates() == [1.0, 1.0, 0.0, 0.0]
     assert stats.mean_acceptance_length == 3.0 and stats.acceptance_rate == pytest.approx(4 / 6)
+
+
+def test_until_step_sizes_vary_every_other_step_speculates():
+    policy = _policy()
+    ks = []
+    for _ in range(4):
+        ks.append(policy.num_lookahead_tokens("r", 1))
+        policy.observe_step(64, 0.05, 0, 0.0, True)  # always the same size: a and b stay unknown
+    assert policy.step_time.fit() is None and ks == [0, 4, 0, 4]
+
+
+def test_steps_with_prompt_tokens_do_not_enter_the_step_time_fit():
+    policy = _policy()
+    policy.observe_step(2000, 0.5, 0, 0.0, False)
+    policy.observe_step(8, 0.030, 0, 0.0, False)
+    assert policy.step_time.fit() is None

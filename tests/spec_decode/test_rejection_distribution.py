@@ -147,3 +147,18 @@ def test_rows_without_proposals_sample_from_p_alone():
     result = rejection_sample(p, torch.tensor([[2]]), torch.tensor([0]), None, torch.tensor([False]),
                               torch.zeros(1, 1), torch.ones(1, 3))
     assert result.num_accepted.tolist() == [0] and result.final_token.tolist() == [1]
+
+
+def test_verify_greedy_agrees_with_the_greedy_rows_of_rejection_sample():
+    from kvflow.spec_decode.rejection_sampler import verify_greedy
+
+    gen = torch.Generator().manual_seed(2)
+    p = torch.rand(50, 4, 6, generator=gen).softmax(-1)
+    drafts = torch.where(torch.rand(50, 3, generator=gen) < 0.6, p[:, :3].argmax(-1), torch.randint(6, (50, 3), generator=gen))
+    num_drafts = torch.randint(0, 4, (50,), generator=gen)
+    # Row r's bonus position is num_drafts[r]: rows past it are padding, as pad_rows makes them.
+    full = rejection_sample(p, drafts, num_drafts, None, torch.ones(50, dtype=torch.bool), torch.zeros(50, 3),
+                            torch.ones(50, 6))
+    fast = verify_greedy(p.argmax(-1), drafts, num_drafts)
+    assert torch.equal(full.num_accepted, fast.num_accepted) and torch.equal(full.final_token, fast.final_token)
+    assert 0 < int((fast.num_accepted > 0).sum()) < 50

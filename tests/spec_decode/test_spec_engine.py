@@ -171,6 +171,8 @@ def test_prefix_cache_hits_after_speculation_equal_an_unspeculated_runs(target_d
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"}, "unknown key 'speculative_model'"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model must be"),
+    ({"method": "layer_skip", "num_speculative_tokens": 2}, "num_draft_layers must be given"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_draft_layers": 1}, "num_draft_layers must be given"),
     ({"method": "layer_skip", "num_speculative_tokens": 2, "num_draft_layers": 9}, "exceeds the model's 2 layers"),
     ('{"method": "ngram", ', "not valid JSON"),
 ])

@@ -103,6 +103,7 @@ def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings)
     lengths = [(len(p), n) for p, n in zip(prompts, run.output_lens)]
     util = utilization(batch_work(shape.spec, lengths, run.steps, shape.dtype_bytes), elapsed, ceilings)
     prompt_tokens, output_tokens = sum(len(p) for p in prompts), sum(run.output_lens)
+    spec = engine.get_stats().spec_decoding  # includes the warm-up's few steps
     return {
         "num_prompts": len(prompts),
         "prompt_tokens": prompt_tokens,
@@ -115,6 +116,9 @@ def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings)
         "mfu": util.mfu,
         "dtype": shape.dtype,
         "ceilings": ceilings.to_json(),
+        "spec_acceptance_rate": None if spec is None else spec.acceptance_rate,
+        "spec_mean_acceptance_length": None if spec is None else spec.mean_acceptance_length,
+        "spec_num_drafts": None if spec is None else spec.num_drafts,
     }
 
 
@@ -131,5 +135,8 @@ def run_throughput(args: argparse.Namespace) -> int:
           f"{r['num_prompts']} requests, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens "
           f"in {r['elapsed_s']:.2f} s ({r['num_steps']} steps)\n"
           f"output: {r['output_tok_s']:.1f} tok/s   total: {r['total_tok_s']:.1f} tok/s   "
-          f"{Utilization(r['mbu'], r['mfu']).describe()}")
+          f"{Utilization(r['mbu'], r['mfu']).describe()}"
+          + ("" if r["spec_num_drafts"] is None else
+             f"\nspeculation: {r['spec_num_drafts']} verifications, acceptance {r['spec_acceptance_rate']:.1%}, "
+             f"mean acceptance length {r['spec_mean_acceptance_length']:.2f}"))
     return 0

@@ -168,8 +168,10 @@ class LLMEngine:
         produced = self.scheduler.update_from_output(sched, runner_out.sampled, runner_out.draft_token_ids)
         self._generation_tokens_total += sum(n for _, n in produced)
         if self.speculation is not None:
+            decode_only = all(c.sample and c.num_tokens == 1 + c.num_spec_tokens for c in sched.chunks)
             self.speculation.observe_step(sched.num_batched_tokens, runner_out.target_seconds,
-                                          sum(map(len, runner_out.draft_token_ids.values())), runner_out.proposer_seconds)
+                                          sum(map(len, runner_out.draft_token_ids.values())),
+                                          runner_out.proposer_seconds, decode_only)
         outputs, stopped = self.output_processor.process(produced, runner_out)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:

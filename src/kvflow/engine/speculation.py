@@ -41,7 +41,7 @@ def make_proposer(config: EngineConfig, arch: ArchConfig, model: torch.nn.Module
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "layer_skip":
-        layers = spec.num_draft_layers or default_draft_layers(arch.num_layers)
+        layers = spec.num_draft_layers
         if layers > arch.num_layers:
             raise ValueError(f"speculative_config: num_draft_layers ({layers}) exceeds the model's "
                              f"{arch.num_layers} layers")
@@ -60,7 +60,3 @@ def make_proposer(config: EngineConfig, arch: ArchConfig, model: torch.nn.Module
     kv_caches = allocate_kv_caches(draft_arch, num_blocks, config.cache.block_size, config.model.dtype, config.device)
     return ModelProposer(DraftRunner(draft_model, kv_caches, runner), runner.sampler.generator, shares_target_kv=False)
 
-
-def default_draft_layers(num_layers: int) -> int:
-    """A quarter of the layers: SmolLM2-135M's first 8 of 30 (see docs/performance.md)."""
-    return max(1, num_layers // 4)

@@ -13,6 +13,10 @@ a/B shrinks, c tends to 1 and no k pays any more — speculation switches itself
 is compute-bound. k is the best of 0..num_speculative_tokens, 0 unless it gains at least 5%.
 (This is the seeds' (kα + 1)/(1 + k·r) with the verification's own cost and acceptance as a chain.)
 
+T(n) is fitted to decode steps only (every chunk a decode or a verification: n counts their rows,
+sampling included); a prompt chunk's tokens cost differently. Until those steps have varied in
+size the fit cannot tell a from b, so every other step then speculates and the rest do not.
+
 α is each request's own: a decayed count of accepted proposals over proposals tried (a rejection
 ends a chain, so it counts once). A request that stopped speculating drifts back to the prior and
 so tries again later.
@@ -42,7 +46,7 @@ def best_k(alpha: float, max_k: int, verify_cost: float, draft_cost: float) -> i
 
 class StepTimeModel:
     """T(n) = a + b·n fitted to (tokens, seconds) of recent steps by exponentially weighted least
-    squares. Until the steps have varied in size, b is taken as a small fraction of a."""
+    squares; None until the steps have varied in size."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
@@ -58,8 +62,8 @@ class StepTimeModel:
         if w == 0:
             return None
         spread = w * nn - n * n
-        if spread <= 1e-9 * w * nn:
-            return t / w * 0.95, t / w * 0.05 / max(n / w, 1.0)
+        if spread <= 0.01 * w * nn:  # sizes within ~10% of each other
+            return None
         b = max((w * nt - n * t) / spread, 0.0)
         return max((t - b * n) / w, 0.0), b
 
@@ -74,6 +78,7 @@ class AdaptiveSpeculation:
         self.step_time = StepTimeModel()
         self._proposer = [0.0, 0.0]  # decayed Σ seconds, Σ tokens proposed
         self._acceptance: dict[str, list[float]] = {}  # request → decayed [accepted, tried]
+        self._steps = 0
 
     # -- the scheduler's questions ---------------------------------------------------------
     def num_lookahead_tokens(self, request_id: str, batch_size: int) -> int:
@@ -81,7 +86,10 @@ class AdaptiveSpeculation:
             return 0
         if not self.adaptive:
             return self.max_k
-        verify_cost, draft_cost = self.relative_costs(batch_size)
+        costs = self.relative_costs(batch_size)
+        if costs is None:  # the fit needs steps of both sizes
+            return self.max_k if self._steps % 2 else 0
+        verify_cost, draft_cost = costs
         k = best_k(self.acceptance(request_id), self.max_k, verify_cost, draft_cost)
         if k == 0 and request_id in self._acceptance:  # drift back toward the prior, to try again
             counts = self._acceptance[request_id]
@@ -98,10 +106,13 @@ class AdaptiveSpeculation:
         self._acceptance.pop(request_id, None)
 
     # -- what the engine measured ----------------------------------------------------------
-    def observe_step(self, num_tokens: int, target_seconds: float, num_proposed: int, proposer_seconds: float) -> None:
+    def observe_step(self, num_tokens: int, target_seconds: float, num_proposed: int, proposer_seconds: float,
+                     decode_only: bool) -> None:
+        """`decode_only`: every chunk was a decode or a verification (no prompt tokens)."""
+        self._steps += 1
         self.stats.target_seconds += target_seconds
         self.stats.proposer_seconds += proposer_seconds
-        if num_tokens:
+        if num_tokens and decode_only:
             self.step_time.observe(num_tokens, target_seconds)
         if num_proposed:
             self._proposer = [self._proposer[0] * DECAY + proposer_seconds, self._proposer[1] * DECAY + num_proposed]
@@ -110,12 +121,12 @@ class AdaptiveSpeculation:
         accepted, tried = self._acceptance.get(request_id, (0.0, 0.0))
         return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
-    def relative_costs(self, batch_size: int) -> tuple[float, float]:
+    def relative_costs(self, batch_size: int) -> tuple[float, float] | None:
         """(c, r): a proposal's cost to verify and to make, relative to a request's share of a
-        plain decode step at this batch size."""
+        plain decode step at this batch size; None before the step time can be fitted."""
         fit = self.step_time.fit()
         if fit is None:
-            return 0.0, 0.0  # nothing measured yet: try, and learn
+            return None
         a, b = fit
         share = a / max(batch_size, 1) + b
         if share <= 0:

@@ -16,7 +16,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix to look up
     prompt_lookup_max: int = 4  # ngram: longest suffix to look up (tried first)
     model: str | None = None  # draft_model: a checkpoint sharing the target's tokenizer
-    num_draft_layers: int | None = None  # layer_skip: the target's first layers that propose
+    num_draft_layers: int | None = None  # layer_skip: how many of the target's first layers propose
     # Speculate only while fewer requests run (None: decided by measured cost alone).
     disable_by_batch_size: int | None = None
     # Choose k per request and step from its recent acceptance and the measured costs; False:
@@ -63,10 +63,10 @@ class SpeculativeConfig:
         _require((self.model is not None) == (self.method == "draft_model"), "model",
                  "a checkpoint path for method draft_model, and only for it", self.model)
         _require(self.model is None or (isinstance(self.model, str) and self.model), "model", "a path", self.model)
+        _require((self.num_draft_layers is not None) == (self.method == "layer_skip"), "num_draft_layers",
+                 "given for method layer_skip, and only for it", self.num_draft_layers)
         _require(self.num_draft_layers is None or (_is_int(self.num_draft_layers) and self.num_draft_layers >= 1),
                  "num_draft_layers", "an integer >= 1", self.num_draft_layers)
-        _require(self.num_draft_layers is None or self.method == "layer_skip", "num_draft_layers",
-                 "set only for method layer_skip", self.num_draft_layers)
         _require(self.disable_by_batch_size is None or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
                  "disable_by_batch_size", "an integer >= 1", self.disable_by_batch_size)
         _require(isinstance(self.adaptive, bool), "adaptive", "true or false", self.adaptive)

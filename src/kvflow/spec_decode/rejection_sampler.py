@@ -87,6 +87,16 @@ def rejection_sample(
     return Verification(num_accepted, final)
 
 
+def verify_greedy(target_ids: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor) -> Verification:
+    """Every request greedy: keep the proposals that equal the target's argmax [R, K+1], then
+    emit its argmax where they diverge (or after the last). No probabilities needed."""
+    k = draft_token_ids.shape[1]
+    proposed = torch.arange(k, device=draft_token_ids.device)[None, :] < num_drafts[:, None]
+    num_accepted = ((target_ids[:, :k] == draft_token_ids) & proposed).long().cumprod(dim=-1).sum(dim=-1)
+    final = target_ids.gather(1, num_accepted[:, None]).squeeze(1)
+    return Verification(num_accepted, final)
+
+
 def pad_rows(flat: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
     """Ragged rows [Σ counts, ...] → [len(counts), width, ...], each request's rows first; the
     padding repeats its last row (never read). Every count is at least 1."""

@@ -20,7 +20,7 @@ from kvflow.core.sched_output import ScheduledChunk
 from kvflow.model.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.proposer import DraftRequest, Proposer
-from kvflow.spec_decode.rejection_sampler import pad_rows, rejection_sample
+from kvflow.spec_decode.rejection_sampler import pad_rows, rejection_sample, verify_greedy
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 
 GeneratorOf = Callable[[ScheduledChunk], torch.Generator | None]
@@ -64,14 +64,19 @@ class Speculator:
         batch = sampling_batch(rows)
         adjusted, raw_logprobs = self.sampler.adjust(logits, batch)
         width = max(counts)
-        target = pad_rows(self.sampler.probs(adjusted, batch), counts, width)
-        vocab = target.shape[-1]
         drafts = torch.tensor([c.spec_token_ids + [0] * (width - n) for c, n in zip(chunks, counts)], device=self.device)
-        uniforms, noise = self._randomness(chunks, generator_of, width - 1, vocab)
-        result = rejection_sample(
-            target, drafts, torch.tensor([c.num_spec_tokens for c in chunks], device=self.device),
-            self._stacked_draft_probs(chunks, width - 1, vocab),
-            torch.tensor([c.sampling_params.greedy for c in chunks], device=self.device), uniforms, noise)
+        num_drafts = torch.tensor([c.num_spec_tokens for c in chunks], device=self.device)
+        if batch.all_greedy:  # argmax per row is all there is to compare
+            for chunk in chunks:
+                self._draft_probs.pop(chunk.request_id, None)
+            result = verify_greedy(pad_rows(adjusted.argmax(dim=-1), counts, width), drafts, num_drafts)
+        else:
+            target = pad_rows(self.sampler.probs(adjusted, batch), counts, width)
+            vocab = target.shape[-1]
+            uniforms, noise = self._randomness(chunks, generator_of, width - 1, vocab)
+            result = rejection_sample(
+                target, drafts, num_drafts, self._stacked_draft_probs(chunks, width - 1, vocab),
+                torch.tensor([c.sampling_params.greedy for c in chunks], device=self.device), uniforms, noise)
         accepted, final = result.num_accepted.tolist(), result.final_token.tolist()
         offsets = [0, *itertools.accumulate(counts)][:-1]
         for i, chunk in enumerate(chunks):
