@@ -22,12 +22,13 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hf_oracle import default_model_hf_dir  # noqa: E402
+from hf_oracle import default_model_hf_dir, gemma3_270m_hf_dir  # noqa: E402
 
 from kvflow.bench.ceilings import measure_ceilings  # noqa: E402
 from kvflow.bench.datasets import DEFAULT_VOCAB_SIZE
 from kvflow.bench.workloads import random_prompts  # noqa: E402
 from kvflow.model.default_model import default_model_path  # noqa: E402
+from kvflow.model.packaged_models import gemma3_270m_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = (("hf", "HF generate()"), ("llama.cpp", "llama.cpp"), ("vllm", "vLLM"))
@@ -63,22 +64,27 @@ def main() -> None:
     parser.add_argument("--llamacpp-python", default=None, help="an interpreter with llama_cpp installed")
     parser.add_argument("--vllm-python", default=None, help="an interpreter with vllm (CPU build) installed")
     parser.add_argument("--quick", action="store_true", help="32 prompts instead of 128")
+    parser.add_argument("--model", default="default", choices=["default", "gemma3-270m"])
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "compare_cpu.json"))
     args = parser.parse_args()
     n = 32 if args.quick else 128
+    gemma = args.model == "gemma3-270m"
+    gguf = gemma3_270m_path() if gemma else default_model_path()
+    hf_dir = gemma3_270m_hf_dir() if gemma else default_model_hf_dir()
     py, kv = sys.executable, [sys.executable, "-m", "kvflow.entrypoints.cli", "bench"]
     tput = ["--num-prompts", str(n), "--min-input-len", "32", "--max-input-len", "512", "--output-len", "128"]
     lat = ["--input-len", "32", "--output-len", "128"]
+    on_model = ["--model", args.model] if gemma else []  # the same model for kvflow and the HF peer
     tmp = Path(tempfile.mkdtemp(prefix="kvflow-compare-"))
     # Measure the ceilings once, so both kvflow runs state MBU / MFU against the same numbers.
     ceilings = measure_ceilings().to_json()
     ceil_args = ["--ceilings-json", write_json(tmp, "ceilings.json", ceilings)]
     results: dict[str, dict | None] = {
         "ceilings": ceilings,
-        "kvflow latency": run_json(kv + ["latency", *lat, *ceil_args, "--json"]),
-        "hf latency": run_json([py, str(ROOT / "benchmarks/hf_peer.py"), "latency", *lat, "--json"]),
-        "kvflow throughput": run_json(kv + ["throughput", *tput, *ceil_args, "--json"]),
-        "hf throughput": run_json([py, str(ROOT / "benchmarks/hf_peer.py"), "throughput", *tput, "--json"]),
+        "kvflow latency": run_json(kv + ["latency", *lat, *on_model, *ceil_args, "--json"]),
+        "hf latency": run_json([py, str(ROOT / "benchmarks/hf_peer.py"), "latency", *lat, *on_model, "--json"]),
+        "kvflow throughput": run_json(kv + ["throughput", *tput, *on_model, *ceil_args, "--json"]),
+        "hf throughput": run_json([py, str(ROOT / "benchmarks/hf_peer.py"), "throughput", *tput, *on_model, "--json"]),
     }
     w1 = write_json(tmp, "w1.json", random_prompts(n, 32, 512, DEFAULT_VOCAB_SIZE, 0))
     w2 = write_json(tmp, "w2.json", random_prompts(1, 32, 32, DEFAULT_VOCAB_SIZE, 0))
@@ -86,11 +92,11 @@ def main() -> None:
     results["llama.cpp latency"] = None
     if args.llamacpp_python:
         results["llama.cpp latency"] = run_json([args.llamacpp_python, str(ROOT / "benchmarks/llamacpp_peer.py"),
-                                                 "latency", "--model", str(default_model_path()), "--prompts", w2])
+                                                 "latency", "--model", str(gguf), "--prompts", w2])
     results["vllm throughput"] = results["vllm latency"] = None
     if args.vllm_python:
         vllm = [args.vllm_python, str(ROOT / "benchmarks/vllm_peer.py")]
-        model = ["--model", str(default_model_hf_dir())]
+        model = ["--model", str(hf_dir)]
         results["vllm throughput"] = run_json([*vllm, "throughput", *model, "--prompts", w1, "--output-len", "128"])
         results["vllm latency"] = run_json([*vllm, "latency", *model, "--prompts", w2, "--output-len", "128"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

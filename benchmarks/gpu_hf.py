@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from gpu_phase import ResultFile, arch_of, gpu_memory, latency_prompt, log, seconds_left, sync, throughput_workload
 
+from kvflow.analysis.model_spec import ModelSpec
 from kvflow.bench.ceilings import Ceilings
-from kvflow.bench.mbu import latency_decode_work, spec_from_arch, utilization
+from kvflow.bench.mbu import latency_decode_work, utilization
 
 
 class HFRunner:
@@ -73,7 +74,7 @@ def phase_hf(args: argparse.Namespace, ceilings: Ceilings, out: ResultFile) -> N
                        "attn_implementation": getattr(model.config, "_attn_implementation", None),
                        "decode_compile_config": compile_config.to_dict() if compile_config else None})
     log(f"HF model ready in {out.data['engine']['init_s']:.1f} s")
-    spec = spec_from_arch(arch_of(args.model))
+    spec = ModelSpec.from_arch(arch_of(args.model))
 
     n_in, n_out = args.latency_input_len, args.latency_output_len
     lat = HFRunner(model, n_in + n_out, args.device)

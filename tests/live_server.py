@@ -3,6 +3,7 @@ by uvicorn on a thread of the test process. Both bind port 0 and report the port
 
 from __future__ import annotations
 
+import ctypes
 import re
 import signal
 import subprocess
@@ -16,6 +17,14 @@ import pytest
 import uvicorn
 
 KVFLOW = [sys.executable, "-m", "kvflow.entrypoints.cli"]
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel kills the server when the test process dies, so a
+    test run that is killed (a timeout, Ctrl-C) leaves no server holding gigabytes behind."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 _URL = re.compile(r"on (http://127\.0\.0\.1:\d+)")
 
 
@@ -42,7 +51,8 @@ class ServerProcess:
 def start_process(args: list[str], timeout: float = 180) -> ServerProcess:
     """Start `kvflow serve --port 0 ARGS` and wait for the URL it prints."""
     cmd = [*KVFLOW, "serve", "--port", "0", "--uvicorn-log-level", "warning", "--disable-log-stats", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_die_with_parent)
     server = ServerProcess(proc)
     threading.Thread(target=_drain, args=(server,), daemon=True).start()  # the pipe must never fill
     deadline = time.monotonic() + timeout

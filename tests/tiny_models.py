@@ -28,17 +28,66 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
+_MOE = dict(num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False)
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=1, num_hidden_layers=3, tie_word_embeddings=False)
+
+# The KV-shrinking architectures and mixtures of experts (tests/model/test_architectures.py).
+ARCH_CONFIGS: dict[str, tuple[str, dict]] = {
+    # 5 local : 1 global, a window shorter than the prompts, soft-capped logits.
+    "gemma3": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=6,
+                                        sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                        rope_local_base_freq=100.0)),
+    "mixtral": ("MixtralConfig", dict(_MOE, num_local_experts=4)),
+    # One dense layer (mlp_only_layers), top-k renormalised.
+    "qwen3-moe": ("Qwen3MoeConfig", dict(_MOE, num_experts=4, moe_intermediate_size=32, head_dim=16,
+                                         norm_topk_prob=True, mlp_only_layers=[1])),
+    "olmoe": ("OlmoeConfig", dict(_MOE, num_experts=4, norm_topk_prob=False, eos_token_id=1, pad_token_id=0)),
+    # No query bottleneck; routing limited to the best of two expert groups.
+    "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, topk_method="group_limited_greedy", n_group=2,
+                                             topk_group=1, routed_scaling_factor=1.5)),
+    # A query bottleneck; sigmoid routing with a choice bias, renormalised and scaled.
+    "deepseek-v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=24, n_group=2, topk_group=1, norm_topk_prob=True,
+                                             routed_scaling_factor=2.5)),
+}
+
+
 def make_tiny_model(name: str, directory: Path, seed: int = 0):
-    """Write a random checkpoint to `directory` and return the transformers model (float32, eager)."""
+    """Write a random checkpoint to `directory` and return the transformers model (float32, eager
+    attention and eager experts)."""
     import transformers
 
-    cls_name, extra = TINY_CONFIGS[name]
+    cls_name, extra = {**TINY_CONFIGS, **ARCH_CONFIGS}[name]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          experts_implementation="eager").float().eval()
     with torch.no_grad():  # HF zero-inits biases; random ones make the bias path matter
-        for name_, p in model.named_parameters():
+        for name_, p in [*model.named_parameters(), *model.named_buffers()]:
             if name_.endswith("bias") or "norm" in name_:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_tokenizer(directory: Path, chat_template: str = TINY_CHAT_TEMPLATE) -> None:
+    """A character-level tokenizer that fits the tiny models' 97-token vocabulary: printable ASCII
+    but '~', newline, and two special tokens (<|im_start|> = 95, <|im_end|> = 96, also EOS). Other
+    characters are dropped. With it a tiny model serves text and chat like a real one."""
+    import json
+
+    import tokenizers
+    from tokenizers import decoders, models
+
+    chars = [chr(c) for c in range(32, 126)] + ["\n"]
+    backend = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    backend.decoder = decoders.Fuse()
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "chat_template": chat_template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))

@@ -27,6 +27,9 @@ class ModelConfig:
     max_model_len: int
     seed: int
     skip_tokenizer_init: bool
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
+    quantization: str | None = None  # None: the checkpoint as stored (a GGUF's own blocks)
+    group_size: int | None = None  # int4/awq: input channels per scale
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class EngineArgs:
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
     speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
+    max_logprobs: int = 20  # vLLM's name and default; -1: no cap
+    quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
+    group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -115,10 +121,12 @@ class EngineArgs:
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs or priority")
         _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         _require(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
+        _require(self.max_logprobs >= -1, "max_logprobs", ">= 0, or -1 for no cap")
         _require(
             self.attention_backend in ("auto", "torch_sdpa", "torch_reference", "triton"),
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
+        _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         return EngineConfig(
@@ -129,6 +137,9 @@ class EngineArgs:
                 max_model_len=max_len,
                 seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                max_logprobs=self.max_logprobs,
+                quantization=self.quantization,
+                group_size=self.group_size,
             ),
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
@@ -173,6 +184,12 @@ class EngineArgs:
         g.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                             '(methods: ngram, draft_model with "model", layer_skip with "num_draft_layers")')
+        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="the most logprobs / prompt_logprobs one request may ask for (-1: no cap)")
+        g.add_argument("--quantization", "-q", default=None,
+                       help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
+                            "(default: run the checkpoint as stored; a GGUF on its own blocks)")
+        g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

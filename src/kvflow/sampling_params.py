@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 GREEDY_TEMPERATURE = 1e-5  # below this temperature, sampling is argmax
+_INT64 = 2**63  # top_k and seed become int64 tensors and generator seeds
 
 
 class RequestOutputKind(enum.Enum):
@@ -70,20 +71,22 @@ class SamplingParams:
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
                "temperature", "a number in [0, 100]", self.temperature)
         _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]", self.top_p)
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 1, or 0 / -1 to disable", self.top_k)
+        _check(_is_int(self.top_k) and 0 <= self.top_k < _INT64, "top_k", "an integer in [1, 2^63), or 0 / -1 to disable",
+               self.top_k)
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1]", self.min_p)
         _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
                "repetition_penalty", "a number in (0, 100]", self.repetition_penalty)
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _check(_is_num(value) and -2.0 <= value <= 2.0, name, "a number in [-2, 2]", value)
-        _check(self.seed is None or _is_int(self.seed), "seed", "an integer (or None)", self.seed)
+        _check(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
+               "seed", "an integer in [-2^63, 2^63) (or None)", self.seed)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= 20), name, "an integer in [0, 20] (or None)", value)
+            _check(value is None or (_is_int(value) and value >= 0), name, "an integer >= 0 (or None)", value)
 
 
 def _is_int(value: object) -> bool:

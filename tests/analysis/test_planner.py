@@ -15,12 +15,11 @@ from dataclasses import replace
 
 import pytest
 
-from kvflow.analysis import hardware as hw_mod
 from kvflow.analysis.hardware import PRESETS as HARDWARE
 from kvflow.analysis.hardware import get_hardware
 from kvflow.analysis.model_spec import PRESETS as MODELS
 from kvflow.analysis.model_spec import ModelSpec, resolve_model
-from kvflow.analysis.plan_cli import add_plan_parser, main_plan, run_plan
+from kvflow.entrypoints.plan_cli import add_plan_parser, main_plan, run_plan
 from kvflow.analysis.planner import (
     SpecParams,
     matmul_intensity,
@@ -531,7 +530,7 @@ def test_cli_measured_hardware(monkeypatch, capsys):
     # SmolLM2 at batch 1 is memory-bound on a 5 FLOP/byte machine: bytes / 20 GB/s.
     row = data["rows"][0]
     assert row["latency_ms"] == pytest.approx(row["total_bytes"] / 20e9 * 1e3)
-    assert hw_mod.measured().name == "measured-cpu"
+    assert ceilings.measured_hardware().name == "measured-cpu"
 
 
 def test_add_plan_parser_registers_subcommand(capsys):

@@ -72,7 +72,8 @@ def reference(q, k, v, cache, meta, layer) -> torch.Tensor:
 
 def run_prefill(q, cache, meta, layer, requests) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))
-    tiles = make_tiles(meta.query_lens_cpu, requests, query_tile_size(layer.num_heads, layer.num_kv_heads), DEVICE)
+    block_q = query_tile_size(layer.num_heads, layer.num_kv_heads, layer.head_dim, q.dtype)
+    tiles = make_tiles(meta.query_lens_cpu, requests, block_q, DEVICE)
     paged_prefill(q, cache, out, tiles, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                   layer.scale, layer.sliding_window)
     return out

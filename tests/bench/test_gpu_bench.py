@@ -100,10 +100,11 @@ def test_kvflow_made_exactly_the_tokens_asked(run, gpu_bench, gpu_phase):
 
 
 def test_kvflow_batch1_mbu_is_the_decode_bytes_over_the_ceiling(run, gpu_phase, tiny_config):
-    from kvflow.bench.mbu import latency_decode_work, spec_from_arch
+    from kvflow.analysis.model_spec import ModelSpec
+    from kvflow.bench.mbu import latency_decode_work
 
     lat = run["report"]["kvflow"]["latency"]
-    work = latency_decode_work(spec_from_arch(gpu_phase.arch_of(str(tiny_config))), 4, 6, 2)
+    work = latency_decode_work(ModelSpec.from_arch(gpu_phase.arch_of(str(tiny_config))), 4, 6, 2)
     decode_s = (6 - 1) / lat["decode_tok_s"]
     assert lat["mbu"] == pytest.approx(work.bytes / decode_s / 1e9)
     assert run["report"]["goal"]["batch1_mbu"] == lat["mbu"]

@@ -20,7 +20,6 @@ from kvflow.bench.mbu import (
     load_ceilings,
     prefill_work,
     roofline_seconds,
-    spec_from_arch,
     step_weight_bytes,
     utilization,
 )
@@ -79,16 +78,20 @@ def test_utilization_and_roofline():
     assert roofline_seconds(Work(1e10, 2e9), ceilings) == pytest.approx(1.0)  # memory-bound
 
 
-def test_spec_from_arch_matches_the_planners_reading_of_config_json():
+def test_the_planner_reads_the_engines_kv_layout():
     smollm2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True}
     qwen2_hybrid = {**smollm2, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                     "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 10}
-    for config in (smollm2, qwen2_hybrid):
-        spec = spec_from_arch(ArchConfig.from_hf(config))
-        assert spec == replace(ModelSpec.from_hf_config(config), name=spec.name)
-    assert spec.global_layers == tuple(range(10)) and spec.sliding_window == 64
+    shared = {**smollm2, "num_kv_shared_layers": 10}
+    for config in (smollm2, qwen2_hybrid, shared):
+        arch = ArchConfig.from_hf(config)
+        spec = ModelSpec.from_arch(arch)
+        assert spec.layer_kv_specs() == arch.kv_cache_specs()
+        assert spec.kv_bytes_per_token(16) == arch.kv_layout.block_bytes(1, 2) * len(arch.kv_layout.groups)
+    assert ModelSpec.from_hf_config(qwen2_hybrid).global_layers == tuple(range(10))
+    assert ModelSpec.from_hf_config(shared).kv_bytes_per_token() == 20 * 2 * 3 * 64 * 2  # 10 of 30 layers read others'
 
 
 def test_ceilings_file(tmp_path, capsys):

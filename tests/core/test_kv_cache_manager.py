@@ -21,9 +21,9 @@ def _compute(kv: KVCacheManager, r: Request, upto: int, cached=(), start: int = 
 def test_allocate_grows_block_table_on_block_boundaries():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = _req("a", list(range(9)))
-    assert kv.allocate_slots(a, 0, 1) and len(kv.block_ids("a")) == 1
-    assert kv.allocate_slots(a, 1, 3) and len(kv.block_ids("a")) == 1  # still fits in the first block
-    assert kv.allocate_slots(a, 4, 1) and len(kv.block_ids("a")) == 2
+    assert kv.allocate_slots(a, 0, 1) and len(kv.block_ids("a")[0]) == 1
+    assert kv.allocate_slots(a, 1, 3) and len(kv.block_ids("a")[0]) == 1  # still fits in the first block
+    assert kv.allocate_slots(a, 4, 1) and len(kv.block_ids("a")[0]) == 2
     assert kv.pool.num_free_blocks == 6
 
 
@@ -31,8 +31,8 @@ def test_allocation_that_does_not_fit_changes_nothing():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     a, b = _req("a", list(range(13))), _req("b", list(range(100, 108)))
     assert kv.allocate_slots(a, 0, 8)
-    assert not kv.allocate_slots(b, 0, 8) and kv.block_ids("b") == []
-    assert not kv.allocate_slots(a, 8, 5) and len(kv.block_ids("a")) == 2
+    assert not kv.allocate_slots(b, 0, 8) and kv.block_ids("b") == ([],)
+    assert not kv.allocate_slots(a, 8, 5) and len(kv.block_ids("a")[0]) == 2
     assert kv.pool.num_free_blocks == 1
 
 
@@ -41,7 +41,7 @@ def test_free_returns_every_block_and_blocks_are_not_shared():
     a, b = _req("a", [1] * 5), _req("b", [1] * 6)
     kv.allocate_slots(a, 0, 5)
     kv.allocate_slots(b, 0, 6)
-    assert not set(kv.block_ids("a")) & set(kv.block_ids("b"))
+    assert not set(kv.block_ids("a")[0]) & set(kv.block_ids("b")[0])
     kv.free(a)
     kv.free(b)
     assert kv.usage == 0.0
@@ -54,10 +54,10 @@ def test_cached_prefix_is_found_by_content():
     _compute(kv, a, 10)  # blocks 0-1 full and cached, the prompt's tail block too
     kv.free(a)
     blocks, tokens = kv.find_cached_prefix(_req("b", list(range(12))))
-    assert (len(blocks), tokens) == (2, 8)  # a's two full blocks; b's third block differs from a's tail
+    assert (len(blocks[0]), tokens) == (2, 8)  # a's two full blocks; b's third block differs from a's tail
     assert kv.find_cached_prefix(_req("c", list(range(8))))[1] == 7  # all of c but the last token, computed for logits
-    assert kv.find_cached_prefix(_req("d", [5] + list(range(1, 10)))) == ([], 0)  # first block differs
-    assert kv.find_cached_prefix(_req("e", list(range(12)), salt="tenant-2")) == ([], 0)
+    assert kv.find_cached_prefix(_req("d", [5] + list(range(1, 10)))) == (([],), 0)  # first block differs
+    assert kv.find_cached_prefix(_req("e", list(range(12)), salt="tenant-2")) == (([],), 0)
 
 
 def test_identical_prompt_reuses_everything_but_its_last_token():
@@ -69,9 +69,9 @@ def test_identical_prompt_reuses_everything_but_its_last_token():
     assert blocks == kv.block_ids("a") and tokens == 9
     assert kv.allocate_slots(b, 9, 1, blocks)
     # Position 9 lies in the shared tail block: b got a private copy before writing it.
-    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
-    assert kv.block_ids("b")[2] != kv.block_ids("a")[2]
-    assert kv.take_block_copies() == [(kv.block_ids("a")[2], kv.block_ids("b")[2])]
+    assert kv.block_ids("b")[0][:2] == kv.block_ids("a")[0][:2]
+    assert kv.block_ids("b")[0][2] != kv.block_ids("a")[0][2]
+    assert kv.take_block_copies() == [(kv.block_ids("a")[0][2], kv.block_ids("b")[0][2])]
     assert kv.take_block_copies() == []
 
 
@@ -90,7 +90,7 @@ def test_block_aligned_whole_prompt_copies_its_last_full_block():
     _compute(kv, _req("a", list(range(8))), 8)
     b = _req("b", list(range(8)))
     blocks, tokens = kv.find_cached_prefix(b)
-    assert tokens == 7 and len(blocks) == 2
+    assert tokens == 7 and len(blocks[0]) == 2
     assert kv.allocate_slots(b, 7, 1, blocks)
     assert len(kv.take_block_copies()) == 1
 
@@ -101,9 +101,9 @@ def test_shared_blocks_are_reference_counted():
     _compute(kv, a, 9)
     b = _req("b", list(range(8)) + [50, 51])
     hit, tokens = kv.find_cached_prefix(b)
-    assert hit == kv.block_ids("a")[:2] and tokens == 8
+    assert hit[0] == kv.block_ids("a")[0][:2] and tokens == 8
     assert kv.allocate_slots(b, 8, 2, hit)
-    assert [kv.pool.ref_counts[x] for x in hit] == [2, 2]
+    assert [kv.pool.ref_counts[x] for x in hit[0]] == [2, 2]
     assert 8 - kv.pool.num_free_blocks == 3 + 1  # a's three blocks, and one new block for b's tail
     kv.free(a)
     kv.free(b)
@@ -128,7 +128,7 @@ def test_in_flight_prefix_is_visible_to_a_twin():
     a.num_computed_tokens = 9
     kv.cache_computed_blocks(a)
     blocks, tokens = kv.find_cached_prefix(b)
-    assert not kv.prefix_in_flight(b, len(blocks)) and tokens == 8
+    assert not kv.prefix_in_flight(b, tokens) and tokens == 8
 
 
 def test_block_pool_refuses_double_release():

@@ -75,11 +75,11 @@ def test_only_accepted_tokens_enter_the_prefix_cache():
     pool = s.kv_cache.pool
     hashes = []
     extend_block_hashes(hashes, r.all_token_ids, 4)
-    assert pool.lookup(hashes[0]) is not None
-    assert len(hashes) == 2 and pool.lookup(hashes[1]) is None  # [5, 6, 50, 90]: position 7 not yet computed
+    assert pool.lookup((0, hashes[0])) is not None
+    assert len(hashes) == 2 and pool.lookup((0, hashes[1])) is None  # [5, 6, 50, 90]: position 7 not yet computed
     rejected = []
     extend_block_hashes(rejected, [1, 2, 3, 4, 5, 6, 50, 60, 61, 62, 63], 4)
-    assert all(pool.lookup(h) is None for h in rejected[1:])
+    assert all(pool.lookup((0, h)) is None for h in rejected[1:])
 
 
 def test_accepted_proposals_that_complete_a_block_cache_it_the_same_step():
@@ -94,7 +94,7 @@ def test_accepted_proposals_that_complete_a_block_cache_it_the_same_step():
     assert r.status is RequestStatus.FINISHED_LENGTH and r.output_token_ids == [50, 60, 61, 99]
     hashes = []
     extend_block_hashes(hashes, [1, 2, 3, 4, 5, 6, 50, 60, 61], 4)
-    assert s.kv_cache.pool.lookup(hashes[1]) is not None  # positions 4..7 computed and accepted
+    assert s.kv_cache.pool.lookup((0, hashes[1])) is not None  # positions 4..7 computed and accepted
     assert s.kv_cache.usage == 0.0
 
 
@@ -148,7 +148,7 @@ def test_a_model_proposer_gets_slots_for_its_lookahead():
     out = s.schedule()
     # Positions 0..2 computed now, then the sampled token and 4 more proposals' KV: 8 slots, 2 blocks.
     assert out.chunks[0].num_lookahead_tokens == 5
-    assert len(out.chunks[0].block_ids) == 2
+    assert len(out.chunks[0].block_ids[0]) == 2
 
 
 def test_proposals_never_preempt_and_give_way_when_the_pool_is_full():

@@ -274,17 +274,18 @@ def test_dead_loop_fails_everyone_and_says_so(model_dir, make_llm):
         run(collect(llm, prompt(5), GREEDY, "late"))
 
 
-def test_shutdown_ends_in_flight_requests_as_aborted(make_llm):
+def test_shutdown_fails_in_flight_requests_never_ends_them_as_if_finished(make_llm):
     llm = make_llm()
 
     async def main():
         stream = await llm.add_request("r", prompt(8), LONG)
         await anext(stream)
-        llm.shutdown(wait=False)
+        llm.shutdown(wait=False, reason="going away")
         return [out async for out in stream]
 
-    rest = run(main())
-    assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
+    with pytest.raises(EngineDeadError, match="going away"):
+        run(main())
+    assert wait_until(lambda: llm.get_stats().kv_cache_usage == 0, 10)
     assert wait_until(lambda: not llm.is_alive(), 10)
     with pytest.raises(EngineDeadError):
         run(llm.add_request("new", prompt(3), GREEDY))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from hf_oracle import assert_matches_oracle
 from tiny_models import TINY_CONFIGS, make_tiny_model
 
 PROMPT_LENS = (3, 17, 40)  # within a block, across a block boundary, several blocks
@@ -31,20 +32,4 @@ def test_logprobs_match_transformers(arch, backend, tmp_path):
     outputs = llm.generate(prompts, params)
 
     for prompt, out in zip(prompts, outputs):
-        completion = out.outputs[0]
-        assert len(completion.token_ids) == STEPS
-        sequence = prompt + completion.token_ids
-        with torch.no_grad():
-            ref = hf(torch.tensor([sequence])).logits[0].float().log_softmax(-1)
-        # Prompt logprobs: position p holds log P(prompt[p] | prompt[:p]); position 0 has none.
-        assert out.prompt_logprobs[0] is None
-        ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
-        expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
-        # Generated tokens: their logprobs, and each is the argmax of the oracle's distribution.
-        rows = torch.arange(len(prompt) - 1, len(sequence) - 1)
-        ours = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)])
-        torch.testing.assert_close(ours, ref[rows, torch.tensor(completion.token_ids)], atol=1e-4, rtol=0)
-        top2 = ref[rows].topk(2, dim=-1).values
-        decided = (top2[:, 0] - top2[:, 1]) > 1e-3  # skip exact near-ties, where float noise decides
-        assert torch.equal(ref[rows].argmax(-1)[decided], torch.tensor(completion.token_ids)[decided])
+        assert_matches_oracle(hf, prompt, out, STEPS)

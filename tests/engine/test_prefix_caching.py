@@ -149,7 +149,8 @@ def test_swap_mode_outputs_identical_to_unpreempted(model_dir):
 
 
 def test_high_priority_request_runs_first_when_the_pool_is_full(model_dir):
-    engine = _engine(model_dir, num_kv_blocks=6, scheduling_policy="priority")
+    # The window (12) bounds each request's blocks: 3 blocks hold one request at a time.
+    engine = _engine(model_dir, num_kv_blocks=3, scheduling_policy="priority")
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(3):
         engine.add_request(f"low{i}", _tokens(30, 60 + i), params, priority=5)
@@ -184,7 +185,7 @@ def test_reset_prefix_cache_forgets_free_blocks_only(model_dir):
     prompt = _tokens(40, 90)
     _run(engine, [prompt])
     engine.reset_prefix_cache()
-    assert engine.scheduler.kv_cache.find_cached_prefix(_request_like(prompt)) == ([], 0)
+    assert engine.scheduler.kv_cache.find_cached_prefix(_request_like(prompt)) == (([],), 0)
     assert _run(engine, [prompt])["0"].num_cached_tokens == 0
 
 

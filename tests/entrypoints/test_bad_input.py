@@ -17,6 +17,7 @@ from pydantic import TypeAdapter
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai.api_server import build_app
+from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.responses import Usage
 from live_server import start_thread, wait_until
 from tiny_models import make_tiny_model
@@ -117,7 +118,7 @@ def async_llm(engine):
 
 @pytest.fixture(scope="module")
 def server(async_llm):
-    live = start_thread(build_app(async_llm, MODEL, max_body_bytes=BODY_LIMIT))
+    live = start_thread(build_app(async_llm, MODEL, limits=ServerLimits(max_body_bytes=BODY_LIMIT)))
     yield live
     live.stop()
 
@@ -208,7 +209,7 @@ def validation_fault(*_):  # pydantic refusing a value of ours, not the client's
 @pytest.mark.parametrize("fault", ["runtime", "validation"])
 def test_internal_fault_is_a_500_without_details(http, async_llm, monkeypatch, fault):
     if fault == "runtime":
-        monkeypatch.setattr(async_llm, "get_tokenizer", runtime_fault)
+        monkeypatch.setattr(async_llm.tokenizer, "apply_chat_template", lambda *a, **k: runtime_fault())
     else:
         monkeypatch.setattr(Usage, "of", validation_fault)  # while building the answer
     error = assert_openai_error(http.post(C, json=CHAT), 500)

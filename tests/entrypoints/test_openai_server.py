@@ -209,14 +209,15 @@ def test_readme_main_command_serves_and_its_examples_work(server):
 
 
 def test_sigterm_ends_in_flight_streams_and_exits_zero(own_server):
-    server = own_server(SERVE)
+    server = own_server([*SERVE, "--shutdown-timeout", "1"])
     body = {"prompt": STORY, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         server.proc.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data:")]
-    assert rest[-1] == "data: [DONE]" and '"finish_reason":"abort"' in rest[-2]
+    assert rest[-1] == "data: [DONE]" and "the server is shutting down" in rest[-2]  # an error, not a finish
+    assert not any('"finish_reason":"abort"' in line for line in rest)
     assert server.stop(timeout=30) == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/health", timeout=5)

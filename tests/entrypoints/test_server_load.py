@@ -108,7 +108,7 @@ def test_clients_leaving_mid_stream_free_their_blocks(server):
 
 
 def test_sigint_shuts_down_cleanly(own_server):
-    server = own_server(SERVE)
+    server = own_server([*SERVE, "--shutdown-timeout", "1"])
     body = {"messages": question(0), "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()

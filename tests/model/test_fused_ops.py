@@ -110,7 +110,7 @@ def test_model_imports_and_runs_without_triton():
     script = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from kvflow.model.models.llama import RMSNorm, silu_and_mul\n"
+        "import kvflow.model.models.llama\nfrom kvflow.model.layers.norm import RMSNorm\nfrom kvflow.model.layers.activation import silu_and_mul\n"
         "normed, residual = RMSNorm(8, 1e-6)(torch.ones(2, 8), torch.ones(2, 8))\n"
         "assert torch.equal(residual, torch.full((2, 8), 2.0)) and silu_and_mul(torch.ones(2, 8)).shape == (2, 4)\n"
     )

@@ -297,7 +297,7 @@ def test_qwen2_has_attention_bias(tmp_path):
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "phi.gguf"
     _write_gguf(path, {}, arch="phi2")
-    with pytest.raises(ValueError, match=r"'phi2' is not supported; supported: llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'phi2' is not supported; supported: gemma3, llama, qwen2, qwen3"):
         load_gguf(path)
 
 
@@ -390,8 +390,10 @@ def test_add_bos_token_installs_a_post_processor():
     assert without.encode("</s>hi") == [1, 4] and without.eos_token_ids == frozenset({1})
 
 
-def test_sentencepiece_tokenizer_is_refused_clearly():
-    with pytest.raises(ValueError, match="'llama' is not supported yet"):
+def test_unsupported_tokenizer_is_refused_clearly():
+    with pytest.raises(ValueError, match="'bert' is not supported yet"):
+        tokenizer_from_gguf(_tiny_vocab(**{"tokenizer.ggml.model": "bert"}))
+    with pytest.raises(ValueError, match="tokenizer.ggml.scores"):  # SentencePiece needs its scores
         tokenizer_from_gguf(_tiny_vocab(**{"tokenizer.ggml.model": "llama"}))
 
 

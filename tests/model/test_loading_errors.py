@@ -32,7 +32,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="'GPTNeoXForCausalLM' is not supported; supported: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="'GPTNeoXForCausalLM' is not supported; supported: .*Gemma3ForCausalLM, LlamaForCausalLM"):
         LLM(str(tmp_path), skip_tokenizer_init=True)
 
 
@@ -61,3 +61,15 @@ def test_bad_engine_args_name_the_flag(tmp_path):
         LLM(str(tmp_path), skip_tokenizer_init=True, block_size=3)
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(tmp_path), skip_tokenizer_init=True, dtype="int3")
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere.safetensors", "/tmp/../{outside}/elsewhere.safetensors"])
+def test_shard_names_in_an_index_must_stay_inside_the_model_directory(tmp_path, shard):
+    model_dir = tmp_path / "model"
+    make_tiny_model("llama-mqa", model_dir)
+    (model_dir / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")  # real weights, outside
+    shard = shard.format(outside=tmp_path)
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": shard}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="shard names must stay inside"):
+        LLM(str(model_dir), skip_tokenizer_init=True)

@@ -110,7 +110,7 @@ def test_logprobs_are_raw_and_ranked():
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0),
     ("max_tokens", 0), ("min_tokens", -1), ("repetition_penalty", 0.0), ("frequency_penalty", 3.0),
-    ("presence_penalty", -2.5), ("logprobs", 21), ("prompt_logprobs", -1), ("stop", [""]), ("seed", 1.5),
+    ("presence_penalty", -2.5), ("logprobs", -1), ("prompt_logprobs", -1), ("top_k", 2**63), ("seed", 2**63), ("stop", [""]), ("seed", 1.5),
     ("temperature", float("nan")), ("max_tokens", True),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):

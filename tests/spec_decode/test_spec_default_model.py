@@ -11,11 +11,13 @@ from kvflow.bench.spec_prompts import conversations
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 40
+# Two engines side by side on a shared machine: a small KV pool each.
+SMALL = dict(dtype="float32", disable_log_stats=True, max_model_len=1024, kv_cache_memory_gb=0.1)
 
 
 @pytest.fixture(scope="module")
 def prompt_and_plain():
-    plain = LLM(dtype="float32", disable_log_stats=True)
+    plain = LLM(**SMALL)
     prompt = plain.get_tokenizer().apply_chat_template(conversations("grounded")[1], add_generation_prompt=True,
                                                        tokenize=True)
     return prompt, plain.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0]
@@ -23,8 +25,7 @@ def prompt_and_plain():
 
 @pytest.fixture(scope="module")
 def speculative():
-    return LLM(dtype="float32", disable_log_stats=True,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 5, "adaptive": False})
+    return LLM(**SMALL, speculative_config={"method": "ngram", "num_speculative_tokens": 5, "adaptive": False})
 
 
 def _stop_inside(tokenizer, token_ids: list[int], text: str, skip: int) -> tuple[str, int]:

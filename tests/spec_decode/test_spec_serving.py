@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kvflow import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
-from kvflow.analysis.plan_cli import main_plan
 from kvflow.bench.spec_latency import measure_speculative_latency
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.cli import build_parser, main
 from kvflow.entrypoints.openai.api_server import build_app
+from kvflow.entrypoints.plan_cli import main_plan
 from live_server import parse_metrics, start_thread
 from tiny_models import make_tiny_model
 

@@ -49,12 +49,12 @@ def _with_uncaptured_graphs(engine: LLMEngine, max_num_seqs: int) -> list[int]:
     that records each replayed batch size."""
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, max_num_seqs,
-                          engine.config.model.max_model_len, runner.device)
+                          engine.config.model.max_model_len, runner.device, len(engine.arch.kv_layout.groups))
     sizes: list[int] = []
     run = graphs.run
 
     def counting_run(input_ids, positions, meta):
-        sizes.append(meta.num_requests)
+        sizes.append(meta[0].num_requests)
         return run(input_ids, positions, meta)
 
     graphs.run = counting_run
@@ -89,16 +89,18 @@ def test_padded_decode_matches_eager(model_dir, num_prompts):
 
 
 def test_padding_rows_write_no_kv(model_dir):
-    runner = _engine(model_dir, enforce_eager=True).runner
+    engine = _engine(model_dir, enforce_eager=True)
+    runner, groups = engine.runner, len(engine.arch.kv_layout.groups)
     caches = [torch.zeros_like(c) for c in runner.kv_caches]
-    graphs = DecodeGraphs(runner.model, caches, 16, max_num_seqs=4, max_model_len=512, device=runner.device)
+    graphs = DecodeGraphs(runner.model, caches, 16, max_num_seqs=4, max_model_len=512, device=runner.device,
+                          num_kv_groups=groups)
     slots = torch.tensor([3 * 16 + 4, 7 * 16 + 0, 9 * 16 + 15], device=runner.device)
     meta = AttentionMetadata(
         query_start_loc=torch.arange(4, device=runner.device), seq_lens=torch.tensor([5, 1, 16], device=runner.device),
         block_tables=torch.tensor([[3], [7], [9]], device=runner.device), slot_mapping=slots, block_size=16,
         query_lens_cpu=[1, 1, 1], seq_lens_cpu=[5, 1, 16],
     )
-    hidden = graphs.run(torch.tensor([1, 2, 3], device=runner.device), meta.seq_lens - 1, meta)
+    hidden = graphs.run(torch.tensor([1, 2, 3], device=runner.device), meta.seq_lens - 1, (meta,) * groups)
     assert hidden.shape[0] == 3 and torch.isfinite(hidden).all()
     for cache in caches:  # 3 requests in bucket 4: the padded row must not have written anywhere
         for slot in slots.tolist():

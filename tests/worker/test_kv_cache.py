@@ -5,7 +5,7 @@ import torch
 
 from kvflow.config import CacheConfig
 from kvflow.model.arch_config import ArchConfig
-from kvflow.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_kv_blocks
+from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64.
 SMOLLM2 = ArchConfig.from_hf({
@@ -16,24 +16,24 @@ SMOLLM2 = ArchConfig.from_hf({
 
 def test_block_bytes_follow_the_kv_formula():
     # 2 (K and V) x 30 layers x 3 heads x 64 dims x 2 bytes = 23,040 bytes per token in bf16.
-    assert kv_bytes_per_block(SMOLLM2, 16, torch.bfloat16) == 23_040 * 16
-    assert kv_bytes_per_block(SMOLLM2, 16, torch.float32) == 46_080 * 16
+    assert SMOLLM2.kv_layout.block_bytes(16, 2) == 23_040 * 16
+    assert SMOLLM2.kv_layout.block_bytes(16, 4) == 46_080 * 16
 
 
 def test_memory_budget_sets_the_block_count():
     cache = CacheConfig(block_size=16, kv_cache_memory_gb=1.0, num_kv_blocks=None)
-    assert num_kv_blocks(cache, SMOLLM2, torch.bfloat16, max_useful_blocks=10**9) == 1024**3 // (23_040 * 16)
-    assert num_kv_blocks(cache, SMOLLM2, torch.bfloat16, max_useful_blocks=100) == 100
+    assert num_kv_blocks(cache, 23_040 * 16, max_useful_blocks=10**9) == 1024**3 // (23_040 * 16)
+    assert num_kv_blocks(cache, 23_040 * 16, max_useful_blocks=100) == 100
 
 
 def test_explicit_block_count_wins_and_tiny_budget_is_an_error():
-    assert num_kv_blocks(CacheConfig(16, 1.0, 7), SMOLLM2, torch.bfloat16, 10**9) == 7
+    assert num_kv_blocks(CacheConfig(16, 1.0, 7), 23_040 * 16, 10**9) == 7
     with pytest.raises(ValueError, match="holds no KV block"):
-        num_kv_blocks(CacheConfig(16, 1e-6, None), SMOLLM2, torch.bfloat16, 10**9)
+        num_kv_blocks(CacheConfig(16, 1e-6, None), 23_040 * 16, 10**9)
 
 
 def test_allocated_tensors_have_the_paged_layout():
-    caches = allocate_kv_caches(SMOLLM2, 5, 16, torch.bfloat16, "cpu")
+    caches = allocate_kv_caches(SMOLLM2.kv_layout, 5, 16, torch.bfloat16, "cpu")
     assert len(caches) == 30
     assert caches[0].shape == (2, 5, 3, 16, 64) and caches[0].dtype == torch.bfloat16
     assert not caches[0].any()  # zeroed: masked-out padding must never inject NaN

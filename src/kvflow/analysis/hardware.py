@@ -42,8 +42,9 @@ class Hardware:
         }
 
 
-def _peaks(**flops: float) -> Mapping[str, float]:
-    return MappingProxyType(dict(flops))
+def peaks(**flops: float) -> Mapping[str, float]:
+    """dtype → dense FLOP/s, keyed by canonical dtype names."""
+    return MappingProxyType({canonical_dtype(k): v for k, v in flops.items()})
 
 
 PRESETS: Mapping[str, Hardware] = MappingProxyType(
@@ -53,43 +54,29 @@ PRESETS: Mapping[str, Hardware] = MappingProxyType(
             "A100-80GB",
             80e9,
             2.039e12,
-            _peaks(bfloat16=312e12, float16=312e12, float32=19.5e12, int8=624e12),
+            peaks(bfloat16=312e12, float16=312e12, float32=19.5e12, int8=624e12),
         ),
         # H100 SXM datasheet (seeds 000, 002, 004): 989 TFLOP/s bf16 dense, 3.35 TB/s, 80 GB.
         "H100-SXM": Hardware(
             "H100-SXM",
             80e9,
             3.35e12,
-            _peaks(bfloat16=989e12, float16=989e12, float32=67e12, float8=1979e12, int8=1979e12),
+            peaks(bfloat16=989e12, float16=989e12, float32=67e12, float8=1979e12, int8=1979e12),
         ),
         # H200: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
         "H200": Hardware(
             "H200",
             141e9,
             4.8e12,
-            _peaks(bfloat16=989e12, float16=989e12, float32=67e12, float8=1979e12, int8=1979e12),
+            peaks(bfloat16=989e12, float16=989e12, float32=67e12, float8=1979e12, int8=1979e12),
         ),
     }
 )
 
 
-def measured(dtype: str = "bfloat16", device: str | None = None) -> Hardware:
-    """This machine's ceilings, measured now (a few seconds) by kvflow.bench.ceilings."""
-    from kvflow.bench.ceilings import device_memory_bytes, measure_ceilings  # torch is heavy
-
-    ceilings = measure_ceilings(dtype=dtype, device=device)
-    return Hardware(
-        name=f"measured-{ceilings.device}",
-        memory_bytes=float(device_memory_bytes(ceilings.device)),
-        memory_bandwidth=ceilings.memory_bandwidth_gb_s * 1e9,
-        peak_flops=_peaks(**{canonical_dtype(ceilings.dtype): ceilings.peak_flops}),
-    )
-
-
-def get_hardware(name: str, dtype: str = "bfloat16") -> Hardware:
-    """A preset by (case-insensitive) name, or "measured" to measure this machine."""
-    if name.lower() == "measured":
-        return measured(dtype)
+def get_hardware(name: str) -> Hardware:
+    """A preset by (case-insensitive) name (this machine's measured ceilings come from
+    `kvflow.bench.ceilings.measured_hardware`)."""
     for key, hw in PRESETS.items():
         if key.lower() == name.lower():
             return hw

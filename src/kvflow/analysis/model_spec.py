@@ -15,6 +15,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from kvflow.kv_cache_spec import (
+    FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SharedKVSpec, SlidingWindowSpec, kv_bytes_per_token,
+)
+from kvflow.model.arch_config import ArchConfig
+
 # Bits per element of each storage dtype the planner understands.
 DTYPE_BITS: Mapping[str, int] = MappingProxyType(
     {"float32": 32, "bfloat16": 16, "float16": 16, "float8": 8, "int8": 8, "int4": 4}
@@ -68,7 +73,7 @@ class MoESpec:
     experts_per_token: int
     expert_intermediate_size: int
     num_shared_experts: int = 0
-    first_dense_layers: int = 0  # DeepSeek keeps a dense MLP in its first k layers
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (DeepSeek: the first k)
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class ModelSpec:
     global_layers: tuple[int, ...] = ()
     mla: MLASpec | None = None
     moe: MoESpec | None = None
+    kv_sharing: tuple[tuple[int, int], ...] = ()  # (layer, the earlier layer whose KV it reads)
 
     # ---- shape ----------------------------------------------------------------------------
 
@@ -120,7 +126,7 @@ class ModelSpec:
         return self.sliding_window is not None and layer not in self.global_layers
 
     def _is_moe_layer(self, layer: int) -> bool:
-        return self.moe is not None and layer >= self.moe.first_dense_layers
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     # ---- parameters -----------------------------------------------------------------------
 
@@ -202,17 +208,26 @@ class ModelSpec:
 
     # ---- KV cache -------------------------------------------------------------------------
 
-    def kv_elements_per_token_per_layer(self) -> int:
-        """Cached numbers per token per layer: K and V for each KV head, or MLA's one latent."""
+    def layer_kv_specs(self) -> list[KVCacheSpec]:
+        """What each layer caches, in the engine's terms (kvflow.kv_cache_spec)."""
         if self.mla is not None:
-            # The latent (kv_lora_rank) plus the decoupled RoPE key shared by all heads.
-            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
-        return 2 * self.num_kv_heads * self.head_dim
+            specs: list[KVCacheSpec] = [MLAAttentionSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)] * self.num_layers
+        else:
+            specs = [SlidingWindowSpec(self.num_kv_heads, self.head_dim, self.sliding_window) if self.is_local_layer(i)
+                     else FullAttentionSpec(self.num_kv_heads, self.head_dim) for i in range(self.num_layers)]
+        for layer, target in self.kv_sharing:
+            specs[layer] = SharedKVSpec(target)
+        return specs
+
+    def kv_elements_per_token_per_layer(self) -> int:
+        """Cached numbers per token in a layer that keeps KV: K and V of each KV head, or MLA's
+        one latent plus its RoPE key."""
+        return next(s.elements_per_token for s in self.layer_kv_specs() if not isinstance(s, SharedKVSpec))
 
     def kv_bytes_per_token(self, kv_dtype: str | int = "bfloat16") -> int:
-        """KV bytes one token adds across all layers, before any sliding-window cap."""
-        elements = self.num_layers * self.kv_elements_per_token_per_layer()
-        return elements * dtype_bits(kv_dtype) // 8
+        """KV bytes one token adds across all layers, before any sliding-window cap (the same
+        function sizes the engine's pool)."""
+        return int(kv_bytes_per_token(self.layer_kv_specs(), dtype_bits(kv_dtype) / 8))
 
     def attended_tokens(self, context_len: int) -> int:
         """Sum over layers of the positions a new token sees (window-capped on local layers)."""
@@ -223,8 +238,10 @@ class ModelSpec:
         )
 
     def kv_bytes_for_context(self, context_len: int, kv_dtype: str | int = "bfloat16") -> int:
-        """KV bytes one request holds at `context_len` tokens (local layers keep only W)."""
-        elements = self.attended_tokens(context_len) * self.kv_elements_per_token_per_layer()
+        """KV bytes one request holds at `context_len` tokens (local layers keep only W, layers
+        that share another's KV keep none)."""
+        elements = sum(s.elements_per_token * (context_len if s.sliding_window is None else min(context_len, s.sliding_window))
+                       for s in self.layer_kv_specs())
         return elements * dtype_bits(kv_dtype) // 8
 
     # ---- FLOPs ----------------------------------------------------------------------------
@@ -267,108 +284,41 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
-        """Read a Llama/Mistral/Qwen2/Qwen3/Gemma3/DeepSeek-V2 style config.json dict."""
-        cfg = _flatten_config(config)
-        layers = int(_require(cfg, "num_hidden_layers"))
-        heads = int(_require(cfg, "num_attention_heads"))
-        hidden = int(_require(cfg, "hidden_size"))
-        window, global_layers = _sliding_layout(cfg, layers)
-        mla = _mla_from(cfg)
-        model_type = str(cfg.get("model_type", ""))
-        head_dim = cfg.get("head_dim") or hidden // heads
-        if mla is not None:
-            head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        """A config.json dict, read by the engine's own parser (ArchConfig)."""
+        spec = cls.from_arch(ArchConfig.from_hf(config))
+        return replace(spec, name=name or str(config.get("_name_or_path") or spec.name))
+
+    @classmethod
+    def from_arch(cls, arch: ArchConfig) -> ModelSpec:
+        """The shape the engine runs (`LLMEngine.arch`), as the planner's closed forms see it:
+        per-layer windows become one window plus the list of full-attention layers."""
+        windows = [w for w in arch.sliding_windows if w is not None]
+        mla = moe = None
+        head_dim = arch.head_dim
+        if (m := arch.mla) is not None:
+            mla = MLASpec(m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.q_lora_rank)
+            head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if (e := arch.moe) is not None:
+            moe = MoESpec(e.num_experts, e.experts_per_token, e.expert_intermediate_size, e.num_shared_experts,
+                          e.dense_layers)
+        kv_specs = arch.kv_cache_specs()
         return cls(
-            name=name or str(cfg.get("_name_or_path") or model_type or "custom"),
-            num_layers=layers,
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(_require(cfg, "intermediate_size")),
-            vocab_size=int(_require(cfg, "vocab_size")),
-            # HF's own default differs per family: Gemma ties, Llama-style models do not.
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", model_type.startswith("gemma"))),
-            qkv_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
-            sliding_window=window,
-            global_layers=global_layers,
+            name=arch.model_type or arch.architecture or "custom",
+            num_layers=arch.num_layers,
+            hidden_size=arch.hidden_size,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=head_dim,
+            intermediate_size=arch.intermediate_size,
+            vocab_size=arch.vocab_size,
+            tie_embeddings=arch.tie_word_embeddings,
+            qkv_bias=arch.attention_bias,
+            sliding_window=max(windows) if windows else None,
+            global_layers=tuple(i for i, w in enumerate(arch.sliding_windows) if w is None) if windows else (),
             mla=mla,
-            moe=_moe_from(cfg),
+            moe=moe,
+            kv_sharing=tuple((i, s.target_layer) for i, s in enumerate(kv_specs) if isinstance(s, SharedKVSpec)),
         )
-
-
-# Gemma3's multimodal config.json omits text fields that equal Gemma3TextConfig's defaults.
-_GEMMA3_TEXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {
-        "vocab_size": 262_208,
-        "hidden_size": 2304,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 26,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "sliding_window": 4096,
-        "sliding_window_pattern": 6,
-        "tie_word_embeddings": True,
-    }
-)
-
-
-def _flatten_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Merge a multimodal wrapper's text_config over its top level, filling Gemma3 defaults."""
-    cfg = {**config, **config.get("text_config", {})}
-    if str(cfg.get("model_type", "")).startswith("gemma3"):
-        cfg = {**_GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-    return cfg
-
-
-def _require(cfg: Mapping[str, Any], key: str) -> Any:
-    if cfg.get(key) is None:
-        raise ValueError(f"config lacks {key!r}")
-    return cfg[key]
-
-
-def _sliding_layout(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(window, global layer indices) from the several ways HF configs spell a layout."""
-    window = cfg.get("sliding_window")
-    layer_types = cfg.get("layer_types")
-    if layer_types:  # newer transformers: explicit per-layer list
-        if window is None or "sliding_attention" not in layer_types:
-            return None, ()
-        return int(window), tuple(i for i, t in enumerate(layer_types) if t != "sliding_attention")
-    if window is None or cfg.get("use_sliding_window") is False:
-        return None, ()
-    pattern = cfg.get("sliding_window_pattern")
-    if pattern:  # Gemma3: every pattern-th layer is global
-        return int(window), tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
-    # Qwen2 with use_sliding_window: layers below max_window_layers stay global; Mistral: none.
-    first_local = int(cfg.get("max_window_layers") or 0) if "use_sliding_window" in cfg else 0
-    return int(window), tuple(range(min(first_local, num_layers)))
-
-
-def _mla_from(cfg: Mapping[str, Any]) -> MLASpec | None:
-    if not cfg.get("kv_lora_rank"):
-        return None
-    return MLASpec(
-        kv_lora_rank=int(cfg["kv_lora_rank"]),
-        qk_rope_head_dim=int(_require(cfg, "qk_rope_head_dim")),
-        qk_nope_head_dim=int(_require(cfg, "qk_nope_head_dim")),
-        v_head_dim=int(_require(cfg, "v_head_dim")),
-        q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
-    )
-
-
-def _moe_from(cfg: Mapping[str, Any]) -> MoESpec | None:
-    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")
-    if not experts:
-        return None
-    return MoESpec(
-        num_experts=int(experts),
-        experts_per_token=int(_require(cfg, "num_experts_per_tok")),
-        expert_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-        num_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
-    )
 
 
 # ---- presets (values from each model's public config.json) -----------------------------------
@@ -432,7 +382,7 @@ PRESETS: Mapping[str, ModelSpec] = MappingProxyType(
                 experts_per_token=6,
                 expert_intermediate_size=1536,
                 num_shared_experts=2,
-                first_dense_layers=1,
+                dense_layers=(0,),
             ),
         ),
     }

@@ -136,7 +136,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _roofline(flops: float, nbytes: float, hw: Hardware, dtype: str) -> tuple[float, str]:
+def roofline(flops: float, nbytes: float, hw: Hardware, dtype: str) -> tuple[float, str]:
     """(seconds, bound): the slower of moving the bytes and doing the math."""
     t_mem = nbytes / hw.memory_bandwidth
     t_compute = flops / hw.peak(dtype)
@@ -154,7 +154,7 @@ def decode_row(
     kv = batch_size * model.kv_bytes_for_context(context_len, dtype)
     read = model.decode_weight_bytes(batch_size, weight_bits) + kv
     flops = batch_size * model.flops_per_token(context_len)
-    seconds, bound = _roofline(flops, read, hw, dtype)
+    seconds, bound = roofline(flops, read, hw, dtype)
     total = model.weight_bytes(weight_bits) + kv
     return DecodeRow(
         batch_size=batch_size,
@@ -176,7 +176,7 @@ def prefill_estimate(
     """Time to first token for one request: a forward pass over the prompt that writes its KV."""
     flops = model.prefill_flops(tokens)
     nbytes = model.weight_bytes(weight_bits) + model.kv_bytes_for_context(tokens, dtype)
-    seconds, bound = _roofline(flops, nbytes, hw, dtype)
+    seconds, bound = roofline(flops, nbytes, hw, dtype)
     return PrefillEstimate(tokens, flops, nbytes, seconds * 1e3, flops / nbytes, bound)
 
 

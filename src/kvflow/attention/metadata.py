@@ -34,18 +34,28 @@ class AttentionLayerSpec:
     head_dim: int
     scale: float
     sliding_window: int | None  # a query at p sees keys k with p - k < window
+    kv_group: int = 0  # whose block tables this layer reads (kvflow.kv_cache_spec)
+    writes_kv: bool = True  # False: the layer reads an earlier layer's KV (cross-layer sharing)
 
 
-def slot_blocks_and_offsets(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_blocks_and_offsets(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(block, offset) of each written slot, and the rows that write (None: all). A negative slot
+    writes nothing: padding, or a position outside its block table."""
     if "slots" not in meta.plans:
-        meta.plans["slots"] = (meta.slot_mapping // meta.block_size, meta.slot_mapping % meta.block_size)
+        slots, rows = meta.slot_mapping, None
+        if bool((slots < 0).any()):  # once per step, not per layer
+            rows = (slots >= 0).nonzero().squeeze(1)
+            slots = slots[rows]
+        meta.plans["slots"] = (slots // meta.block_size, slots % meta.block_size, rows)
     return meta.plans["slots"]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store the new tokens' K and V. kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim]
     (head-major inside a block, so a request's keys gather into contiguous [heads, len, dim])."""
-    blocks, offsets = slot_blocks_and_offsets(meta)
+    blocks, offsets, rows = slot_blocks_and_offsets(meta)
+    if rows is not None:
+        k, v = k[rows], v[rows]
     kv_cache[0].transpose(1, 2)[blocks, offsets] = k.to(kv_cache.dtype)
     kv_cache[1].transpose(1, 2)[blocks, offsets] = v.to(kv_cache.dtype)
 

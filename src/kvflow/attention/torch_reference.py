@@ -15,7 +15,8 @@ class TorchReferenceBackend:
     name = "torch_reference"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta)
+        if layer.writes_kv:
+            write_kv(k, v, kv_cache, meta)
         out = torch.empty_like(q)
         group = layer.num_heads // layer.num_kv_heads
         start = 0

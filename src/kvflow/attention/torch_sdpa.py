@@ -49,11 +49,12 @@ class TorchSDPABackend:
     name = "torch_sdpa"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta)
-        key = (self.name, layer.sliding_window, layer.num_kv_heads)  # layers may differ in both
+        if layer.writes_kv:
+            write_kv(k, v, kv_cache, meta)
+        key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.writes_kv)  # layers may differ in all
         plan = meta.plans.get(key)
         if plan is None:
-            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads)
+            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv)
         out = torch.empty_like(q)
         for rows in plan.fresh_prompts:
             out[rows] = _causal_prompt(q[rows], k[rows], v[rows], layer)
@@ -64,13 +65,15 @@ class TorchSDPABackend:
         return out
 
 
-def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int) -> _Plan:
+def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer_writes: bool) -> _Plan:
+    """A fresh prompt attends to its own new keys, unless the layer writes none (it reads a
+    shared layer's cache) or has a window (the masked path keeps only the window's blocks)."""
     starts = meta.query_start_loc.tolist()
     fresh, groups, short = [], [], {}
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if q_len == 1 or (q_len <= SHORT_QUERY and (q_len < seq_len or window is not None)):
+        if q_len == 1 or (q_len <= SHORT_QUERY and (q_len < seq_len or window is not None or not layer_writes)):
             short.setdefault(q_len, []).append(i)
-        elif q_len == seq_len and window is None:
+        elif q_len == seq_len and window is None and layer_writes:
             fresh.append(slice(starts[i], starts[i + 1]))
         else:
             groups.append(_group(meta, [i], slice(starts[i], starts[i + 1]), q_len, window, kv_heads))
@@ -83,14 +86,16 @@ def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int) -> _P
 
 def _group(meta: AttentionMetadata, requests: list[int], rows, n: int, window: int | None, kv_heads: int) -> _Group:
     n_blocks = -(-max(meta.seq_lens_cpu[i] for i in requests) // meta.block_size)
+    # A window needs no block before the one holding the earliest key any query sees.
+    first = 0 if window is None else max(0, min(meta.seq_lens_cpu[i] for i in requests) - n - window + 1) // meta.block_size
     index = torch.tensor(requests, device=meta.seq_lens.device)
     seq_lens = meta.seq_lens[index]
     query_pos = seq_lens[:, None] - n + torch.arange(n, device=seq_lens.device)  # [B, n]
-    key_pos = torch.arange(n_blocks * meta.block_size, device=seq_lens.device)
+    key_pos = torch.arange(first * meta.block_size, n_blocks * meta.block_size, device=seq_lens.device)
     mask = key_pos[None, None, :] <= query_pos[:, :, None]
     if window is not None:
         mask &= query_pos[:, :, None] - key_pos[None, None, :] < window
-    blocks = meta.block_tables[index, :n_blocks]
+    blocks = meta.block_tables[index, first:n_blocks]
     return _Group(rows, blocks, gather_index(blocks, kv_heads), None if bool(mask.all()) else mask, n)
 
 

@@ -20,8 +20,9 @@ import triton
 
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.attention.triton_kernels import (
-    decode_split_k, make_tiles, num_splits_for, paged_prefill, query_tile_size, store_kv,
+    decode_split_k_launches, kv_store_launch, make_tiles, num_splits_for, paged_prefill_launch, query_tile_size,
 )
+from kvflow.kernel_launch import KernelLaunch
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,28 @@ class TritonBackend:
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         _require_runnable(q)
-        store_kv(k, v, kv_cache, meta.slot_mapping)
-        block_q = query_tile_size(layer.num_heads, layer.num_kv_heads)
+        out = torch.empty_like(q)
+        for launch in self.launches(q, k, v, kv_cache, meta, layer, out):
+            launch()
+        return out
+
+    def launches(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec,
+                 out: torch.Tensor) -> list[KernelLaunch]:
+        """The kernel launches of forward(), in order, writing into `out`: every choice of grid and
+        tile is made here, for the GPU run and for `kvflow bench gpu-compile` alike."""
+        block_q = query_tile_size(layer.num_heads, layer.num_kv_heads, layer.head_dim, q.dtype)
         key = (self.name, block_q)  # the tile table depends on the GQA group through block_q
         plan = meta.plans.get(key)
         if plan is None:
             plan = meta.plans[key] = self._plan(meta, block_q)
-        out = torch.empty_like(q)
+        launches = [kv_store_launch(k, v, kv_cache, meta.slot_mapping) if layer.writes_kv else None]
         batch = (meta.query_start_loc, meta.seq_lens, meta.block_tables, layer.scale, layer.sliding_window)
         if plan.prefill_tiles is not None:
-            paged_prefill(q, kv_cache, out, plan.prefill_tiles, *batch)
+            launches.append(paged_prefill_launch(q, kv_cache, out, plan.prefill_tiles, *batch))
         if plan.decode_requests is not None:
-            decode_split_k(q, kv_cache, out, plan.decode_requests, *batch, num_splits=plan.num_splits)
-        return out
+            launches += decode_split_k_launches(q, kv_cache, out, plan.decode_requests, *batch,
+                                                num_splits=plan.num_splits)
+        return [launch for launch in launches if launch is not None]
 
     def _plan(self, meta: AttentionMetadata, block_q: int) -> _Plan:
         lens = meta.query_lens_cpu

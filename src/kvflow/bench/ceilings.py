@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from kvflow.analysis.hardware import Hardware, peaks
+
 _TORCH_DTYPES = MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 )
@@ -129,6 +131,17 @@ def measure_ceilings(
     flops = measure_peak_flops(dtype, device, max_n)
     name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
     return Ceilings(bandwidth / 1e9, flops, name, device)
+
+
+def measured_hardware(dtype: str = "bfloat16", device: str | None = None) -> Hardware:
+    """This machine's ceilings, measured now (a few seconds), as the planner's Hardware."""
+    ceilings = measure_ceilings(dtype=dtype, device=device)
+    return Hardware(
+        name=f"measured-{ceilings.device}",
+        memory_bytes=float(device_memory_bytes(ceilings.device)),
+        memory_bandwidth=ceilings.memory_bandwidth_gb_s * 1e9,
+        peak_flops=peaks(**{ceilings.dtype: ceilings.peak_flops}),
+    )
 
 
 def device_memory_bytes(device: str) -> int:

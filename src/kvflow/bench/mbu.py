@@ -57,33 +57,7 @@ class EngineShape:
     def from_engine(cls, engine: Any) -> EngineShape:
         dtype = engine.config.model.dtype
         name = str(dtype).removeprefix("torch.")
-        return cls(spec_from_arch(engine.arch), name, dtype.itemsize, engine.config.device)
-
-
-def spec_from_arch(arch: Any) -> ModelSpec:
-    """The planner's ModelSpec of an engine's `ArchConfig` (`LLMEngine.arch`).
-
-    The engine keeps its parsed ArchConfig, not the raw config.json (a GGUF has none), so the
-    spec is rebuilt from the parsed fields; per-layer windows become one window plus the list
-    of full-attention layers, as ModelSpec models them.
-    """
-    windows = [w for w in arch.sliding_windows if w is not None]
-    return ModelSpec(
-        name=arch.architecture,
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        intermediate_size=arch.intermediate_size,
-        vocab_size=arch.vocab_size,
-        tie_embeddings=arch.tie_word_embeddings,
-        qkv_bias=arch.attention_bias,
-        sliding_window=max(windows) if windows else None,
-        global_layers=tuple(i for i, w in enumerate(arch.sliding_windows) if w is None)
-        if windows
-        else (),
-    )
+        return cls(ModelSpec.from_arch(engine.arch), name, dtype.itemsize, engine.config.device)
 
 
 # ---- the formulas ---------------------------------------------------------------------------

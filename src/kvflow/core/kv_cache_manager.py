@@ -1,11 +1,17 @@
-"""Per-request block tables on top of the block pool, with automatic prefix caching.
+"""Per-request block tables on top of the block pool, one per KV group, with prefix caching.
 
-A request owns an ordered list of block ids; token position p lives in slot
-`block_ids[p // block_size] * block_size + p % block_size`. When a request is admitted, the
-longest chain of its blocks already in the cache is reused (shared, reference-counted) and only
-the rest is computed. Full blocks become findable once computed; so does the partial last block
-of a prompt, so an identical prompt (or a sibling of an n > 1 request) reuses the whole prompt
-and recomputes only its last token, which it needs for logits.
+A model's layers form KV groups (`kvflow.kv_cache_spec`): layers with the same kind of KV. Each
+request owns one block table per group, all indexed alike: token position p lives in slot
+`table[p // block_size] * block_size + p % block_size` of its group's table. All groups draw
+blocks from one pool. A sliding-window group gives a block back as soon as it has left the window
+of every query still to come, while the request runs; its table keeps `NULL_BLOCK` in that place,
+so memory for a long request stays O(window) in those layers.
+
+When a request is admitted, the longest prefix whose blocks are all in the cache is reused
+(shared, reference-counted) and only the rest is computed; a sliding group needs only the blocks
+in the window of the first token to compute. Full blocks become findable once computed; so does
+the partial last block of a prompt, so an identical prompt (or a sibling of an n > 1 request)
+reuses the whole prompt and recomputes only its last token, which it needs for logits.
 
 One rule keeps shared memory correct: content the cache promises is never overwritten. A write
 into a cached block's covered slots (a request recomputing the last token of a prompt it found
@@ -19,16 +25,22 @@ from kvflow.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, ha
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.request import Request
 
+NULL_BLOCK = -1  # a table entry whose block left the sliding window and was given back
+BlockTables = tuple[list[int], ...]  # one table per KV group
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_windows: tuple[int | None, ...] = (None,)) -> None:
+        """`sliding_windows`: one entry per KV group, None for groups that keep every position."""
         self.block_size = block_size
+        self.sliding_windows = tuple(sliding_windows)
         self.pool = BlockPool(num_blocks, enable_caching)
-        self._block_tables: dict[str, list[int]] = {}
+        self._block_tables: dict[str, BlockTables] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading full blocks already registered
         # Blocks a running request will compute but has not yet: a request with the same
         # prefix waits for them instead of computing them a second time.
@@ -42,18 +54,53 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def num_groups(self) -> int:
+        return len(self.sliding_windows)
+
+    @property
     def usage(self) -> float:
         return self.pool.usage
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Table entries (per group) that cover `num_tokens` positions."""
         return cdiv(num_tokens, self.block_size)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return self._block_tables.get(request_id, [])
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks, over all groups, a request may hold at once while it caches
+        `num_tokens` positions in chunks of at most `max_chunk` tokens."""
+        full = self.blocks_needed(num_tokens)
+        return sum(full if w is None else min(full, cdiv(w - 1 + max_chunk, self.block_size) + 1)
+                   for w in self.sliding_windows)
+
+    def max_chunk(self, num_tokens: int, budget: int) -> int:
+        """The largest chunk (at most `budget`) with which a request caching `num_tokens`
+        positions fits in the whole pool; 0 if none does."""
+        low, high = 0, budget
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.max_blocks_held(num_tokens, mid) <= self.num_blocks else (low, mid - 1)
+        return low
+
+    def block_ids(self, request_id: str) -> BlockTables:
+        return self._block_tables.get(request_id) or self._empty_tables()
+
+    def resumable_blocks(self, request: Request) -> list[int]:
+        """The blocks, over all groups in order, holding the KV that computing on from
+        `num_computed_tokens` reads: what a swap saves and restores."""
+        tables, start = self.block_ids(request.request_id), request.num_computed_tokens
+        end = self.blocks_needed(start)
+        return [b for w, table in zip(self.sliding_windows, tables) for b in table[self._first_live(w, start):end]]
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
         return copies
+
+    def _empty_tables(self) -> BlockTables:
+        return tuple([] for _ in self.sliding_windows)
+
+    def _first_live(self, window: int | None, start: int) -> int:
+        """The first table entry a computation from position `start` on still reads."""
+        return 0 if window is None else max(0, start - window + 1) // self.block_size
 
     # -- prefix cache ----------------------------------------------------------------------
     def block_hashes(self, request: Request) -> list[BlockHash]:
@@ -76,55 +123,91 @@ class KVCacheManager:
         tail = self._tail_hash(request)
         return full if tail is None else [*full, tail]
 
-    def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        """(blocks, tokens) of the longest cached prefix. A fresh prompt found whole is reused
-        whole but for its last token; otherwise only full blocks count, never the last token."""
+    def find_cached_prefix(self, request: Request, whole_blocks_only: bool = False) -> tuple[BlockTables, int]:
+        """(tables, tokens) of the longest cached prefix. A fresh prompt found whole is reused
+        whole but for its last token; otherwise (and always with `whole_blocks_only`) only full
+        blocks count, never the last token. A sliding group's entries before the window of the
+        first token to compute are NULL_BLOCK."""
         if not self.pool.enable_caching:
-            return [], 0
-        hashes, found = self._next_hashes(request), []
-        for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            found.append(block)
-        if len(found) == len(hashes) and request.num_output_tokens == 0:
-            return found, request.num_tokens - 1
-        found = found[:(request.num_tokens - 1) // self.block_size]
-        return found, len(found) * self.block_size
-
-    def prefix_in_flight(self, request: Request, num_cached_blocks: int) -> bool:
-        """True if the first block the request would compute is being computed by another."""
+            return self._empty_tables(), 0
         hashes = self._next_hashes(request)
-        return num_cached_blocks < len(hashes) and hashes[num_cached_blocks] in self._in_flight
+        last_full = (request.num_tokens - 1) // self.block_size
+        if whole_blocks_only:
+            hashes = hashes[:last_full]
+        found = []
+        for g, window in enumerate(self.sliding_windows):
+            blocks = []
+            for block_hash in hashes:
+                blocks.append(self.pool.lookup((g, block_hash)))
+                if window is None and blocks[-1] is None:
+                    break
+            found.append(blocks)
+        n = min((_leading_run(f) for w, f in zip(self.sliding_windows, found) if w is None), default=len(hashes))
+        for n in range(n, -1, -1):
+            whole = n == len(hashes) and request.num_output_tokens == 0 and not whole_blocks_only
+            n_used = n if whole else min(n, last_full)
+            tokens = request.num_tokens - 1 if whole else n_used * self.block_size
+            starts = [self._first_live(w, tokens) for w in self.sliding_windows]
+            if all(None not in f[s:n_used] for f, s in zip(found, starts)):
+                return tuple([NULL_BLOCK] * s + f[s:n_used] for f, s in zip(found, starts)), tokens
+        raise AssertionError("an empty prefix always qualifies")
+
+    def prefix_in_flight(self, request: Request, num_cached_tokens: int) -> bool:
+        """True if the first block the request would compute is being computed by another."""
+        hashes, index = self._next_hashes(request), num_cached_tokens // self.block_size
+        return index < len(hashes) and hashes[index] in self._in_flight
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
 
     # -- allocation ------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_computed: int, num_new: int, cached_blocks: list[int] = ()) -> bool:
-        """Make room to compute tokens [num_computed, num_computed + num_new), the table starting
-        with `cached_blocks` if given. False, with nothing changed, if the pool is too small."""
+    def allocate_slots(self, request: Request, num_computed: int, num_new: int, cached_blocks: BlockTables = ()) -> bool:
+        """Make room to compute tokens [num_computed, num_computed + num_new), each table starting
+        with its group's `cached_blocks` if given. Blocks that left a sliding window are given
+        back first; beyond that, False with nothing changed if the pool is too small."""
         rid = request.request_id
-        table = self._block_tables.get(rid, [])
-        missing = self.blocks_needed(num_computed + num_new) - len(table) - len(cached_blocks)
-        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)  # they leave the free list
+        tables = self._block_tables.get(rid) or self._empty_tables()
+        cached = cached_blocks or self._empty_tables()
+        self._drop_out_of_window(tables, num_computed)
+        end = self.blocks_needed(num_computed + num_new)
         first, offset = divmod(num_computed, self.block_size)
-        existing = [*table, *cached_blocks]
-        copy = first < len(existing) and self.pool.overwrites_cached(existing[first], offset)
-        if max(missing, 0) + revived + copy > self.pool.num_free_blocks:
+        plans, need = [], 0
+        for window, table, hits in zip(self.sliding_windows, tables, cached):
+            existing = [*table, *hits]
+            missing = max(0, end - max(len(existing), self._first_live(window, num_computed)))
+            copy = (first < len(existing) and existing[first] != NULL_BLOCK
+                    and self.pool.overwrites_cached(existing[first], offset))
+            need += missing + copy + sum(1 for b in hits if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
+            plans.append(copy)
+        if need > self.pool.num_free_blocks:
             return False
         if rid not in self._block_tables:
-            self._block_tables[rid] = table
-            self._num_cached_blocks[rid] = min(len(cached_blocks), request.num_tokens // self.block_size)
-        self.pool.take(list(cached_blocks))
-        table.extend(cached_blocks)
-        if copy:
-            self._copy_on_write(table, first)
-        if missing > 0:
-            table.extend(self.pool.allocate(missing))
-            self._mark_in_flight(request, table)
+            self._block_tables[rid] = tables
+            self._num_cached_blocks[rid] = min(len(cached[0]), request.num_tokens // self.block_size)
+        for hits in cached:  # every group's hits leave the free list before any group allocates
+            self.pool.take([b for b in hits if b != NULL_BLOCK])
+        grew = False
+        for window, table, hits, copy in zip(self.sliding_windows, tables, cached, plans):
+            table.extend(hits)
+            if copy:
+                self._copy_on_write(table, first)
+            table.extend([NULL_BLOCK] * (self._first_live(window, num_computed) - len(table)))
+            if end > len(table):
+                table.extend(self.pool.allocate(end - len(table)))
+                grew = True
+        if grew:
+            self._mark_in_flight(request, len(tables[0]))
         return True
+
+    def _drop_out_of_window(self, tables: BlockTables, num_computed: int) -> None:
+        for window, table in zip(self.sliding_windows, tables):
+            if window is None:
+                continue
+            dead = [i for i in range(min(len(table), self._first_live(window, num_computed))) if table[i] != NULL_BLOCK]
+            self.pool.release([table[i] for i in dead])
+            for i in dead:
+                table[i] = NULL_BLOCK
 
     def _copy_on_write(self, table: list[int], index: int) -> None:
         source = table[index]
@@ -134,39 +217,46 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Make the request's newly computed full blocks, and its prompt's tail block once the
-        prompt is done, findable."""
+        prompt is done, findable (in every group that still holds them)."""
         rid = request.request_id
-        table = self._block_tables.get(rid)
-        if table is None or not self.pool.enable_caching:
+        tables = self._block_tables.get(rid)
+        if tables is None or not self.pool.enable_caching:
             return
         hashes = self.block_hashes(request)
         full = min(request.num_computed_tokens // self.block_size, len(hashes))
-        for i in range(self._num_cached_blocks[rid], full):
-            self._register(table[i], hashes[i], self.block_size, rid)
+        for g, table in enumerate(tables):
+            for i in range(self._num_cached_blocks[rid], full):
+                self._register(g, table[i], hashes[i], self.block_size, rid)
         self._num_cached_blocks[rid] = max(full, self._num_cached_blocks[rid])
         tail = self._tail_hash(request)
         if tail is not None and request.num_computed_tokens == request.num_prompt_tokens:
             index, covered = divmod(request.num_prompt_tokens, self.block_size)
-            self._register(table[index], tail, covered, rid)
+            for g, table in enumerate(tables):
+                self._register(g, table[index], tail, covered, rid)
 
-    def _register(self, block: int, block_hash: BlockHash, num_tokens: int, rid: str) -> None:
-        self.pool.cache(block, block_hash, num_tokens)
+    def _register(self, group: int, block: int, block_hash: BlockHash, num_tokens: int, rid: str) -> None:
+        if block != NULL_BLOCK:
+            self.pool.cache(block, (group, block_hash), num_tokens)
         if self._in_flight.get(block_hash) == rid:
             del self._in_flight[block_hash]
 
     def free(self, request: Request) -> None:
         rid = request.request_id
-        table = self._block_tables.pop(rid, None)
+        tables = self._block_tables.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
         for block_hash in [h for h, owner in self._in_flight.items() if owner == rid]:
             del self._in_flight[block_hash]
-        if table:
+        for table in tables or ():
             # Tail first: a request's last blocks are the least likely to be shared, so reuse them first.
-            self.pool.release(table[::-1])
+            self.pool.release([b for b in reversed(table) if b != NULL_BLOCK])
 
-    def _mark_in_flight(self, request: Request, table: list[int]) -> None:
+    def _mark_in_flight(self, request: Request, num_table_blocks: int) -> None:
         if not self.pool.enable_caching:
             return
         hashes = self._next_hashes(request)
-        for i in range(self._num_cached_blocks[request.request_id], min(len(table), len(hashes))):
+        for i in range(self._num_cached_blocks[request.request_id], min(num_table_blocks, len(hashes))):
             self._in_flight.setdefault(hashes[i], request.request_id)
+
+
+def _leading_run(blocks: list[int | None]) -> int:
+    return next((i for i, b in enumerate(blocks) if b is None), len(blocks))

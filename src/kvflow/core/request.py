@@ -52,6 +52,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of every full block of all_token_ids
     host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
     spec_token_ids: list[int] = field(default_factory=list)  # proposed to follow its last token, not yet verified
+    max_chunk_tokens: int = 1 << 62  # set at admission: the largest chunk whose KV blocks fit the pool
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -21,7 +21,7 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]  # the tokens computed this step
     start_pos: int  # position of token_ids[0] == tokens already in the KV cache
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one block table per KV group
     sample: bool  # the chunk reaches the last known token: produce the next one
     sampling_params: SamplingParams
     prompt_token_ids: list[int]

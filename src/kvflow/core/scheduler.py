@@ -16,12 +16,13 @@ Speculative decoding enters as proposals: a decode verifies the tokens proposed 
 previous step, in the same chunk, when the budget and the pool allow (it never preempts for them).
 After the step the rejected ones are rolled back out of `num_computed_tokens` before any block is
 hashed, so only accepted tokens ever reach the prefix cache; the accepted tokens are appended one
-by one, each checked for a stop.
+by one, each checked for a stop. A sliding-window group needs no margin for that rollback: it
+gives blocks back only below the window of `num_computed_tokens` as it stood when the step was
+scheduled, and a rollback never goes below that (the chunk's own tokens stay computed).
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 
 from kvflow.config import SchedulerConfig
@@ -29,7 +30,17 @@ from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
+from kvflow.core.waiting_queue import WaitingQueue
 from kvflow.spec_decode.policy import SpeculationPolicy
+
+
+class SchedulerStallError(RuntimeError):
+    """Waiting requests that cannot start although nothing runs: no step will ever change that,
+    so they are reported (and ended) instead of being retried forever."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"requests {request_ids} can never be scheduled with this KV pool")
+        self.request_ids = request_ids
 
 
 class Scheduler:
@@ -42,7 +53,7 @@ class Scheduler:
         self.speculation = speculation
         self._host_blocks_read = []  # swapped in this step: reusable once the step's copies are done
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []  # sorted by _order
+        self.waiting = WaitingQueue(self._order)
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self._arrivals = itertools.count()
@@ -58,17 +69,24 @@ class Scheduler:
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
             return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
                     f"exceeds max_model_len ({self.max_model_len})")
-        # The last sampled token is never written to the cache.
-        blocks = self.kv_cache.blocks_needed(total - 1)
-        if blocks > self.kv_cache.num_blocks:
+        # The last sampled token is never written to the cache; a sliding-window group holds
+        # only the blocks of its window (and of the chunk being computed).
+        if self._max_chunk(total) == 0:
+            blocks = self.kv_cache.max_blocks_held(total - 1, 1)
             return (f"request needs {blocks} KV blocks ({total} tokens) but the whole cache has "
                     f"{self.kv_cache.num_blocks}; raise kv_cache_memory_gb or lower max_tokens")
         return None
+
+    def _max_chunk(self, total_tokens: int) -> int:
+        return self.kv_cache.max_chunk(total_tokens - 1, self.config.max_num_batched_tokens)
 
     def add_request(self, request: Request) -> None:
         error = self.admission_error(request.num_prompt_tokens, request.max_tokens)
         if error:
             raise ValueError(error)
+        # On a sliding-window model a chunk's blocks must fit beside the window's: a request whose
+        # whole context exceeds the pool still runs, in chunks that fit.
+        request.max_chunk_tokens = self._max_chunk(request.num_prompt_tokens + request.max_tokens)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_seq = next(self._arrivals)
@@ -76,7 +94,7 @@ class Scheduler:
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
-        bisect.insort(self.waiting, request, key=self._order)
+        self.waiting.push(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -100,12 +118,15 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = min(request.num_uncomputed_tokens, budget, request.max_chunk_tokens)
             drafts = self._proposals_to_verify(request, num_new, budget)
             if self._reserve_or_preempt(request, num_new, out):
                 out.add(self._chunk(request, num_new, drafts))
         if not out.preempted_request_ids or self.config.policy == "priority":
             self._admit_waiting(out)
+        if self.waiting and not self.running and not out.preempted_request_ids:
+            self._finished_since_last_step |= out.finished_request_ids  # still owed to the worker
+            raise SchedulerStallError([self.waiting.peek().request_id])
         if self._host_blocks_read:
             self.host_pool.release(self._host_blocks_read)
             self._host_blocks_read = []
@@ -118,30 +139,33 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         held_back = []  # requests whose prefix another request is computing right now
         while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.pop(0)
+            request = self.waiting.pop()
             starts = self._start_points(request)
-            if self._reuses_cache(request) and self.kv_cache.prefix_in_flight(request, len(starts[0][0])):
+            if self._reuses_cache(request) and self.kv_cache.prefix_in_flight(request, starts[0][1]):
                 held_back.append(request)
                 continue
-            start = next((n for blocks, n in starts if self._allocate_for_waiting(request, n, blocks, out)), None)
-            if start is None:
+            allocated = next(((n, num_new) for blocks, n in starts
+                              if (num_new := self._allocate_for_waiting(request, n, blocks, out))), None)
+            if allocated is None:
                 self._enqueue(request)
                 break
-            self._start_running(request, start, out)
+            self._start_running(request, *allocated, out)
         for request in held_back:
             self._enqueue(request)
 
-    def _start_points(self, request: Request) -> list[tuple[list[int], int]]:
+    def _start_points(self, request: Request) -> list[tuple[tuple[list[int], ...], int]]:
         """Where a waiting request may resume: (cached blocks to reuse, tokens they cover), best
         first. A whole-prompt hit needs a spare block for its copy; whole blocks alone need none."""
         if request.status is RequestStatus.SWAPPED:
-            return [([], request.num_computed_tokens)]
+            return [((), request.num_computed_tokens)]
         if not self._reuses_cache(request):
-            return [([], 0)]
-        blocks, num_cached = self.kv_cache.find_cached_prefix(request)
-        whole_blocks = blocks[:(request.num_tokens - 1) // self.kv_cache.block_size]
-        fallback = (whole_blocks, len(whole_blocks) * self.kv_cache.block_size)
-        return [(blocks, num_cached)] if fallback[1] == num_cached else [(blocks, num_cached), fallback]
+            return [((), 0)]
+        best = self.kv_cache.find_cached_prefix(request)
+        whole = best[1] == request.num_tokens - 1  # a whole-prompt hit may end inside a cached block
+        fallback = self.kv_cache.find_cached_prefix(request, whole_blocks_only=True) if whole else best
+        # Offered whenever its blocks differ, even covering as many tokens: a whole-prompt hit
+        # that ends where a block starts needs a spare block for its copy, the fallback does not.
+        return [best] if fallback[0] == best[0] else [best, fallback]
 
     @staticmethod
     def _reuses_cache(request: Request) -> bool:
@@ -150,7 +174,7 @@ class Scheduler:
         owes_prompt_logprobs = request.sampling_params.prompt_logprobs is not None and request.status is RequestStatus.WAITING
         return request.status is not RequestStatus.SWAPPED and not owes_prompt_logprobs
 
-    def _start_running(self, request: Request, start: int, out: SchedulerOutput) -> None:
+    def _start_running(self, request: Request, start: int, num_new: int, out: SchedulerOutput) -> None:
         if request.status is RequestStatus.SWAPPED:
             self._swap_in(request, out)
         elif self._reuses_cache(request):
@@ -160,18 +184,21 @@ class Scheduler:
         request.num_computed_tokens = start
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        out.add(self._chunk(request, min(request.num_tokens - start, self._budget_left(out))))
+        # The allocated count, not the budget left now: preempting victims for the allocation may
+        # have returned their tokens to the budget, but no blocks were taken for those.
+        out.add(self._chunk(request, num_new))
 
-    def _allocate_for_waiting(self, request: Request, num_cached: int, cached: list[int], out: SchedulerOutput) -> bool:
-        """Blocks for the first chunk. Under the priority policy a waiting request may preempt
-        running ones behind it."""
-        num_new = min(request.num_tokens - num_cached, self._budget_left(out))
+    def _allocate_for_waiting(self, request: Request, num_cached: int, cached: tuple[list[int], ...],
+                              out: SchedulerOutput) -> int:
+        """Blocks for the first chunk; returns its length (0: no room). Under the priority policy
+        a waiting request may preempt running ones behind it."""
+        num_new = min(request.num_tokens - num_cached, self._budget_left(out), request.max_chunk_tokens)
         while not self.kv_cache.allocate_slots(request, num_cached, num_new, cached):
             victim = max(self.running, key=self._order, default=None)
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
-                return False
+                return 0
             self._preempt(victim, out)
-        return True
+        return num_new
 
     def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for `request`, preempting the last running requests in order as needed.
@@ -188,7 +215,8 @@ class Scheduler:
         yield up to k + 1 tokens) and free blocks allow, all or none; never a preemption."""
         if not request.spec_token_ids or num_new != request.num_uncomputed_tokens:
             return []
-        drafts = request.spec_token_ids[:min(budget - num_new, request.num_tokens_allowed - 1)]
+        room = min(budget, request.max_chunk_tokens) - num_new
+        drafts = request.spec_token_ids[:min(room, request.num_tokens_allowed - 1)]
         if drafts and self.kv_cache.allocate_slots(request, request.num_computed_tokens, num_new + len(drafts)):
             return drafts
         return []
@@ -224,7 +252,7 @@ class Scheduler:
 
     def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
         """Copy the blocks holding the request's computed tokens to host memory, if there is room."""
-        blocks = self.kv_cache.block_ids(request.request_id)[:self.kv_cache.blocks_needed(request.num_computed_tokens)]
+        blocks = self.kv_cache.resumable_blocks(request)
         if self.host_pool is None or len(blocks) > self.host_pool.num_free_blocks:
             return False
         request.host_blocks = self.host_pool.allocate(len(blocks))
@@ -232,7 +260,7 @@ class Scheduler:
         return True
 
     def _swap_in(self, request: Request, out: SchedulerOutput) -> None:
-        device = self.kv_cache.block_ids(request.request_id)
+        device = self.kv_cache.resumable_blocks(request)
         out.swap_in.extend(zip(device, request.host_blocks))
         self._host_blocks_read.extend(request.host_blocks)
         request.host_blocks = []
@@ -296,7 +324,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        else:
             self.waiting.remove(request)
         request.status = status
         request.spec_token_ids = []

@@ -22,13 +22,14 @@ from kvflow.engine.engine_thread import (
     AbortCommand, AddCommand, EngineDeadError, EngineThread, Item, RequestFailedError, StopCommand,
 )
 from kvflow.engine.llm_engine import LLMEngine, PromptType
+from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
 from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.request_timing import FinishedRequest
 from kvflow.engine.stats import EngineStats
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "RequestStream", "EngineDeadError", "RequestFailedError"]
+__all__ = ["AsyncLLM", "RequestStream", "EngineDeadError", "EngineOverloadedError", "RequestFailedError", "LoadLimits"]
 
 
 class RequestStream:
@@ -67,17 +68,17 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, limits: LoadLimits = LoadLimits()) -> None:
         # Read-only facts copied out now: the engine itself belongs to its thread from here on.
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len: int = engine.config.model.max_model_len
         self.vocab_size: int = engine.arch.vocab_size
         self._listeners: tuple[Callable[[FinishedRequest], None], ...] = ()
-        self._thread = EngineThread(engine, self._on_finished)
+        self._thread = EngineThread(engine, self._on_finished, limits)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        return cls(LLMEngine(args))
+    def from_engine_args(cls, args: EngineArgs, limits: LoadLimits = LoadLimits()) -> AsyncLLM:
+        return cls(LLMEngine(args), limits)
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -100,7 +101,8 @@ class AsyncLLM:
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it. Raises ValueError for bad input
-        (nothing queued) and EngineDeadError when the engine is not running."""
+        (nothing queued), EngineOverloadedError when too many requests wait, and EngineDeadError
+        when the engine is not running."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self._abort_stream)
         accepted = loop.create_future()
@@ -137,10 +139,10 @@ class AsyncLLM:
         except EngineDeadError:
             pass  # nothing is running any more
 
-    def shutdown(self, wait: bool = True, timeout: float = 30.0) -> None:
-        """Stop taking requests, end those in flight (they finish as aborted), stop the thread."""
+    def shutdown(self, wait: bool = True, timeout: float = 30.0, reason: str = StopCommand.reason) -> None:
+        """Stop taking requests, fail those in flight with EngineDeadError(reason), stop the thread."""
         try:
-            self._thread.submit(StopCommand())
+            self._thread.submit(StopCommand(reason))
         except EngineDeadError:
             pass
         if wait:

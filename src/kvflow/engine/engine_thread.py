@@ -12,8 +12,11 @@ the id of another request, so an abort by id alone could end someone else's requ
 
 Faults are contained at the smallest scope the engine allows: a request that fails to be added
 fails alone; a step that raises fails the requests the engine says it touched and the loop goes
-on; only a fault in the loop itself (or in abort, which means the engine's state is lost) stops
-the thread, and then every caller is told.
+on. A fault in the loop itself (or in abort, which means the engine's state is lost), a device
+fault, or too many failed steps in a row stop the thread, and then every caller is told.
+
+Load is bounded by `LoadLimits`: adds beyond the per-iteration quota wait in a backlog (in order;
+an abort reaches them there too), and a full waiting queue refuses new requests as overloaded.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.engine.llm_engine import LLMEngine, PromptType
+from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
 from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.request_timing import FinishedRequest, RequestTiming
 from kvflow.sampling_params import SamplingParams
+from kvflow.worker.device_faults import is_device_fault
 
 logger = logging.getLogger("kvflow")
 
@@ -66,7 +71,10 @@ class AbortCommand:
 
 @dataclass
 class StopCommand:
-    """Abort everything in flight, hand back the aborted outputs, and end the thread."""
+    """End the thread: every request in flight fails with EngineDeadError(reason), none is cut
+    short as if it had finished."""
+
+    reason: str = "the engine is shut down"
 
 
 @dataclass
@@ -88,8 +96,12 @@ class _Outbox:
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine, on_finished: Callable[[FinishedRequest], None]) -> None:
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[FinishedRequest], None],
+                 limits: LoadLimits = LoadLimits()) -> None:
         self.engine = engine
+        self.limits = limits
+        self._backlog: dict[object, AddCommand] = {}  # by owner: adds not yet applied, in arrival order
+        self._failed_steps = 0  # in a row
         self.stats = engine.get_stats()  # replaced whole after every iteration: readers need no lock
         self._on_finished = on_finished
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -115,35 +127,41 @@ class EngineThread:
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        reason = "the engine is shut down"
+        reason = StopCommand.reason
         try:
-            while self._serve_once():
+            while (reason := self._serve_once()) is None:
                 pass
+        except EngineDeadError as e:
+            logger.error("the engine is dead: %s", e)
+            reason = str(e)
         except BaseException:
             logger.exception("the engine loop died")
             reason = "the engine loop died; see the server log"
         finally:
             self._close(reason)
 
-    def _serve_once(self) -> bool:
-        commands = self._take(block=not self.engine.has_unfinished_requests())
+    def _serve_once(self) -> str | None:
+        """One iteration; returns why to stop, or None to go on."""
+        commands = self._take(block=not self.engine.has_unfinished_requests() and not self._backlog)
         for i, command in enumerate(commands):
             if isinstance(command, StopCommand):
                 for later in commands[i + 1:]:  # back on the queue, so _close refuses them
                     self._commands.put(later)
-                self._abort(list(self._live))
-                self._flush()
-                return False
+                self.engine.abort_request(list(self._live))  # free; _close tells each caller why
+                self.stats = self.engine.get_stats()
+                return command.reason
             if isinstance(command, AddCommand):
-                self._add(command)
+                self._backlog[_backlog_key(command)] = command
             else:
                 self._abort(command.request_ids, command.owner)
+        for _ in range(min(len(self._backlog), self.limits.max_admissions_per_step)):
+            self._add(self._backlog.pop(next(iter(self._backlog))))
         self._flush()  # acceptances go out now, not after the next step
         if self.engine.has_unfinished_requests():
             self._step()
         self.stats = self.engine.get_stats()
         self._flush()
-        return True
+        return None
 
     def _take(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
@@ -152,6 +170,10 @@ class EngineThread:
         return commands
 
     def _add(self, cmd: AddCommand) -> None:
+        if self.limits.overloaded(self.engine.scheduler.num_waiting, cmd.params.n):
+            self._outbox.post(cmd.loop, _settle(cmd.accepted), EngineOverloadedError(
+                f"the server is busy: {self.engine.scheduler.num_waiting} completions are waiting; try again later"))
+            return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority, cmd.cache_salt)
         except ValueError as e:  # bad input: the engine queued nothing
@@ -165,6 +187,13 @@ class EngineThread:
         self._outbox.post(cmd.loop, _settle(cmd.accepted), None)
 
     def _abort(self, request_ids: list[str], owner: object | None = None) -> None:
+        if owner is not None and owner in self._backlog:  # never added: nothing to abort
+            cmd = self._backlog.pop(owner)
+            self._outbox.post(cmd.loop, _settle(cmd.accepted), RequestFailedError("aborted before it was queued"))
+            return
+        if owner is None:  # an abort by id overtakes nothing: add what it names, then abort it
+            for cmd in [c for c in self._backlog.values() if c.request_id in request_ids]:
+                self._add(self._backlog.pop(_backlog_key(cmd)))
         for request_id in request_ids:
             live = self._live.get(request_id)
             if owner is not None and (live is None or live.owner is not owner):
@@ -177,10 +206,16 @@ class EngineThread:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception:
+        except Exception as e:
             logger.exception("engine step failed; failing the requests it was running")
             self._fail(self.engine.abort_failed_step())
+            self._failed_steps += 1
+            if is_device_fault(e):
+                raise EngineDeadError("the device reported a fault; see the server log") from e
+            if self._failed_steps >= self.limits.max_consecutive_step_failures:
+                raise EngineDeadError(f"{self._failed_steps} engine steps failed in a row; see the server log") from e
             return
+        self._failed_steps = 0
         self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -224,14 +259,21 @@ class EngineThread:
     def _close(self, reason: str) -> None:
         with self._lock:
             self._closed_reason = reason
+        queued = [*self._backlog.values()]
+        self._backlog.clear()
         while not self._commands.empty():
-            cmd = self._commands.get_nowait()
+            queued.append(self._commands.get_nowait())
+        for cmd in queued:
             if isinstance(cmd, AddCommand):
                 self._outbox.post(cmd.loop, _settle(cmd.accepted), EngineDeadError(reason))
         for live in self._live.values():
             self._outbox.post(live.loop, live.deliver, EngineDeadError(reason))
         self._live.clear()
         self._flush()
+
+
+def _backlog_key(cmd: AddCommand) -> object:
+    return cmd if cmd.owner is None else cmd.owner  # an abort names its request by owner
 
 
 def _settle(future: asyncio.Future) -> Callable[[BaseException | None], None]:

@@ -16,7 +16,7 @@ from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
 from kvflow.engine.speculation import setup_speculation
@@ -24,34 +24,42 @@ from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.resolve import load_checkpoint
+from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.model.tokenizer import Tokenizer
+from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_kv_blocks
+from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
+AWQ_CALIBRATION_TOKENS = 2048  # from the end of the shipped text; perplexity reads its start
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         dummy = args.load_format == "dummy"
-        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy)
+        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy,
+                                     native_gguf=args.quantization is None)
+        self.quant_config = get_quantization_config(args.quantization, args.group_size, checkpoint.quant_config)
         self.arch = ArchConfig.from_hf(checkpoint.hf_config)
+        self.hf_config = checkpoint.hf_config
         self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         model = self._load_model(checkpoint, dummy)
-        cache, dtype = self.config.cache, self.config.model.dtype
-        useful = -(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
-        self.num_kv_blocks = num_kv_blocks(cache, self.arch, dtype, useful)
-        num_host_blocks = int(cache.swap_space_gb * 1024**3) // kv_bytes_per_block(self.arch, cache.block_size, dtype)
+        cache, dtype, layout = self.config.cache, self.config.model.dtype, self.arch.kv_layout
+        block_bytes = layout.block_bytes(cache.block_size, dtype.itemsize)
+        useful = (-(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
+                  * len(layout.groups))
+        self.num_kv_blocks = num_kv_blocks(cache, block_bytes, useful)
+        num_host_blocks = int(cache.swap_space_gb * 1024**3) // block_bytes
         self.runner = self._make_runner(model, num_host_blocks)
         self.speculation = setup_speculation(self.config, self.arch, model, self.runner, self.num_kv_blocks,
                                              lambda ckpt, arch: self._load_model(ckpt, dummy, arch), dummy)
         self.scheduler = Scheduler(
             self.config.scheduler,
-            KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching),
+            KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, layout.sliding_windows),
             self.config.model.max_model_len,
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
             self.speculation,
@@ -64,29 +72,56 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
+        if getattr(self.quant_config, "needs_calibration", False):
+            self._calibrate_awq()
 
     def _load_model(self, checkpoint, dummy: bool, arch: ArchConfig | None = None) -> torch.nn.Module:
-        """The target model, or another (a draft model) of architecture `arch`."""
+        """The target model, or another (a draft model, run as its checkpoint stores it) of
+        architecture `arch`."""
         cfg = self.config
         # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
         static_len = cfg.model.max_model_len if cfg.use_cuda_graphs else None
         model = build_model(arch or self.arch, get_attention_backend(cfg.attention_backend, static_len),
-                            cfg.model.dtype, cfg.device)
+                            cfg.model.dtype, cfg.device,
+                            self.quant_config if arch is None else get_quantization_config(None, None, checkpoint.quant_config))
         if dummy:
             init_dummy_weights(model, cfg.model.seed)
         else:
             model.load_weights(checkpoint.weights)
+        process_weights_after_loading(model)
         return model
+
+    def _calibrate_awq(self) -> None:
+        """AWQ on a float checkpoint: run calibration text through the float model, then quantize."""
+        from kvflow.data import english_text
+        from kvflow.quant.awq_search import calibrate_and_quantize
+
+        if self.tokenizer is None:
+            raise ValueError("quantization='awq' calibrates on text and needs the model's tokenizer")
+        ids = self.tokenizer.encode(english_text(), add_special_tokens=False)[-AWQ_CALIBRATION_TOKENS:]
+        windows = [ids[i:i + 256] for i in range(0, len(ids), 256)]
+        params = SamplingParams(max_tokens=1, temperature=0)
+
+        def run(prompts: list[list[int]]) -> None:
+            for i, prompt in enumerate(prompts):
+                self.add_request(f"awq-calibration-{i}", {"prompt_token_ids": prompt}, params)
+            while self.has_unfinished_requests():
+                self.step()
+
+        calibrate_and_quantize(self.runner.model, run, windows, self.config.model.seed)
+        self.reset_prefix_cache()  # those blocks hold the float model's keys and values
 
     def _make_runner(self, model: torch.nn.Module, num_host_blocks: int) -> ModelRunner:
         """The runner with its KV tensors (and swap space, and captured decode graphs)."""
         cfg, cache, dtype, device = self.config, self.config.cache, self.config.model.dtype, self.config.device
-        kv_caches = allocate_kv_caches(self.arch, self.num_kv_blocks, cache.block_size, dtype, device)
-        host_caches = allocate_kv_caches(self.arch, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
+        layout = self.arch.kv_layout
+        kv_caches = allocate_kv_caches(layout, self.num_kv_blocks, cache.block_size, dtype, device)
+        host_caches = allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
         graphs = None
-        if cfg.use_cuda_graphs:
+        # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
+        if cfg.use_cuda_graphs and self.arch.moe is None:
             graphs = DecodeGraphs(model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
-                                  cfg.model.max_model_len, torch.device(device))
+                                  cfg.model.max_model_len, torch.device(device), len(layout.groups))
             graphs.capture()
         return ModelRunner(model, kv_caches, cache.block_size, device, cfg.model.seed, host_caches, graphs)
 
@@ -112,6 +147,7 @@ class LLMEngine:
         # A completion's id may equal another request's own id ("x#1"): both are engine ids.
         if request_id in self._children or any(c in self.scheduler.requests for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_params(params)
         text, token_ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or max(1, self.config.model.max_model_len - len(token_ids))
         error = self.scheduler.admission_error(len(token_ids), max_tokens)
@@ -123,7 +159,7 @@ class LLMEngine:
         try:
             for index, child_id in enumerate(child_ids):
                 child_params = params if params.n == 1 else params.clone(
-                    n=1, seed=None if params.seed is None else params.seed + index)
+                    n=1, seed=None if params.seed is None else _child_seed(params.seed, index))
                 request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival,
                                   priority=priority, cache_salt=cache_salt)
                 self.scheduler.add_request(request)
@@ -163,7 +199,11 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._running_at_step = {r.request_id for r in self.scheduler.running}  # for abort_failed_step
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except SchedulerStallError as e:
+            self._running_at_step.update(e.request_ids)  # abort_failed_step ends them too
+            raise
         runner_out = self.runner.execute(sched)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled, runner_out.draft_token_ids)
         self._generation_tokens_total += sum(n for _, n in produced)
@@ -182,11 +222,26 @@ class LLMEngine:
         return outputs
 
     # -- helpers ---------------------------------------------------------------------------
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the limits of this model and engine."""
+        vocab = self.arch.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad}")
+        cap = self.config.model.max_logprobs
+        cap = vocab if cap < 0 else min(cap, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > cap:
+                raise ValueError(f"{name} must be at most {cap} (max_logprobs); got {value}")
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A dict may carry both: the text (for outputs) and its token ids (not tokenized again)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
+                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return text if isinstance(text, str) else None, self._check_ids(token_ids)
+            if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
@@ -197,13 +252,16 @@ class LLMEngine:
             text = prompt
         else:
             token_ids, text = list(prompt), None
+        return text, self._check_ids(token_ids)
+
+    def _check_ids(self, token_ids: list[int]) -> list[int]:
         if not token_ids:
             raise ValueError("prompt is empty: it must have at least one token")
         vocab = self.arch.vocab_size
         bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is not an integer in [0, {vocab})")
-        return text, token_ids
+        return token_ids
 
     @property
     def kv_cache_usage(self) -> float:
@@ -222,3 +280,7 @@ class LLMEngine:
             spec_decoding=None if self.speculation is None else self.speculation.stats.snapshot(),
         )
 
+
+def _child_seed(seed: int, index: int) -> int:
+    """Completion `index`'s seed: seed + index, wrapped to stay a signed 64-bit integer."""
+    return (seed + index + 2**63) % 2**64 - 2**63

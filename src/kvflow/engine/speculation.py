@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from kvflow.config import EngineConfig
+from kvflow.kv_cache_spec import KVLayout
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.spec_decode.adaptive import AdaptiveSpeculation
@@ -56,7 +57,26 @@ def make_proposer(config: EngineConfig, arch: ArchConfig, model: torch.nn.Module
     if draft_arch.max_position_embeddings < config.model.max_model_len:
         raise ValueError(f"speculative_config: the draft model's context ({draft_arch.max_position_embeddings} "
                          f"tokens) is shorter than max_model_len ({config.model.max_model_len}); lower max_model_len")
+    target_group = target_group_for_draft(draft_arch.kv_layout, arch.kv_layout)
     draft_model = build_model(checkpoint, draft_arch)
-    kv_caches = allocate_kv_caches(draft_arch, num_blocks, config.cache.block_size, config.model.dtype, config.device)
-    return ModelProposer(DraftRunner(draft_model, kv_caches, runner), runner.sampler.generator, shares_target_kv=False)
+    kv_caches = allocate_kv_caches(draft_arch.kv_layout, num_blocks, config.cache.block_size, config.model.dtype,
+                                   config.device)
+    return ModelProposer(DraftRunner(draft_model, kv_caches, runner, (target_group,)), runner.sampler.generator,
+                         shares_target_kv=False)
+
+
+def target_group_for_draft(draft: KVLayout, target: KVLayout) -> int:
+    """The target KV group whose block tables the draft model's KV follows (its own tensors at the
+    target's block ids). The table must hold a block wherever the draft reads: a full-attention
+    group's always does; a sliding group's only within its window, so only for a draft whose
+    window is no wider. Two draft groups would need two tables with distinct blocks."""
+    if len(draft.groups) != 1:
+        raise ValueError(f"speculative_config: the draft model has {len(draft.groups)} KV groups (layers with "
+                         "different attention, e.g. sliding and global); a draft model needs one kind of layer")
+    window = draft.sliding_windows[0]
+    usable = [g for g, w in enumerate(target.sliding_windows) if w is None or (window is not None and w >= window)]
+    if not usable:
+        raise ValueError(f"speculative_config: the target keeps only sliding windows {target.sliding_windows}, "
+                         f"narrower than the draft model's attention (window {window})")
+    return min(usable, key=lambda g: target.sliding_windows[g] is not None)  # a full group first
 

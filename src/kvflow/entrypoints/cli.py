@@ -1,4 +1,4 @@
-"""The `kvflow` command: serve, generate, chat, bench, plan."""
+"""The `kvflow` command: serve, generate, chat, bench, plan, quantize, eval."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import sys
 
 from kvflow.config import EngineArgs
+from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -26,11 +27,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvflow.analysis.plan_cli import add_plan_parser
+    from kvflow.entrypoints.plan_cli import add_plan_parser
     from kvflow.bench.ceilings import add_ceilings_parser
+    from kvflow.bench.gpu_compile import add_gpu_compile_parser
     from kvflow.bench.latency import add_latency_parser
     from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
+    from kvflow.entrypoints.quantize_cli import add_quantize_parser
+    from kvflow.eval.perplexity import add_eval_parser
 
     parser = argparse.ArgumentParser(prog="kvflow", description="LLM inference with a paged KV cache and continuous batching")
     sub = parser.add_subparsers(title="commands")
@@ -58,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_latency_parser(bench_sub)
     add_ceilings_parser(bench_sub)
     add_serve_bench_parser(bench_sub)
+    add_gpu_compile_parser(bench_sub)
     add_plan_parser(sub)
+    add_quantize_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
@@ -69,8 +76,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $KVFLOW_API_KEY)")
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--disallow-special-tokens-in-content", action="store_true",
+                   help="tokenize special-token text in chat messages as plain text, so users cannot forge roles")
+    ServerLimits.add_cli_args(parser)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128, temperature: float = 0.0) -> None:
@@ -129,6 +138,9 @@ def run_chat(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     tokenizer = engine.get_tokenizer()
+    if not tokenizer.chat_template:
+        raise ValueError(f"{args.model or 'this model'} has no chat template (a base model?): "
+                         "use `kvflow generate` for plain completions")
     params = sampling_params_from_args(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("kvflow chat — /reset clears the conversation, /exit or Ctrl-D quits.")

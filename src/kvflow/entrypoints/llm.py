@@ -38,13 +38,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """`priority`: one per prompt, lower runs first; used under scheduling_policy="priority"."""
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.llm_engine.add_request(f"llm-{next(self._ids)}", prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY)))
+            for prompt, p, rank in zip(prompts, params, priority):
+                ids.append(self.llm_engine.add_request(f"llm-{next(self._ids)}", prompt,
+                                                       p.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=rank))
         except ValueError as e:
             self.llm_engine.abort_request(ids)  # all or nothing: the batch is refused as a whole
             raise ValueError(f"prompt {len(ids)}: {e}") from e

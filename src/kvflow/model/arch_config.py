@@ -1,13 +1,68 @@
-"""The architecture of a decoder-only transformer, read from an HF config.json dict."""
+"""The architecture of a decoder-only transformer, read from an HF config.json dict.
+
+This is the one parser: the engine builds models from it, the worker sizes the KV pool from its
+`kv_cache_specs()`, and the planner (`kvflow plan`) turns it into its `ModelSpec`. Values a
+family's config.json may leave out (Gemma 3's layer pattern and local RoPE base, which its GGUF
+does not carry either) come from `FAMILY_DEFAULTS`, the defaults of that architecture's HF config.
+Torch-free, so the planner can read it without loading torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+
+from kvflow.kv_cache_spec import (
+    FullAttentionSpec, KVCacheSpec, KVLayout, MLAAttentionSpec, SharedKVSpec, SlidingWindowSpec, kv_layout,
+)
+
+# model_type → config fields its HF config class fills in when config.json omits them.
+FAMILY_DEFAULTS: Mapping[str, Mapping] = MappingProxyType({
+    "gemma3_text": MappingProxyType(dict(  # Gemma3TextConfig's defaults
+        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+        rms_norm_eps=1e-6, sliding_window=4096, sliding_window_pattern=6, rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0, query_pre_attn_scalar=256, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh")),
+    "mixtral": MappingProxyType(dict(norm_topk_prob=True)),  # Mixtral always renormalises its top-k
+    "deepseek_v2": MappingProxyType(dict(scoring_func="softmax", topk_method="greedy")),
+    "deepseek_v3": MappingProxyType(dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)),
+})
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3)."""
+
+    q_lora_rank: int | None  # None: q is one projection of the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's RoPE dims are (x0, x1), (x2, x3), ... pairs
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    renormalize: bool  # top-k weights rescaled to sum to 1
+    scoring: str  # "softmax" | "sigmoid"
+    topk_method: str  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    routed_scaling_factor: float
+    num_groups: int  # expert groups for group-limited routing (1: none)
+    topk_groups: int
+    num_shared_experts: int  # always-on experts of expert_intermediate_size each
+    dense_layers: tuple[int, ...]  # layers that keep a dense MLP
 
 
 @dataclass(frozen=True)
 class ArchConfig:
     architecture: str
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -21,26 +76,33 @@ class ArchConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (Qwen2)
-    qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    num_kv_shared_layers: int = 0  # the last n layers read an earlier layer's KV (cross-layer sharing)
+    # The config dict with the family's defaults: where a family file reads its own knobs.
+    hf: Mapping = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> ArchConfig:
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry")
-        arch = archs[0]
+    def from_hf(cls, config: Mapping) -> ArchConfig:
+        cfg = _with_defaults(config)
+        arch = (cfg.get("architectures") or [""])[0]  # "": the planner may read such a config, the engine not
         heads = _get(cfg, "num_attention_heads")
         hidden = _get(cfg, "hidden_size")
+        layers = _get(cfg, "num_hidden_layers")
         eos = cfg.get("eos_token_id")
+        shared = int(cfg.get("num_kv_shared_layers") or 0)
+        if not 0 <= shared < layers:
+            raise ValueError(f"num_kv_shared_layers must be in [0, num_hidden_layers); got {shared}")
         return cls(
             architecture=arch,
+            model_type=str(cfg.get("model_type", "")),
             vocab_size=_get(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_get(cfg, "intermediate_size"),
-            num_layers=_get(cfg, "num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
@@ -49,44 +111,119 @@ class ArchConfig:
             rope_scaling=_rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_windows=_sliding_windows(cfg, arch),
+            attention_bias=cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe")),
+            sliding_windows=_sliding_windows(cfg, arch, layers),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            mla=_mla(cfg),
+            moe=_moe(cfg, layers),
+            num_kv_shared_layers=shared,
+            hf=MappingProxyType(cfg),
         )
 
+    @cached_property
+    def kv_layout(self) -> KVLayout:
+        """The KV groups and each layer's place in the pool."""
+        return kv_layout(self.kv_cache_specs())
 
-def _get(cfg: dict, key: str):
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """What each layer keeps in the KV cache. With `num_kv_shared_layers` = n the last n
+        layers read the KV of the last earlier layer of the same kind (Gemma 3n's rule)."""
+        if self.mla is not None:
+            specs: list[KVCacheSpec] = [MLAAttentionSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)] * self.num_layers
+        else:
+            specs = [FullAttentionSpec(self.num_kv_heads, self.head_dim) if w is None
+                     else SlidingWindowSpec(self.num_kv_heads, self.head_dim, w) for w in self.sliding_windows]
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        for i in range(first_shared, self.num_layers):
+            same_kind = [j for j in range(first_shared) if specs[j] == specs[i]]
+            if not same_kind:
+                raise ValueError(f"layer {i} shares KV, but no earlier layer has its kind of attention")
+            specs[i] = SharedKVSpec(same_kind[-1])
+        return specs
+
+
+def _with_defaults(config: Mapping) -> dict:
+    """A multimodal wrapper's text_config merged over its top level, then the family's defaults
+    under what the file says."""
+    cfg = {**config, **(config.get("text_config") or {})}
+    model_type = str(cfg.get("model_type", ""))
+    defaults = FAMILY_DEFAULTS.get("gemma3_text" if model_type == "gemma3" else model_type, {})
+    return {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
+
+
+def _get(cfg: Mapping, key: str):
     if key not in cfg:
         raise ValueError(f"config.json is missing {key!r}")
     return cfg[key]
 
 
-def _rope_params(cfg: dict) -> dict:
-    # transformers 5 folds rope_theta into "rope_parameters"; older configs keep them apart.
-    return cfg.get("rope_parameters") or {}
+def _rope_params(cfg: Mapping) -> dict:
+    # transformers 5 folds rope_theta into "rope_parameters"; Gemma 3 keeps one set per layer type.
+    params = cfg.get("rope_parameters") or {}
+    return params.get("full_attention", params)
 
 
-def _rope_theta(cfg: dict) -> float:
+def _rope_theta(cfg: Mapping) -> float:
     return float(_rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def _rope_scaling(cfg: dict) -> dict | None:
+def _rope_scaling(cfg: Mapping) -> dict | None:
     scaling = cfg.get("rope_scaling") or _rope_params(cfg)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     return None if kind == "default" else dict(scaling)
 
 
-def _sliding_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
-    n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
-    if "layer_types" in cfg and cfg["layer_types"]:
+def _sliding_windows(cfg: Mapping, arch: str, n: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if cfg.get("layer_types"):
         return tuple(window if t == "sliding_attention" else None for t in cfg["layer_types"])
     if window is None or arch == "LlamaForCausalLM":
         return (None,) * n
-    if arch == "MistralForCausalLM":
+    if pattern := cfg.get("sliding_window_pattern"):  # Gemma 3: every pattern-th layer is global
+        return tuple(None if (i + 1) % pattern == 0 else window for i in range(n))
+    if "use_sliding_window" not in cfg:  # Mistral: every layer
         return (window,) * n
-    if not cfg.get("use_sliding_window", False):
+    if not cfg["use_sliding_window"]:
         return (None,) * n
-    first = cfg.get("max_window_layers", n)
+    first = cfg.get("max_window_layers", 28)  # Qwen2: layers below it stay global (HF's default, 28)
     return tuple(window if i >= first else None for i in range(n))
+
+
+def _mla(cfg: Mapping) -> MLAConfig | None:
+    if not cfg.get("kv_lora_rank"):
+        return None
+    return MLAConfig(
+        q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(_get(cfg, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim")),
+        v_head_dim=int(_get(cfg, "v_head_dim")),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+
+
+def _moe(cfg: Mapping, n: int) -> MoEConfig | None:
+    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not experts:
+        return None
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    every = int(cfg.get("moe_layer_freq") or cfg.get("decoder_sparse_step") or 1)
+    only_mlp = set(cfg.get("mlp_only_layers") or ())
+    if "decoder_sparse_step" in cfg:  # Qwen-MoE counts from 1
+        dense = tuple(i for i in range(n) if i in only_mlp or (i + 1) % every != 0)
+    else:  # DeepSeek: the first k layers, then all but every moe_layer_freq-th
+        dense = tuple(i for i in range(n) if i < first_dense or i % every != 0)
+    return MoEConfig(
+        num_experts=int(experts),
+        experts_per_token=int(_get(cfg, "num_experts_per_tok")),
+        expert_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        scoring=str(cfg.get("scoring_func", "softmax")),
+        topk_method=str(cfg.get("topk_method", "greedy")),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        num_groups=int(cfg.get("n_group") or 1),
+        topk_groups=int(cfg.get("topk_group") or 1),
+        num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        dense_layers=dense,
+    )

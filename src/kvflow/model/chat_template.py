@@ -1,15 +1,20 @@
 """Chat templates: the Jinja2 programs shipped with a model, run in a sandbox.
 
 A template comes from a downloaded file, so it runs in jinja2's ImmutableSandboxedEnvironment:
-it can format messages but cannot reach Python objects or mutate its inputs.
+it can format messages but cannot reach Python objects or mutate its inputs. The environment is
+the one transformers renders with (templates are written against it): `{% break %}` and
+`{% continue %}` work, and `tojson` writes plain JSON (no HTML escaping, non-ASCII kept, keys in
+their order).
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from functools import lru_cache
 
 from jinja2 import TemplateError, Undefined
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -23,12 +28,28 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=Undefined)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=Undefined,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+def compile_chat_template(source: str) -> None:
+    """Check that a template parses (a server does it at startup: a broken template stops the
+    start instead of failing every chat request)."""
+    try:
+        _compile(source)
+    except TemplateError as e:
+        raise ValueError(f"the chat template does not compile: {e}") from e
 
 
 def render_chat_template(
@@ -40,6 +61,7 @@ def render_chat_template(
     eos_token: str = "",
 ) -> str:
     normalize = [normalize_message(m, i) for i, m in enumerate(messages)]
+    compile_chat_template(source)
     try:
         return _compile(source).render(
             messages=normalize,

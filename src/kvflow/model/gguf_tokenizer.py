@@ -4,7 +4,8 @@ A GGUF carries no tokenizer.json, only llama.cpp's description of it: the token 
 a type per token, special token ids and the name of a pre-tokenizer (`tokenizer.ggml.pre`). We turn
 that back into the pipeline HF would run: pre-tokenizer -> byte-level BPE -> optional BOS/EOS.
 
-Supported: `tokenizer.ggml.model == "gpt2"` (byte-level BPE). Sentencepiece (`"llama"`) is not.
+Supported: `tokenizer.ggml.model == "gpt2"` (byte-level BPE) and `"llama"` (SentencePiece BPE,
+`kvflow.model.gguf_sentencepiece`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from kvflow.model.gguf_sentencepiece import respell, sentencepiece_backend
 from kvflow.model.tokenizer import Tokenizer, TokenizerMeta
 
 logger = logging.getLogger(__name__)
@@ -51,10 +53,10 @@ def tokenizer_from_gguf(reader_or_fields: Any) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         raise ValueError("the GGUF file has no tokenizer metadata (tokenizer.ggml.model is missing)")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported yet; only byte-level BPE ('gpt2') is. "
-            "Load this model from an HF directory with tokenizer.json instead."
+            f"GGUF tokenizer model {kind!r} is not supported yet; only byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama') are. Load this model from an HF directory with tokenizer.json instead."
         )
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
@@ -64,8 +66,14 @@ def tokenizer_from_gguf(reader_or_fields: Any) -> Tokenizer:
     ids = _special_ids(meta, len(tokens))
     texts = {name: (tokens[i] if i is not None else None) for name, i in ids.items()}
 
-    backend = tokenizers.Tokenizer(_bpe_model(tokens, token_types, merges, meta.get("tokenizer.ggml.pre")))
-    _configure_pipeline(backend, meta.get("tokenizer.ggml.pre"))
+    if kind == "llama":
+        tokens, token_types = respell(tokens, token_types)
+        gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+        backend = sentencepiece_backend(tokens, token_types, meta.require("tokenizer.ggml.scores"),
+                                        bool(meta.get("tokenizer.ggml.add_space_prefix", True)), rank_by_position=gemma)
+    else:
+        backend = tokenizers.Tokenizer(_bpe_model(tokens, token_types, merges, meta.get("tokenizer.ggml.pre")))
+        _configure_pipeline(backend, meta.get("tokenizer.ggml.pre"))
     _add_special_tokens(backend, tokens, token_types, special_ids={i for i in ids.values() if i is not None})
     backend.post_processor = _post_processor(
         bos=(texts["bos"], ids["bos"]) if meta.get("tokenizer.ggml.add_bos_token", False) else None,

@@ -8,12 +8,16 @@ metadata of a GGUF file.
 from __future__ import annotations
 
 import json
+import re
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import tokenizers
 
-from kvflow.model.chat_template import render_chat_template
+from kvflow.model.chat_template import normalize_message, render_chat_template
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,9 @@ class Tokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call releases the GIL while it works (encode() holds it throughout), so a
+        # long text tokenized on a worker thread does not stall the event loop or the engine.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -77,9 +83,16 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        escape_special_tokens: bool = False,
+        check_text: Callable[[str], None] | None = None,
     ) -> str | list[int]:
+        """`escape_special_tokens`: special-token text inside message content ("<|im_start|>system")
+        is tokenized as the plain text it is, so a user cannot forge the template's structure.
+        `check_text` sees the rendered text before it is tokenized (and may refuse it)."""
         if not self.meta.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        if escape_special_tokens and tokenize:
+            return self._render_escaped(messages, add_generation_prompt, check_text)
         text = render_chat_template(
             self.meta.chat_template,
             messages,
@@ -87,8 +100,45 @@ class Tokenizer:
             bos_token=self.meta.bos_token or "",
             eos_token=self.meta.eos_token or "",
         )
+        if check_text is not None:
+            check_text(text)
         # The template already wrote BOS where the model wants it.
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _render_escaped(self, messages: list[dict], add_generation_prompt: bool,
+                        check_text: Callable[[str], None] | None) -> list[int]:
+        # Special-token text in content is swapped for a marker no user can guess, the template is
+        # rendered, and each marker is tokenized apart, as plain text. Without such text in the
+        # content the ids are exactly those of the ordinary path.
+        nonce, found = secrets.token_hex(8), []
+
+        def mark(match: re.Match) -> str:
+            found.append(match.group())
+            return f"\ue000{nonce}:{len(found) - 1}\ue001"
+
+        marked = [normalize_message(m, i) for i, m in enumerate(messages)]
+        if self._special_pattern is not None:
+            marked = [{**m, "content": self._special_pattern.sub(mark, m["content"])} for m in marked]
+        text = self.apply_chat_template(marked, add_generation_prompt, check_text=check_text)
+        ids, start = [], 0
+        for marker in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", text):
+            ids += self.encode(text[start:marker.start()], add_special_tokens=False)
+            ids += self._plain_text_backend.encode_batch([found[int(marker.group(1))]], add_special_tokens=False)[0].ids
+            start = marker.end()
+        return ids + self.encode(text[start:], add_special_tokens=False)
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        texts = sorted((t.content for t in self.backend.get_added_tokens_decoder().values() if t.special), key=len,
+                       reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    @cached_property
+    def _plain_text_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that reads special-token text as ordinary text."""
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
@@ -116,6 +166,16 @@ class Tokenizer:
             eos_token_ids=tuple(eos_ids if isinstance(eos_ids, list) else [eos_ids]),
         )
         return cls(backend, meta)
+
+    def save(self, path: str | Path) -> None:
+        """The files `from_hf_dir` reads back."""
+        path = Path(path)
+        self.backend.save(str(path / "tokenizer.json"))
+        m = self.meta
+        cfg = {k: v for k, v in (("bos_token", m.bos_token), ("eos_token", m.eos_token), ("pad_token", m.pad_token),
+                                 ("unk_token", m.unk_token), ("chat_template", m.chat_template)) if v is not None}
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(m.eos_token_ids)}) + "\n")
 
 
 def has_hf_tokenizer(path: str | Path) -> bool:

@@ -34,7 +34,7 @@ from kvflow.spec_decode.proposer import DraftRequest, Proposals
 class DraftSpan:
     token_ids: list[int]  # fed at positions start_pos, start_pos + 1, ...
     start_pos: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # the target's block table per KV group
 
 
 class DraftModelRunner(Protocol):

@@ -21,7 +21,7 @@ class DraftRequest:
     request_id: str
     token_ids: list[int]  # every known token: prompt, outputs, and this step's
     num_tokens: int  # how many to propose
-    block_ids: list[int]  # its KV blocks, with slots reserved for the proposals
+    block_ids: tuple[list[int], ...]  # its KV blocks per group, with slots reserved for the proposals
     sampling_params: SamplingParams
     generator: torch.Generator | None  # a seeded request's own; None: the proposer's
 

@@ -32,7 +32,7 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_num_seqs: int,
-                 max_model_len: int, device: torch.device) -> None:
+                 max_model_len: int, device: torch.device, num_kv_groups: int = 1) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -40,9 +40,10 @@ class DecodeGraphs:
         size, width = self.buckets[-1], -(-max_model_len // block_size)
         self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
+        # One slot mapping and one block table per KV group.
+        self.slot_mapping = torch.full((num_kv_groups, size), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(size, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(size, width, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(num_kv_groups, size, width, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -72,40 +73,41 @@ class DecodeGraphs:
             self.graphs[bucket] = (graph, hidden)
         torch.cuda.synchronize()
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [n, hidden] of a pure decode step, from the captured graph of its bucket
-        (or, before capture, from the same padded computation run eagerly)."""
-        n = meta.num_requests
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: tuple[AttentionMetadata, ...]) -> torch.Tensor:
+        """Hidden states [n, hidden] of a pure decode step (metadata: one per KV group), from the
+        captured graph of its bucket (or, before capture, from the same padded computation run
+        eagerly)."""
+        n = metas[0].num_requests
         bucket = self.bucket_for(n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.seq_lens[:n] = meta.seq_lens
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width] = meta.block_tables
+        self.seq_lens[:n] = metas[0].seq_lens
+        for g, meta in enumerate(metas):
+            self.slot_mapping[g, :n] = meta.slot_mapping
+            self.block_tables[g, :n, :meta.block_tables.shape[1]] = meta.block_tables
         self._pad_rows(n, bucket)
         if bucket in self.graphs:
             graph, hidden = self.graphs[bucket]
             graph.replay()
             return hidden[:n]
-        return self._forward(bucket, self._metadata(bucket, meta.seq_lens_cpu + [0] * (bucket - n)))[:n]
+        return self._forward(bucket, self._metadata(bucket, metas[0].seq_lens_cpu + [0] * (bucket - n)))[:n]
 
     def _pad_rows(self, start: int, end: int) -> None:
         self.input_ids[start:end] = 0
         self.positions[start:end] = 0
-        self.slot_mapping[start:end] = -1  # write no KV
+        self.slot_mapping[:, start:end] = -1  # write no KV
         self.seq_lens[start:end] = 0  # attend to nothing
 
-    def _metadata(self, bucket: int, seq_lens_cpu: list[int]) -> AttentionMetadata:
-        return AttentionMetadata(
+    def _metadata(self, bucket: int, seq_lens_cpu: list[int]) -> tuple[AttentionMetadata, ...]:
+        return tuple(AttentionMetadata(
             query_start_loc=self.query_start_loc[:bucket + 1],
             seq_lens=self.seq_lens[:bucket],
-            block_tables=self.block_tables[:bucket],
-            slot_mapping=self.slot_mapping[:bucket],
+            block_tables=block_tables[:bucket],
+            slot_mapping=slot_mapping[:bucket],
             block_size=self.block_size,
             query_lens_cpu=[1] * bucket,
             seq_lens_cpu=seq_lens_cpu,
-        )
+        ) for block_tables, slot_mapping in zip(self.block_tables, self.slot_mapping))
 
-    def _forward(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, bucket: int, meta: tuple[AttentionMetadata, ...]) -> torch.Tensor:
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, meta)

@@ -18,15 +18,20 @@ from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvflow.worker.cuda_graphs import DecodeGraphs
+from kvflow.worker.kv_cache import unique_caches
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.worker.speculator import Speculator
+
+# Prompt-logprob rows are scored this many at a time: a long prompt's [rows, vocab] logits (and
+# their log-softmax) would otherwise take gigabytes at once.
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
 class FlatBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn: AttentionMetadata
+    attn: tuple[AttentionMetadata, ...]  # one per KV group: same rows, that group's block tables
     sample_rows: list[int]  # row of each sampling chunk's last token (and of its proposals)
     sample_chunks: list[ScheduledChunk]
     prompt_rows: list[int]  # rows whose next token is a prompt token with logprobs requested
@@ -71,7 +76,7 @@ class ModelRunner:
             else:
                 self._collect_samples(batch.sample_chunks, self.sampler(logits, self._sampling_batch(batch.sample_chunks)), out)
         if batch.prompt_rows:
-            self._collect_prompt_logprobs(batch, self.model.compute_logits(hidden[batch.prompt_rows]), out)
+            self._collect_prompt_logprobs(batch, hidden, out)
         if self.speculator is not None:
             proposing = time.perf_counter()  # the sampled ids were read back: the device is done
             self.speculator.propose(batch.sample_chunks, self._generator, out)
@@ -80,7 +85,7 @@ class ModelRunner:
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_replay(batch.attn.query_lens_cpu):
+        if graphs is not None and graphs.can_replay(batch.attn[0].query_lens_cpu):
             return graphs.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
@@ -89,7 +94,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for cache in self.kv_caches:
+        for cache in unique_caches(self.kv_caches):
             cache[:, dst] = cache[:, src]
 
     def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
@@ -97,7 +102,7 @@ class ModelRunner:
             return
         device_ids = torch.tensor([d for d, _ in pairs], device=self.device)
         host_ids = torch.tensor([h for _, h in pairs])
-        for device_cache, host_cache in zip(self.kv_caches, self.host_kv_caches):
+        for device_cache, host_cache in zip(unique_caches(self.kv_caches), unique_caches(self.host_kv_caches)):
             if to_host:
                 host_cache[:, host_ids] = device_cache[:, device_ids].to("cpu")
             else:
@@ -112,19 +117,28 @@ class ModelRunner:
         query_start_loc[1:] = torch.tensor(query_lens, device=dev).cumsum(0)
         row_request = torch.repeat_interleave(torch.arange(len(chunks), device=dev), torch.tensor(query_lens, device=dev))
         positions = starts[row_request] + torch.arange(row_request.numel(), device=dev) - query_start_loc[row_request]
-        width = max(len(c.block_ids) for c in chunks)
-        block_tables = torch.tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks], device=dev)
-        slot_mapping = block_tables[row_request, positions // self.block_size] * self.block_size + positions % self.block_size
+        # Every position a chunk writes must lie in its block tables: past them, padding would
+        # name another request's block. The scheduler guarantees it; a bug must not write silently.
+        assert all(c.start_pos + c.num_tokens <= len(t) * self.block_size for c in chunks for t in c.block_ids), \
+            "a chunk writes past its block table"
+        width = max(len(t) for c in chunks for t in c.block_ids) + 1  # one more column: where an overrun lands
+        # [groups, requests, width]. Writes pad with -1, a slot that writes nothing. Reads see block 0
+        # there (masked by seq_lens) and where a sliding window gave a block back (NULL_BLOCK, -1;
+        # the window mask hides it).
+        slot_tables = torch.tensor([[c.block_ids[g] + [-1] * (width - len(c.block_ids[g])) for c in chunks]
+                                    for g in range(len(chunks[0].block_ids))], device=dev)
+        block_index, in_block = (positions // self.block_size).clamp(max=width - 1), positions % self.block_size
         seq_lens_cpu = [c.start_pos + c.num_tokens for c in chunks]
-        attn = AttentionMetadata(
+        seq_lens = torch.tensor(seq_lens_cpu, device=dev)
+        attn = tuple(AttentionMetadata(
             query_start_loc=query_start_loc,
-            seq_lens=torch.tensor(seq_lens_cpu, device=dev),
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
+            seq_lens=seq_lens,
+            block_tables=slots[:, :-1].clamp(min=0),
+            slot_mapping=_slot_mapping(slots[row_request, block_index], in_block, self.block_size),
             block_size=self.block_size,
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens_cpu,
-        )
+        ) for slots in slot_tables)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
         batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})
         offset = 0
@@ -196,12 +210,15 @@ class ModelRunner:
             if n is not None:
                 out.logprobs[chunk.request_id] = [PositionLogprobs(ids[i][:n + 1], logprobs[i][:n + 1], ranks[i])]
 
-    @staticmethod
-    def _collect_prompt_logprobs(batch: FlatBatch, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
-        targets = torch.tensor(batch.prompt_targets, device=logits.device)
+    def _collect_prompt_logprobs(self, batch: FlatBatch, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        targets = torch.tensor(batch.prompt_targets, device=hidden.device)
         num_top = max(span[3] for span in batch.prompt_spans.values())
-        values, ids, ranks = gather_logprobs(logits.log_softmax(dim=-1), targets, num_top)
-        values, ids, ranks = values.tolist(), ids.tolist(), ranks.tolist()
+        parts = []
+        for first in range(0, len(batch.prompt_rows), PROMPT_LOGPROB_ROWS):
+            rows = batch.prompt_rows[first:first + PROMPT_LOGPROB_ROWS]
+            logits = self.model.compute_logits(hidden[rows])
+            parts.append(gather_logprobs(logits.log_softmax(dim=-1), targets[first:first + len(rows)], num_top))
+        values, ids, ranks = (torch.cat(column).tolist() for column in zip(*parts))
         for request_id, (first_pos, first, count, n) in batch.prompt_spans.items():
             rows = range(first, first + count)
             out.prompt_logprobs[request_id] = (first_pos + 1, [PositionLogprobs(ids[j][:n + 1], values[j][:n + 1], ranks[j]) for j in rows])
@@ -215,3 +232,8 @@ def _banned_tokens(chunk: ScheduledChunk) -> list[int]:
     if not params.ignore_eos:
         banned.extend(chunk.eos_token_ids)
     return banned
+
+
+def _slot_mapping(blocks: torch.Tensor, in_block: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of each written row; -1 (writes nothing) where its block is -1."""
+    return torch.where(blocks < 0, -1, blocks * block_size + in_block)

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernel_launch import KernelLaunch
+
 from kvflow.attention.triton_kernels.paged_prefill import (
     LOG2E,
     dot_precision,
@@ -30,6 +32,9 @@ from kvflow.attention.triton_kernels.paged_prefill import (
 )
 
 BLOCK_N = 64  # keys per inner step
+# Two buffers of K/V in flight: a third (triton's default) adds registers, and in float32 on A100
+# spills them (`kvflow bench gpu-compile --dtype float32`).
+NUM_STAGES = 2
 MIN_SEGMENT = 256  # keys a split should have at the bound: fewer and the merge outweighs the gain
 MAX_SPLITS = 16
 
@@ -137,9 +142,18 @@ def decode_split_k(
     num_splits: int,
     block_n: int = BLOCK_N,
 ) -> None:
+    for launch in decode_split_k_launches(q, kv_cache, out, request_ids, query_start_loc, seq_lens, block_tables,
+                                          scale, window, num_splits, block_n):
+        launch()
+
+
+def decode_split_k_launches(q, kv_cache, out, request_ids, query_start_loc, seq_lens, block_tables, scale, window,
+                            num_splits: int, block_n: int = BLOCK_N) -> list[KernelLaunch]:
+    """The launches decode_split_k makes, in order (with their scratch for the partial results);
+    the arguments are decode_split_k's."""
     batch = request_ids.shape[0]
     if batch == 0:
-        return
+        return []
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = kv_cache.shape[2]
     single = num_splits == 1
@@ -148,20 +162,26 @@ def decode_split_k(
     part_sum = torch.empty_like(part_max)
     part_acc = torch.empty(parts * head_dim, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _decode_segment_kernel[(batch, kv_heads, num_splits)](
-        q, kv_cache, out, part_acc, part_max, part_sum,
-        request_ids, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E, window or 0, heads,
-        *q.stride(), *out.stride(), *kv_cache.stride(), block_tables.stride(0),
-        GROUP=heads // kv_heads, ROWS=max(16, triton.next_power_of_2(heads // kv_heads)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=kv_cache.shape[3],
-        BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=window is not None, PRECISION=dot_precision(q.dtype),
-        SINGLE_SPLIT=single,
+    segments = KernelLaunch(
+        _decode_segment_kernel,
+        grid=(batch, kv_heads, num_splits),
+        args=(q, kv_cache, out, part_acc, part_max, part_sum,
+              request_ids, query_start_loc, seq_lens, block_tables,
+              scale * LOG2E, window or 0, heads,
+              *q.stride(), *out.stride(), *kv_cache.stride(), block_tables.stride(0)),
+        constexprs=dict(
+            GROUP=heads // kv_heads, ROWS=max(16, triton.next_power_of_2(heads // kv_heads)), HEAD_DIM=head_dim,
+            BLOCK_SIZE=kv_cache.shape[3], BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=window is not None,
+            PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single,
+        ),
+        num_stages=NUM_STAGES,
     )
     if single:
-        return
-    _merge_segments_kernel[(batch, heads)](
-        out, part_acc, part_max, part_sum, request_ids, query_start_loc,
-        num_splits, heads, *out.stride(),
-        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        return [segments]
+    merge = KernelLaunch(
+        _merge_segments_kernel,
+        grid=(batch, heads),
+        args=(out, part_acc, part_max, part_sum, request_ids, query_start_loc, num_splits, heads, *out.stride()),
+        constexprs=dict(HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d),
     )
+    return [segments, merge]

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernel_launch import KernelLaunch
+
 # Elements per program (tokens x heads x dim): large enough to amortise the launch, small enough
 # to stay in registers.
 _TILE_ELEMENTS = 4096
@@ -48,15 +50,23 @@ def _kv_store_kernel(
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v: [T, num_kv_heads, head_dim] (any strides); kv_cache: [2, num_blocks, num_kv_heads,
     block_size, head_dim]; slot_mapping: [T] (block * block_size + offset, negative = skip)."""
+    launch = kv_store_launch(k, v, kv_cache, slot_mapping)
+    if launch is not None:
+        launch()
+
+
+def kv_store_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> KernelLaunch | None:
+    """The launch store_kv makes (None: no tokens)."""
     num_tokens, kv_heads, head_dim = k.shape
     if num_tokens == 0:
-        return
+        return None
     block_hd = triton.next_power_of_2(kv_heads * head_dim)
     block_t = max(1, min(_TILE_ELEMENTS // block_hd, triton.next_power_of_2(num_tokens)))
-    grid = (triton.cdiv(num_tokens, block_t),)
-    _kv_store_kernel[grid](
-        k, v, kv_cache, slot_mapping,
-        num_tokens,
-        *k.stride(), *v.stride(), *kv_cache.stride(),
-        HEAD_DIM=head_dim, NUM_KV_HEADS=kv_heads, BLOCK_SIZE=kv_cache.shape[3], BLOCK_T=block_t, BLOCK_HD=block_hd,
+    return KernelLaunch(
+        _kv_store_kernel,
+        grid=(triton.cdiv(num_tokens, block_t),),
+        args=(k, v, kv_cache, slot_mapping, num_tokens, *k.stride(), *v.stride(), *kv_cache.stride()),
+        constexprs=dict(HEAD_DIM=head_dim, NUM_KV_HEADS=kv_heads, BLOCK_SIZE=kv_cache.shape[3],
+                        BLOCK_T=block_t, BLOCK_HD=block_hd),
     )

@@ -16,14 +16,15 @@ since the host already knows every query length; the engine builds it once per s
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernel_launch import KernelLaunch
+
 LOG2E = 1.4426950408889634
-BLOCK_M = 64  # query rows per program: tokens x packed query heads
-BLOCK_N = 64  # keys per inner step
 
 @triton.jit
 def paged_kv_offsets(block_table_ptr, keys, key_ok, kv_head, d, stride_cb, stride_ch, stride_co, stride_cd,
@@ -107,13 +108,37 @@ def _paged_prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # query rows per program: tokens x packed query heads
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """Tiles and warps that compile without spilling registers on A100 and H100 (`kvflow bench
+    gpu-compile` checks each model it is given):
+    - 16-bit, head dim up to 64: 64 x 64 tiles over 4 warps (16 query rows of the MMA each);
+    - 16-bit, head dim 128: the [64, 128] fp32 accumulator beside the Q, K and V tiles leaves no
+      room for a 64-key score tile (the A100 build spills at 255 registers): 32 keys per step;
+    - float32, the accuracy mode: IEEE dots run without tensor cores and 64 x 64 tiles spill
+      kilobytes per thread, so 32 query rows over 8 warps.
+    """
+    if dtype == torch.float32:
+        return PrefillConfig(32, 64, num_warps=8, num_stages=2)
+    if head_dim <= 64:
+        return PrefillConfig(64, 64, num_warps=4, num_stages=3)
+    return PrefillConfig(64, 32, num_warps=4, num_stages=2)
+
+
 def group_pad(num_heads: int, num_kv_heads: int) -> int:
     return triton.next_power_of_2(num_heads // num_kv_heads)
 
 
-def query_tile_size(num_heads: int, num_kv_heads: int, block_m: int = BLOCK_M) -> int:
+def query_tile_size(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Queries per program once the GQA group is packed into the rows (at least one)."""
-    return max(1, block_m // group_pad(num_heads, num_kv_heads))
+    return max(1, prefill_config(head_dim, dtype).block_m // group_pad(num_heads, num_kv_heads))
 
 
 def make_tiles(query_lens: list[int], requests: Iterable[int], block_q: int, device) -> torch.Tensor:
@@ -131,26 +156,38 @@ def paged_prefill(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_dim]
     out: torch.Tensor,  # [T, num_heads, head_dim]; only the rows of the tiled requests are written
-    tiles: torch.Tensor,  # make_tiles(..., block_q) with block_q = query_tile_size(..., block_m)
+    tiles: torch.Tensor,  # make_tiles(..., query_tile_size(...)) for these heads, head dim and dtype
     query_start_loc: torch.Tensor,  # [B+1]
     seq_lens: torch.Tensor,  # [B]
     block_tables: torch.Tensor,  # [B, max_blocks]
     scale: float,
     window: int | None,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
 ) -> None:
+    launch = paged_prefill_launch(q, kv_cache, out, tiles, query_start_loc, seq_lens, block_tables, scale, window)
+    if launch is not None:
+        launch()
+
+
+def paged_prefill_launch(q, kv_cache, out, tiles, query_start_loc, seq_lens, block_tables, scale,
+                         window) -> KernelLaunch | None:
+    """The launch paged_prefill makes (None: no tiles); the arguments are paged_prefill's."""
     if tiles.shape[0] == 0:
-        return
+        return None
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = kv_cache.shape[2]
-    pad = group_pad(heads, kv_heads)
-    _paged_prefill_kernel[(tiles.shape[0], kv_heads)](
-        q, kv_cache, out, tiles, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E, window or 0,
-        *q.stride(), *out.stride(), *kv_cache.stride(), block_tables.stride(0),
-        GROUP=heads // kv_heads, GROUP_PAD=pad, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
-        BLOCK_Q=query_tile_size(heads, kv_heads, block_m), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        USE_WINDOW=window is not None, PRECISION=dot_precision(q.dtype),
+    config = prefill_config(head_dim, q.dtype)
+    return KernelLaunch(
+        _paged_prefill_kernel,
+        grid=(tiles.shape[0], kv_heads),
+        args=(q, kv_cache, out, tiles, query_start_loc, seq_lens, block_tables,
+              scale * LOG2E, window or 0,
+              *q.stride(), *out.stride(), *kv_cache.stride(), block_tables.stride(0)),
+        constexprs=dict(
+            GROUP=heads // kv_heads, GROUP_PAD=group_pad(heads, kv_heads), HEAD_DIM=head_dim,
+            BLOCK_SIZE=kv_cache.shape[3], BLOCK_Q=query_tile_size(heads, kv_heads, head_dim, q.dtype),
+            BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            USE_WINDOW=window is not None, PRECISION=dot_precision(q.dtype),
+        ),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )

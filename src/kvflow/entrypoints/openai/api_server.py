@@ -1,8 +1,13 @@
 """The OpenAI-compatible HTTP server: `build_app` (FastAPI) and `run_server` (`kvflow serve`).
 
 Bodies are read by hand rather than by FastAPI's body parsing so that every way a body can be
-wrong — too big, not UTF-8, not JSON, wrong types, out of range — gets OpenAI's error shape and
-the right status (413 before reading more than the limit; 400, never 422, for the rest).
+wrong — too big, too slow, not UTF-8, not JSON, wrong types, out of range — gets OpenAI's error
+shape and the right status (413 before reading more than the limit; 408 when it does not arrive in
+time; 400, never 422, for the rest). The limits are `ServerLimits` (docs/limits.md).
+
+On SIGTERM or SIGINT the server stops accepting connections and gives the requests in flight
+`shutdown_timeout` seconds to finish; what is left then ends with a 503 error (a stream: an error
+event), never as a truncated success.
 """
 
 from __future__ import annotations
@@ -24,24 +29,35 @@ from pydantic import BaseModel, ValidationError
 from kvflow.config import EngineArgs
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai.errors import APIError, from_exception, from_validation, install_error_handlers
+from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.entrypoints.openai.responses import ModelCard, ModelList
 from kvflow.entrypoints.openai.serving_chat import ChatServing
 from kvflow.entrypoints.openai.serving_completion import CompletionServing
+from kvflow.entrypoints.openai.tokenization import PromptTokenizer
+from kvflow.model.chat_template import compile_chat_template
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 Body = TypeVar("Body", bound=BaseModel)
+SHUTDOWN_GRACE_SECONDS = 5.0  # after the drain: time to write the 503s before connections are cut
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              limits: ServerLimits = ServerLimits(), escape_special_tokens: bool = False) -> FastAPI:
+    """Raises ValueError for a configuration that must not serve: an empty API key (an empty
+    KVFLOW_API_KEY would otherwise turn auth off without a word), a chat template that does not compile."""
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty (--api-key or KVFLOW_API_KEY): give a key, or unset it to serve without one")
+    if async_llm.tokenizer is not None and async_llm.tokenizer.chat_template:
+        compile_chat_template(async_llm.tokenizer.chat_template)
     app = FastAPI(title="kvflow", openapi_url=None)
     install_error_handlers(app)
     metrics = ServerMetrics(async_llm.get_stats, served_model_name)
     async_llm.add_finish_listener(metrics.observe)
-    chat = ChatServing(async_llm, served_model_name)
-    completions = CompletionServing(async_llm, served_model_name)
+    tokenizer = PromptTokenizer(async_llm.tokenizer, async_llm.max_model_len, limits.tokenizer_workers,
+                                escape_special_tokens)
+    chat = ChatServing(async_llm, served_model_name, limits, tokenizer)
+    completions = CompletionServing(async_llm, served_model_name, limits, tokenizer)
 
     @app.get("/health")
     async def health() -> Response:
@@ -59,22 +75,23 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _answer(request, ChatCompletionRequest, chat.create, max_body_bytes)
+        return await _answer(request, ChatCompletionRequest, chat.create, limits)
 
     @v1.post("/completions")
     async def create_completions(request: Request) -> Response:
-        return await _answer(request, CompletionRequest, completions.create, max_body_bytes)
+        return await _answer(request, CompletionRequest, completions.create, limits)
 
     app.include_router(v1)
+    app.router.on_shutdown.append(tokenizer.shutdown)
     return app
 
 
 async def _answer(request: Request, body_type: type[Body], create: Callable[[Body], Awaitable[BaseModel | Response]],
-                  max_body_bytes: int) -> Response:
+                  limits: ServerLimits) -> Response:
     """Every failure is answered here, not by Starlette's last-resort handler, which would also
     drop the client's keep-alive connection."""
     try:
-        body = await read_body(request, body_type, max_body_bytes)
+        body = await read_body(request, body_type, limits.max_body_bytes, limits.body_read_timeout)
         result = await until_disconnected(request, create(body))
     except Exception as e:
         return from_exception(e).response()
@@ -86,10 +103,10 @@ def _json(result: BaseModel) -> Response:
 
 
 def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
-    expected = f"Bearer {api_key}".encode()
+    expected = f"Bearer {api_key}".encode()  # UTF-8, as clients send a non-ASCII key
 
     async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
+        given = request.headers.get("authorization", "").encode("latin-1")  # the header's own bytes back
         if not hmac.compare_digest(given, expected):  # constant time: the key is not guessable by timing
             raise APIError(401, "missing or wrong API key; send it as 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
@@ -97,18 +114,28 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-async def read_body(request: Request, model: type[Body], limit: int) -> Body:
-    too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+async def read_body(request: Request, model: type[Body], limit: int, timeout: float) -> Body:
+    too_large = APIError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)",
+                         code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+
+    async def read() -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
     try:
-        return model.model_validate_json(bytes(body))
+        body = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds (--body-read-timeout)",
+                       code="request_timeout") from None
+    try:
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise from_validation(e) from None
 
@@ -135,14 +162,17 @@ async def _disconnect(request: Request) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus: prints its URL once bound; ends in-flight requests as soon as shutdown
-    begins (so connections close at once); and a signal ends it with status 0 rather than being
-    re-raised after shutdown, as uvicorn does."""
+    """uvicorn, plus: prints its URL once bound; on shutdown gives in-flight requests
+    `drain_timeout` seconds, then stops the engine so that what is left ends with an error while
+    uvicorn still waits for the responses to be written; and a signal ends it with status 0 rather
+    than being re-raised after shutdown, as uvicorn does."""
 
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], banner: str) -> None:
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], banner: str,
+                 drain_timeout: float) -> None:
         super().__init__(config)
         self.on_shutdown = on_shutdown
         self.banner = banner
+        self.drain_timeout = drain_timeout
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -152,8 +182,14 @@ class _Server(uvicorn.Server):
             print(f"kvflow: {self.banner} on http://{host}:{port} (OpenAI API at /v1)", flush=True)
 
     async def shutdown(self, sockets=None) -> None:
-        self.on_shutdown()
-        await super().shutdown(sockets)
+        # uvicorn stops accepting, then waits for the open connections (timeout_graceful_shutdown,
+        # longer than the drain); the engine stops when the drain ends or nothing is left.
+        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.on_shutdown)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+            self.on_shutdown()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -176,11 +212,18 @@ def served_name(model: str | None) -> str:
 
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    async_llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    limits = ServerLimits.from_cli_args(args)
+    async_llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), limits.load_limits())
     name = args.served_model_name or served_name(args.model)
-    app = build_app(async_llm, name, args.api_key, args.max_body_bytes)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    server = _Server(config, on_shutdown=lambda: async_llm.shutdown(wait=False), banner=f"serving {name}")
+    try:
+        app = build_app(async_llm, name, args.api_key, limits, args.disallow_special_tokens_in_content)
+    except ValueError:
+        async_llm.shutdown()
+        raise
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=limits.shutdown_timeout + SHUTDOWN_GRACE_SECONDS)
+    server = _Server(config, on_shutdown=lambda: async_llm.shutdown(wait=False, reason="the server is shutting down"),
+                     banner=f"serving {name}", drain_timeout=limits.shutdown_timeout)
     try:
         server.run()
     finally:

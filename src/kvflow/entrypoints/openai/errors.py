@@ -14,22 +14,27 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvflow.engine.async_llm import EngineDeadError, RequestFailedError
+from kvflow.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestFailedError
 
 logger = logging.getLogger("kvflow")
 
+RETRY_AFTER_SECONDS = 1  # what an overloaded server asks a client to wait before retrying
+
+
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"  # OpenAI's two types
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        return JSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
 
 
 def bad_request(error: ValueError) -> APIError:
@@ -63,6 +68,8 @@ def from_exception(error: BaseException) -> APIError:
     ValidationError is a fault of ours, a 500 like the rest."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, EngineOverloadedError):
+        return APIError(503, str(error), code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(error, EngineDeadError):
         return APIError(503, f"the engine is not running: {error}", code="engine_unavailable")
     if not isinstance(error, RequestFailedError):

@@ -2,9 +2,9 @@
 
 Validation is strict (a string is not a number, 1.0 is not an integer) so that a wrong type is an
 error rather than a guess; null is the same as leaving a field out. Fields OpenAI has and kvflow
-does not support are refused by name; kvflow's own sampling knobs (top_k, min_p, ...) are accepted
-as extra fields, as vLLM accepts them; any other unknown field is ignored, as OpenAI's clients
-send new ones first.
+does not support are refused by name (UNSUPPORTED_FIELDS); kvflow's own sampling knobs (top_k,
+min_p, ...) are accepted as extra fields, as vLLM accepts them; any other unknown field is
+ignored, as OpenAI's clients send new ones first.
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit
 _INT64 = 2**63
+
+# Fields OpenAI (or vLLM) defines that kvflow does not implement: refused by name, never ignored,
+# since a client sending them expects their effect. Sent with a value that asks for nothing
+# (null, empty, tool_choice "none", response_format text) they are accepted.
+UNSUPPORTED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "function_call", "logit_bias",
+                      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_ASKS_FOR_NOTHING = (None, [], {}, "none", {"type": "text"})
 
 
 class OpenAIBody(BaseModel):
@@ -35,6 +42,15 @@ class StreamOptions(OpenAIBody):
 class SamplingFields(OpenAIBody):
     """What chat and completion requests share."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in UNSUPPORTED_FIELDS:
+                if data.get(name) not in _ASKS_FOR_NOTHING:
+                    raise ValueError(f"`{name}` is not supported by this server")
+        return data
+
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -46,9 +62,8 @@ class SamplingFields(OpenAIBody):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
     # kvflow's extras, with vLLM's names.
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, lt=_INT64)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
@@ -78,8 +93,6 @@ class SamplingFields(OpenAIBody):
     def _consistent(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
 
     @property
@@ -130,14 +143,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tools: list | None = None
 
     @model_validator(mode="after")
     def _chat_only(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported")
         return self
 
     @property

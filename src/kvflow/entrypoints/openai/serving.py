@@ -21,7 +21,9 @@ from kvflow.engine.async_llm import AsyncLLM, RequestStream
 from kvflow.engine.llm_engine import PromptType
 from kvflow.engine.outputs import CompletionOutput, PositionLogprobDict, RequestOutput
 from kvflow.entrypoints.openai.errors import APIError, bad_request, from_exception
+from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.protocol import SamplingFields
+from kvflow.entrypoints.openai.tokenization import PromptTokenizer
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -50,9 +52,11 @@ class Choice:
 
 
 class Serving:
-    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, async_llm: AsyncLLM, model_name: str, limits: ServerLimits, tokenizer: PromptTokenizer) -> None:
         self.async_llm = async_llm
         self.model_name = model_name
+        self.limits = limits
+        self.tokenizer = tokenizer
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -73,11 +77,41 @@ class Serving:
         except ValueError as e:
             raise bad_request(e) from None
 
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """Refuse, before any work, a request that would start too many completions."""
+        limits = self.limits
+        if num_prompts > limits.max_prompts_per_request:
+            raise APIError(400, f"at most {limits.max_prompts_per_request} prompts per request "
+                                f"(--max-prompts-per-request); got {num_prompts}", param="prompt")
+        if num_prompts * n > limits.max_seqs_per_request:
+            raise APIError(400, f"prompts x n = {num_prompts} x {n} = {num_prompts * n} completions is more than "
+                                f"{limits.max_seqs_per_request} per request (--max-seqs-per-request)", param="n")
+
+    def check_logprobs(self, prompt_lens: list[int], params: SamplingParams) -> None:
+        """Refuse up front a request whose logprobs alone would take too much memory: each
+        completion's tokens x (top + 1), and each prompt's tokens x (top + 1) when echoed."""
+        entries = 0
+        for prompt_len in prompt_lens:
+            if params.logprobs is not None:
+                max_new = params.max_tokens or max(1, self.async_llm.max_model_len - prompt_len)
+                entries += params.n * max_new * (params.logprobs + 1)
+            if params.prompt_logprobs is not None:
+                entries += prompt_len * (params.prompt_logprobs + 1)
+        if entries > self.limits.max_logprob_entries:
+            raise APIError(400, f"this request would produce {entries} logprobs (tokens x alternatives), more than "
+                                f"{self.limits.max_logprob_entries} (--max-logprob-entries); lower n, max_tokens "
+                                "or the number of logprobs", param="logprobs")
+
     async def start(self, request_id: str, prompts: list[PromptType], params: SamplingParams) -> list[RequestStream]:
-        """One engine request per prompt, all or none: the first refusal closes the others."""
+        """One engine request per prompt, all or none: the first refusal closes the others, and so
+        does a client that leaves (cancellation) while they are being queued."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        results = await asyncio.gather(*(self.async_llm.add_request(i, p, params) for i, p in zip(ids, prompts)),
-                                       return_exceptions=True)
+        adds = [asyncio.ensure_future(self.async_llm.add_request(i, p, params)) for i, p in zip(ids, prompts)]
+        try:
+            results = await asyncio.gather(*adds, return_exceptions=True)
+        except asyncio.CancelledError:  # the adds are cancelled too; close what they already got
+            close_all([a.result() for a in adds if a.done() and not a.cancelled() and a.exception() is None])
+            raise
         streams = [r for r in results if isinstance(r, RequestStream)]
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if not failed:

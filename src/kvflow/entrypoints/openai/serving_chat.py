@@ -20,8 +20,10 @@ from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamRe
 class ChatServing(Serving):
     async def create(self, req: ChatCompletionRequest) -> ChatCompletion | EventStreamResponse:
         self.check_model(req.model)
-        prompt = self._render(req)
+        self.check_fan_out(1, req.n)
         params = self.sampling_params(req, req.max_new_tokens, req.num_logprobs)
+        prompt = await self._render(req)
+        self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         [stream] = await self.start(request_id, [prompt], params)
         if req.stream:
@@ -31,12 +33,11 @@ class ChatServing(Serving):
         finally:
             stream.close()
 
-    def _render(self, req: ChatCompletionRequest) -> list[int]:
+    async def _render(self, req: ChatCompletionRequest) -> list[int]:
         try:
-            tokenizer = self.async_llm.get_tokenizer()
             messages = [m.for_template() for m in req.messages]
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
-        except ValueError as e:  # no tokenizer or template, or the template refused the conversation
+            return await self.tokenizer.render_chat(messages, req.add_generation_prompt)
+        except ValueError as e:  # no tokenizer or template, the template refused the conversation, too long
             raise bad_request(e) from None
 
     async def _collect(self, request_id: str, req: ChatCompletionRequest, stream: RequestStream) -> ChatCompletion:

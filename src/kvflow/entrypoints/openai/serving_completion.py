@@ -17,6 +17,7 @@ from kvflow.engine.async_llm import RequestStream
 from kvflow.engine.outputs import CompletionOutput, PositionLogprobDict, RequestOutput
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from kvflow.entrypoints.openai.errors import bad_request
 from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, close_all, merge, sse
 
 
@@ -31,16 +32,33 @@ class _Cursor:
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest) -> Completion | EventStreamResponse:
         self.check_model(req.model)
+        prompts = req.prompts()
+        self.check_fan_out(len(prompts), req.n)
         prompt_logprobs = req.logprobs if req.echo else None
         params = self.sampling_params(req, req.max_new_tokens, req.logprobs, prompt_logprobs)
+        prompts = await self._tokenized(prompts)
+        self.check_logprobs([len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts], params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.start(request_id, req.prompts(), params)
+        streams = await self.start(request_id, prompts, params)
         if req.stream:
             return self.event_stream(self._events(request_id, req, streams), streams)
         try:
             return await self._collect(request_id, req, streams)
         finally:
             close_all(streams)
+
+    async def _tokenized(self, prompts: list[str | list[int]]) -> list[dict | list[int]]:
+        """Text prompts tokenized on the worker pool; the engine gets ids (and the text, for echo)."""
+        result = []
+        for index, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                result.append(prompt)
+                continue
+            try:
+                result.append({"prompt": prompt, "prompt_token_ids": await self.tokenizer.encode(prompt)})
+            except ValueError as e:
+                raise bad_request(ValueError((f"prompt {index}: " if len(prompts) > 1 else "") + str(e))) from None
+        return result
 
     async def _collect(self, request_id: str, req: CompletionRequest, streams: list[RequestStream]) -> Completion:
         choices = [Choice() for _ in range(len(streams) * req.n)]

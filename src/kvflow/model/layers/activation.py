@@ -1,4 +1,5 @@
-"""SiLU(gate) * up, on the fused [.., 2 * intermediate] output of the gate/up projection."""
+"""act(gate) * up, on the fused [.., 2 * intermediate] output of the gate/up projection: SiLU
+(Llama, Qwen, Mixtral, DeepSeek) or tanh-approximated GeLU (Gemma)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,11 @@ def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """The torch code, and the reference the kernel is tested against."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul, "gelu_tanh": gelu_tanh_and_mul}

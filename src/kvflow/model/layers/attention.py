@@ -15,10 +15,11 @@ class Attention(nn.Module):
         self.spec = spec
         self.backend = backend
 
-    def forward(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache: torch.Tensor, metas: tuple[AttentionMetadata, ...]) -> torch.Tensor:
+        """`metas`: the step's metadata, one per KV group; the layer reads its own group's. A
+        layer that shares another's KV passes k = v = None."""
         s = self.spec
-        out = self.backend.forward(
-            q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim),
-            v.view(-1, s.num_kv_heads, s.head_dim), kv_cache, meta, s,
-        )
+        if k is not None:
+            k, v = k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim)
+        out = self.backend.forward(q.view(-1, s.num_heads, s.head_dim), k, v, kv_cache, metas[s.kv_group], s)
         return out.flatten(1)

@@ -61,8 +61,11 @@ class RotaryEmbedding(nn.Module):
         return Rope(positions, self.cos, self.sin)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] (rotate-half layout), in float32."""
+def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, rope: Rope) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] (rotate-half layout), in float32.
+    k is None for a layer that reads another layer's keys."""
+    if k is None:
+        return torch_rotary(q, rope), None
     kernels = kernels_for(q)
     if kernels is not None:
         return kernels.rotary(q, k, rope.positions, rope.cos_table, rope.sin_table)

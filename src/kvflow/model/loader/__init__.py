@@ -18,3 +18,5 @@ class Checkpoint:
     # A generator, so a large checkpoint never sits in memory twice.
     weights: Iterator[tuple[str, torch.Tensor]]
     tokenizer: Tokenizer | None
+    # How the weights are stored, as HF's config.json "quantization_config" says (None: float).
+    quant_config: dict | None = None

@@ -1,8 +1,9 @@
 """Load a GGUF file (llama.cpp's format) as an HF-style checkpoint.
 
-The metadata becomes a `config.json`-like dict, every tensor is dequantized to float32 under its HF
-name, and the tokenizer is rebuilt from the metadata. Model classes therefore never see GGUF names,
-quantized blocks, or llama.cpp's rotary layout.
+The metadata becomes a `config.json`-like dict, every tensor arrives under its HF name, and the
+tokenizer is rebuilt from the metadata. Model classes therefore never see GGUF names or llama.cpp's
+rotary layout. With `native=True` quantized tensors stay raw blocks (`GGUFBlocks`, for the `gguf`
+quant method to run); otherwise every tensor is dequantized to float32.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 
 from kvflow.model.gguf_tokenizer import tokenizer_from_gguf
 from kvflow.model.loader import Checkpoint
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+from kvflow.model.registry import gguf_architectures
+from kvflow.quant.gguf_blocks import BLOCK_SIZES, GGUFBlocks
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_TENSORS = {
@@ -35,20 +36,27 @@ _BLOCK_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the norm *before* the MLP there.
+_GEMMA_BLOCK_TENSORS = {
+    **_BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 # Precomputed llama3-style rope frequency factors: folded into hf_config["rope_scaling"].
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def load_gguf(path: str | Path, *, with_tokenizer: bool = True) -> Checkpoint:
-    """Read `path`; weights are dequantized lazily, one tensor at a time, as the iterator is consumed."""
+def load_gguf(path: str | Path, *, with_tokenizer: bool = True, native: bool = False) -> Checkpoint:
+    """Read `path`; weights are read lazily, one tensor at a time, as the iterator is consumed."""
     path = Path(path)
     reader = open_gguf(path)
     arch = _architecture(reader, path)
-    plan = [(t, hf_name) for t in reader.tensors if (hf_name := hf_tensor_name(t.name, path)) is not None]
-    for qtype in {tensor.tensor_type for tensor, _ in plan}:
-        _check_dequantizable(qtype, path)
+    plan = [(t, hf_name) for t in reader.tensors if (hf_name := hf_tensor_name(t.name, path, arch)) is not None]
+    for qtype, name in {tensor.tensor_type: tensor.name for tensor, _ in plan}.items():
+        _check_dequantizable(qtype, name, path)
     try:  # metadata problems: say which file they are in
         config = hf_config_from_gguf(reader)
         tokenizer = None
@@ -56,7 +64,8 @@ def load_gguf(path: str | Path, *, with_tokenizer: bool = True) -> Checkpoint:
             tokenizer = tokenizer_from_gguf(reader)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    return Checkpoint(config, _iter_weights(plan, arch, config), tokenizer)
+    quant = {"quant_method": "gguf"} if native else None
+    return Checkpoint(config, _iter_weights(plan, arch, config, native), tokenizer, quant)
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -93,10 +102,10 @@ def _check_tensor_extents(reader: gguf.GGUFReader, path: Path) -> None:
 
 def _architecture(reader: gguf.GGUFReader, path: Path | None = None) -> str:
     arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in gguf_architectures():
         where = f"{path}: " if path else ""
         raise ValueError(
-            f"{where}GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+            f"{where}GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(gguf_architectures()))}"
         )
     return arch
 
@@ -126,8 +135,10 @@ def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
     kv_heads = _uniform(arch_field("attention.head_count_kv", heads), "attention.head_count_kv")
     tensors = {t.name: t for t in reader.tensors}
     config: dict = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [gguf_architectures()[arch]],
+        # Gemma 3's text model: its layer pattern and local RoPE base are not in the file; the
+        # architecture's defaults (ArchConfig's FAMILY_DEFAULTS) fill them in.
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "hidden_size": hidden,
         "intermediate_size": int(_uniform(required("feed_forward_length"), "feed_forward_length")),
         "num_hidden_layers": int(required("block_count")),
@@ -140,6 +151,7 @@ def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
         "vocab_size": _vocab_size(reader, tensors),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu",
+        "sliding_window": arch_field("attention.sliding_window"),
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
         "mlp_bias": False,
         "torch_dtype": "float32",
@@ -244,34 +256,49 @@ def llama3_rope_factors(scaling: dict, theta: float, head_dim: int) -> np.ndarra
 
 # -- tensors -----------------------------------------------------------------------------------
 
-def hf_tensor_name(gguf_name: str, path: Path | None = None) -> str | None:
+def hf_tensor_name(gguf_name: str, path: Path | None = None, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor; None for tensors folded into the config (rope_freqs)."""
     if gguf_name == _ROPE_FREQS:
         return None
-    if (m := _BLOCK_RE.fullmatch(gguf_name)) and m.group(2) in _BLOCK_TENSORS:
-        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}.{m.group(3)}"
+    block_tensors = _GEMMA_BLOCK_TENSORS if arch == "gemma3" else _BLOCK_TENSORS
+    if (m := _BLOCK_RE.fullmatch(gguf_name)) and m.group(2) in block_tensors:
+        return f"model.layers.{m.group(1)}.{block_tensors[m.group(2)]}.{m.group(3)}"
     if (m := _GLOBAL_RE.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
     where = f"{path}: " if path else ""
     raise ValueError(f"{where}unexpected GGUF tensor {gguf_name!r}; this model variant is not supported")
 
 
-def _check_dequantizable(qtype: gguf.GGMLQuantizationType, path: Path) -> None:
+def _check_dequantizable(qtype: gguf.GGMLQuantizationType, tensor: str, path: Path) -> None:
     # Probe with one zero block so an unsupported type fails at load, not halfway through the weights.
     try:
         gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[qtype][1], dtype=np.uint8), qtype)
     except (NotImplementedError, KeyError):
-        raise ValueError(f"{path}: tensors of type {qtype.name} cannot be dequantized (unsupported by gguf-py)") from None
+        raise ValueError(f"{path}: tensor {tensor!r} has type {qtype.name}, which cannot be dequantized "
+                         "(unsupported by gguf-py)") from None
 
 
-def _iter_weights(plan: list, arch: str, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(plan: list, arch: str, config: dict, native: bool) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     for tensor, hf_name in plan:
-        weight = dequantize_tensor(tensor)
+        weight = raw_blocks(tensor) if native and tensor.tensor_type.name in BLOCK_SIZES else dequantize_tensor(tensor)
+        heads = None
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_rope(weight, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_rope(weight, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+            weight = weight - 1  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w (never quantized)
+        if heads is not None:  # rows are output channels, whole blocks each: permute them as they are
+            weight = (GGUFBlocks(weight.qtype, unpermute_rope(weight.data, heads), weight.shape)
+                      if isinstance(weight, GGUFBlocks) else unpermute_rope(weight, heads))
         yield hf_name, weight
+
+
+def raw_blocks(tensor: gguf.ReaderTensor) -> GGUFBlocks:
+    """A quantized GGUF tensor's bytes, one row of blocks per output channel."""
+    n, k = (int(d) for d in reversed(tensor.shape.tolist()))
+    data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(n, -1)  # own memory, not the map
+    return GGUFBlocks(tensor.tensor_type.name, torch.from_numpy(data), (n, k))
 
 
 def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:

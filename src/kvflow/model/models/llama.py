@@ -1,129 +1,61 @@
-"""The Llama decoder, and its close relatives that differ by a flag.
+"""Llama, and the relatives that differ from it only in details the config names.
 
-Mistral adds a sliding window, Qwen2 a bias on the q/k/v projections, Qwen3 an RMSNorm over each
-head of q and k. Each layer sees the whole flat batch `[T, hidden]`; only attention looks at
-which request a token belongs to, through the attention metadata (selective batching).
+Mistral adds a sliding window and Qwen2 a bias on the q/k/v projections (both read from the
+config by the attention block); Qwen3 adds an RMSNorm over each head of q and k. With
+`num_kv_shared_layers` = n in its config, the last n layers read the KV cache of the last layer
+before them instead of writing their own (cross-layer KV sharing, as Gemma 3n does): their k/v
+projections are absent and the pool shrinks by n / num_layers.
 
-The residual stream is carried beside each layer's output instead of added to it at the end of
-the layer: the next RMSNorm adds it as it normalises (one pass instead of two), and so does the
-model's final norm.
+Each layer sees the whole flat batch `[T, hidden]`; only attention looks at which request a
+token belongs to, through the attention metadata (selective batching).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from kvflow.attention.backend import AttentionBackend
-from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.model.arch_config import ArchConfig
-from kvflow.model.layers.activation import silu_and_mul
-from kvflow.model.layers.attention import Attention
+from kvflow.model.layers.embedding import VocabParallelEmbedding
+from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.layers.norm import RMSNorm
-from kvflow.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
-from kvflow.model.weights import load_stacked_weights
+from kvflow.model.layers.rotary import RotaryEmbedding
+from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, RopeAttention
+from kvflow.quant.base import QuantizationConfig
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
+# (config, layer index, quant config, prefix) → the layer's feed-forward block
+MLPFactory = Callable[[ArchConfig, int, QuantizationConfig | None, str], nn.Module]
+
+
+def dense_mlp(cfg: ArchConfig, layer_idx: int, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, quant_config, prefix)
+
+
+class LlamaModel(DecoderModel):
+    """The Llama decoder; `qk_norm` and `mlp` are what its relatives change (the MoE families
+    build it with a mixture of experts as the MLP)."""
+
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None,
+                 qk_norm: str | None = None, mlp: MLPFactory = dense_mlp, prefix: str = "model") -> None:
         super().__init__()
-        d = cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        spec = AttentionLayerSpec(cfg.num_heads, cfg.num_kv_heads, d, d**-0.5, cfg.sliding_windows[layer_idx])
-        self.attn = Attention(spec, backend)
-
-    def forward(self, rope: Rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        d = self.attn.spec.head_dim
-        q, k = q.unflatten(-1, (-1, d)), k.unflatten(-1, (-1, d))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
-
-    def forward(
-        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache, meta,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's output, not yet added to the residual stream; the first
-        layer gets the embeddings and no residual. Returns (output, residual stream)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, f"{prefix}.embed_tokens")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg,
+                         RopeAttention(cfg, i, backend, quant_config, f"{prefix}.layers.{i}.self_attn", qk_norm=qk_norm),
+                         mlp(cfg, i, quant_config, f"{prefix}.layers.{i}.mlp"))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
-        normed, _ = self.norm(hidden, residual)
-        return normed
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(cfg, LlamaModel(cfg, backend, quant_config), quant_config)
 
 
-class LlamaForCausalLM(nn.Module):
-    # HF checkpoints store these projections apart; we run them as one matmul each.
-    stacked_params = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg, backend)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.config.tie_word_embeddings:
-            weights = ((n, w) for n, w in weights if n != "lm_head.weight")
-        load_stacked_weights(self, weights, self.stacked_params, self._shard_sizes)
-
-    def _shard_sizes(self, fused_name: str) -> list[int]:
-        c = self.config
-        if fused_name == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+class Qwen3ForCausalLM(CausalLM):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(cfg, LlamaModel(cfg, backend, quant_config, qk_norm="per_head"), quant_config)

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernel_launch import KernelLaunch
+
 _BLOCK = 1024  # columns per program
 
 
@@ -25,11 +27,24 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, width, stride_t, stride_d, stride
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [..., 2 * I] (gate, then up; any strides) → [..., I]."""
+    launch, out = silu_and_mul_launch(gate_up)
+    if launch is not None:
+        launch()
+    return out
+
+
+def silu_and_mul_launch(gate_up: torch.Tensor) -> tuple[KernelLaunch | None, torch.Tensor]:
+    """The launch silu_and_mul makes (None: no rows) and the output it will fill."""
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     width = rows.shape[1] // 2
     out = torch.empty(rows.shape[0], width, dtype=gate_up.dtype, device=gate_up.device)
-    if rows.shape[0]:
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, _BLOCK))](
-            rows, out, width, *rows.stride(), out.stride(0), BLOCK=_BLOCK,
-        )
-    return out.view(*gate_up.shape[:-1], width)
+    result = out.view(*gate_up.shape[:-1], width)
+    if not rows.shape[0]:
+        return None, result
+    launch = KernelLaunch(
+        _silu_and_mul_kernel,
+        grid=(rows.shape[0], triton.cdiv(width, _BLOCK)),
+        args=(rows, out, width, *rows.stride(), out.stride(0)),
+        constexprs=dict(BLOCK=_BLOCK),
+    )
+    return launch, result

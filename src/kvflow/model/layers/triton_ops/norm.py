@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernel_launch import KernelLaunch
+
 _TILE_ELEMENTS = 4096  # rows x padded width per program
 
 
@@ -44,6 +46,16 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """weight * rmsnorm(x) over the last dim; with a residual, (weight * rmsnorm(x + residual),
     x + residual). x and residual: [..., width], any strides."""
+    launch, result = rms_norm_launch(x, weight, eps, residual)
+    if launch is not None:
+        launch()
+    return result
+
+
+def rms_norm_launch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> tuple[KernelLaunch | None, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    """The launch rms_norm makes (None: no rows) and the outputs it will fill."""
     width = x.shape[-1]
     rows = x.reshape(-1, width)  # a view for [T, width] inputs; q/k [T, heads, d] views may copy
     num_rows = rows.shape[0]
@@ -54,16 +66,18 @@ def rms_norm(
         normed_dtype = torch.promote_types(x.dtype, residual.dtype)
         res_out = torch.empty(num_rows, width, dtype=normed_dtype, device=x.device)
     out = torch.empty(num_rows, width, dtype=torch.promote_types(normed_dtype, weight.dtype), device=x.device)
-    if num_rows:
-        block_d = triton.next_power_of_2(width)
-        block_t = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(num_rows)))
-        _rms_norm_kernel[(triton.cdiv(num_rows, block_t),)](
-            rows, res_rows, weight, out, res_out,
-            num_rows, width, eps,
-            *rows.stride(), *(res_rows.stride() if res_rows is not None else (0, 0)),
-            out.stride(0), res_out.stride(0) if res_out is not None else 0,
-            HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-        )
-    if res_out is None:
-        return out.view(x.shape)
-    return out.view(x.shape), res_out.view(x.shape)
+    result = out.view(x.shape) if res_out is None else (out.view(x.shape), res_out.view(x.shape))
+    if not num_rows:
+        return None, result
+    block_d = triton.next_power_of_2(width)
+    block_t = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(num_rows)))
+    launch = KernelLaunch(
+        _rms_norm_kernel,
+        grid=(triton.cdiv(num_rows, block_t),),
+        args=(rows, res_rows, weight, out, res_out,
+              num_rows, width, eps,
+              *rows.stride(), *(res_rows.stride() if res_rows is not None else (0, 0)),
+              out.stride(0), res_out.stride(0) if res_out is not None else 0),
+        constexprs=dict(HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_D=block_d),
+    )
+    return launch, result

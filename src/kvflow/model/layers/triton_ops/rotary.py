@@ -10,7 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernel_launch import KernelLaunch
+
 _TILE_ELEMENTS = 4096  # tokens x padded (q heads x pairs) per program
+_ELEMENTS_PER_WARP = 1024  # beyond this, more warps: one token of a 128-head model has 8192 pairs
 
 
 @triton.jit
@@ -59,21 +62,37 @@ def rotary(
     """q [T, heads, head_dim] and k [T, kv_heads, head_dim] (any strides) rotated by the angles
     of positions [T], in float32; cos and sin: contiguous [max_positions, head_dim / 2] float32
     tables."""
+    launch, result = rotary_launch(q, k, positions, cos, sin)
+    if launch is not None:
+        launch()
+    return result
+
+
+def rotary_launch(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+) -> tuple[KernelLaunch | None, tuple[torch.Tensor, torch.Tensor]]:
+    """The launch rotary makes (None: no tokens) and the outputs it will fill."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)  # contiguous, whatever q and k's strides
-    if num_tokens:
-        half = head_dim // 2
-        block_q, block_k = triton.next_power_of_2(num_heads * half), triton.next_power_of_2(num_kv_heads * half)
-        block_t = max(1, min(_TILE_ELEMENTS // block_q, triton.next_power_of_2(num_tokens)))
-        _rotary_kernel[(triton.cdiv(num_tokens, block_t),)](
-            q, k, q_out, k_out, positions, cos, sin,
-            num_tokens,
-            *q.stride(), *k.stride(), *q_out.stride()[:2], *k_out.stride()[:2], cos.stride(0),
-            NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-            BLOCK_T=block_t, BLOCK_Q=block_q, BLOCK_K=block_k,
-            # Round each product before the sum, as torch does: contracted into an FMA, a*b - c*d
-            # would differ from the torch path in the last bit.
-            enable_fp_fusion=False,
-        )
-    return q_out, k_out
+    if not num_tokens:
+        return None, (q_out, k_out)
+    half = head_dim // 2
+    block_q, block_k = triton.next_power_of_2(num_heads * half), triton.next_power_of_2(num_kv_heads * half)
+    block_t = max(1, min(_TILE_ELEMENTS // block_q, triton.next_power_of_2(num_tokens)))
+    launch = KernelLaunch(
+        _rotary_kernel,
+        grid=(triton.cdiv(num_tokens, block_t),),
+        args=(q, k, q_out, k_out, positions, cos, sin,
+              num_tokens,
+              *q.stride(), *k.stride(), *q_out.stride()[:2], *k_out.stride()[:2], cos.stride(0)),
+        constexprs=dict(NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+                        BLOCK_T=block_t, BLOCK_Q=block_q, BLOCK_K=block_k),
+        # A token is never split across programs, so a wide one gets more warps, not more
+        # registers (4 warps spill at 128 heads x 64 pairs: `kvflow bench gpu-compile`).
+        num_warps=min(16, max(4, block_t * block_q // _ELEMENTS_PER_WARP)),
+        # Round each product before the sum, as torch does: contracted into an FMA, a*b - c*d
+        # would differ from the torch path in the last bit.
+        options=dict(enable_fp_fusion=False),
+    )
+    return launch, (q_out, k_out)

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kvflow.analysis.hardware import get_hardware
+from kvflow.analysis.hardware import Hardware, get_hardware
 from kvflow.analysis.model_spec import DEFAULT_MODEL, resolve_model
 from kvflow.analysis.planner import (
     DEFAULT_BATCH_SIZES,
@@ -95,7 +95,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return run_validate(args)
     try:
         model = resolve_model(args.model)
-        hw = get_hardware(args.hardware, args.dtype)
+        hw = _hardware(args.hardware, args.dtype)
         result = plan(
             model,
             hw,
@@ -115,8 +115,16 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hardware(name: str, dtype: str) -> Hardware:
+    if name.lower() == "measured":
+        from kvflow.bench.ceilings import measured_hardware  # torch is heavy
+
+        return measured_hardware(dtype)
+    return get_hardware(name)
+
+
 def run_validate(args: argparse.Namespace) -> int:
-    from kvflow.analysis.validate import format_validation, validate  # runs the engine: heavy
+    from kvflow.bench.validate import format_validation, validate  # runs the engine: heavy
 
     try:
         result = validate(args.model, args.dtype, args.ceilings_json)

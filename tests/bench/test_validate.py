@@ -7,10 +7,10 @@ import json
 import pytest
 from tiny_models import make_tiny_model
 
-from kvflow.analysis import validate as validate_mod
+from kvflow.bench import validate as validate_mod
 from kvflow.analysis.model_spec import PRESETS
-from kvflow.analysis.plan_cli import main_plan
-from kvflow.analysis.validate import Check, engine_model, predict_latency, predict_throughput
+from kvflow.entrypoints.plan_cli import main_plan
+from kvflow.bench.validate import Check, engine_model, predict_latency, predict_throughput
 from kvflow.bench.ceilings import Ceilings
 from kvflow.bench.latency import LatencyWorkload
 from kvflow.bench.mbu import EngineShape

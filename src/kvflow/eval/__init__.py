@@ -1,0 +1,1 @@
+"""Quality measurements through the public engine API (perplexity on a shipped text)."""

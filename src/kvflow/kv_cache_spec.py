@@ -1,0 +1,143 @@
+"""What each layer keeps in the KV cache, and how layers are grouped to share block tables.
+
+A layer declares one spec:
+- `FullAttentionSpec`: K and V of every head for every position;
+- `SlidingWindowSpec`: the same, but a query at p reads only keys p - window < k <= p, so blocks
+  that left the window can be freed while the request runs;
+- `MLAAttentionSpec`: multi-head latent attention keeps one compressed latent plus the decoupled
+  RoPE key per position, shared by all heads;
+- `SharedKVSpec`: the layer reads an earlier layer's KV and writes none (cross-layer sharing).
+
+Layers with equal specs form a *KV group* with its own block table per request. All groups draw
+from one pool of blocks, so every group's block must cost the same memory: a spec with L layers
+is split into groups of G layers, G the greatest common divisor of the spec counts (vLLM's
+hybrid allocator does the same). Gemma-3-270M (15 sliding, 3 full layers) has G = 3: five sliding
+groups and one full group; block b of any group holds G layers' KV, slot j of the group in the
+j-th of G KV tensors.
+
+Plain dataclasses, no torch: the planner, the scheduler and the worker all read them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def elements_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim  # K and V
+
+    @property
+    def sliding_window(self) -> int | None:
+        return None
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:
+    num_kv_heads: int
+    head_dim: int
+    window: int  # a query at p sees keys k with p - k < window
+
+    @property
+    def elements_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.window
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec:
+    kv_lora_rank: int  # the compressed latent c_KV
+    qk_rope_head_dim: int  # the decoupled RoPE key, shared by every head
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def sliding_window(self) -> int | None:
+        return None
+
+
+@dataclass(frozen=True)
+class SharedKVSpec:
+    target_layer: int  # the earlier layer whose KV this layer reads
+
+    @property
+    def elements_per_token(self) -> int:
+        return 0
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedKVSpec
+
+
+def kv_bytes_per_token(specs: list[KVCacheSpec], dtype_bytes: float) -> float:
+    """KV bytes one token adds over all layers, before any window cap: the planner's figure and
+    the pool's per-token cost."""
+    return sum(s.elements_per_token for s in specs) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    spec: KVCacheSpec
+    layers: tuple[int, ...]  # slot j of the group is layers[j]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The groups, and where each layer's KV lives: (group, slot). A sharing layer has its
+    target's place."""
+
+    groups: tuple[KVGroup, ...]
+    places: tuple[tuple[int, int], ...]  # per layer
+
+    @property
+    def group_size(self) -> int:
+        """Layers per group: KV tensors to allocate, one per slot."""
+        return len(self.groups[0].layers)
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        return tuple(g.spec.sliding_window for g in self.groups)
+
+    def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
+        """Memory of one block: one slot's worth of KV in each of the group_size tensors."""
+        return self.group_size * self.groups[0].spec.elements_per_token * block_size * dtype_bytes
+
+
+def kv_layout(specs: list[KVCacheSpec]) -> KVLayout:
+    owners: dict[KVCacheSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if isinstance(spec, SharedKVSpec):
+            if not 0 <= spec.target_layer < i or isinstance(specs[spec.target_layer], SharedKVSpec):
+                raise ValueError(f"layer {i} shares the KV of layer {spec.target_layer}, which is not an "
+                                 "earlier layer with KV of its own")
+        else:
+            owners.setdefault(spec, []).append(i)
+    if not owners:
+        raise ValueError("no layer keeps KV of its own")
+    if len({isinstance(s, MLAAttentionSpec) for s in owners}) > 1:
+        raise ValueError("latent (MLA) and K/V layers cannot share one block pool")
+    sizes = {s.elements_per_token for s in owners}
+    if len(sizes) > 1:
+        raise ValueError(f"layers keep different KV sizes per token ({sorted(sizes)} numbers): one block pool "
+                         "cannot serve them")
+    size = math.gcd(*(len(layers) for layers in owners.values()))
+    groups = tuple(KVGroup(spec, tuple(layers[k:k + size]))
+                   for spec, layers in owners.items() for k in range(0, len(layers), size))
+    places: list[tuple[int, int] | None] = [None] * len(specs)
+    for g, group in enumerate(groups):
+        for j, layer in enumerate(group.layers):
+            places[layer] = (g, j)
+    for i, spec in enumerate(specs):
+        if isinstance(spec, SharedKVSpec):
+            places[i] = places[spec.target_layer]
+    return KVLayout(groups, tuple(places))

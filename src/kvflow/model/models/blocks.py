@@ -1,0 +1,150 @@
+"""The layer blocks decoder families are assembled from.
+
+- `RopeAttention`: q/k/v as one projection, optional q/k RMSNorm, RoPE, paged attention, output
+  projection. Its KV spec (full, sliding window, shared with an earlier layer) comes from the
+  architecture config, its place in the KV pool from the config's KV layout.
+- `DecoderLayer`: the pre-norm residual block x + attn(norm(x)), then + mlp(norm(.)). The residual
+  stream is carried beside each layer's output instead of added to it at the end of the layer: the
+  next RMSNorm adds it as it normalises (one pass instead of two), and so does the final norm.
+- `CausalLM`: the decoder under an LM head (or the tied embedding), and checkpoint loading.
+
+Every projection is a layer of the linear seam, so quantization and tensor parallelism apply to
+every family built from these blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvflow.attention.backend import AttentionBackend
+from kvflow.attention.metadata import AttentionLayerSpec
+from kvflow.kv_cache_spec import SharedKVSpec
+from kvflow.model.arch_config import ArchConfig
+from kvflow.model.layers.attention import Attention
+from kvflow.model.layers.embedding import ParallelLMHead
+from kvflow.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from kvflow.model.layers.norm import RMSNorm
+from kvflow.model.layers.rotary import Rope, apply_rotary
+from kvflow.model.loader.weights import load_named_weights
+from kvflow.quant.base import QuantizationConfig
+
+# HF checkpoints store these projections apart; we run them as one matmul each.
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def attention_layer_spec(cfg: ArchConfig, layer_idx: int, scale: float) -> AttentionLayerSpec:
+    """The layer's attention shape, window and place in the KV pool."""
+    group, _ = cfg.kv_layout.places[layer_idx]
+    shares = isinstance(cfg.kv_cache_specs()[layer_idx], SharedKVSpec)
+    return AttentionLayerSpec(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, cfg.sliding_windows[layer_idx],
+                              kv_group=group, writes_kv=not shares)
+
+
+class RopeAttention(nn.Module):
+    """`qk_norm`: None, "per_head" (an RMSNorm over each head of q and k: Qwen3, Gemma 3) or
+    "whole" (over all of q and all of k: OLMoE). `norm` builds those norms."""
+
+    def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None, prefix: str, *, scale: float | None = None,
+                 qk_norm: str | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        spec = attention_layer_spec(cfg, layer_idx, d**-0.5 if scale is None else scale)
+        kv_heads = cfg.num_kv_heads if spec.writes_kv else 0
+        self.sizes = [cfg.num_heads * d] + [kv_heads * d] * (2 if kv_heads else 0)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, kv_heads, cfg.attention_bias,
+                                          quant_config, f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, quant_config, f"{prefix}.o_proj")
+        self.qk_norm = qk_norm
+        if qk_norm is not None:
+            whole = qk_norm == "whole"
+            self.q_norm = norm(cfg.num_heads * d if whole else d, cfg.rms_norm_eps)
+            self.k_norm = norm(cfg.num_kv_heads * d if whole else d, cfg.rms_norm_eps) if kv_heads else None
+        self.attn = Attention(spec, backend)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache, meta) -> torch.Tensor:
+        q, *kv = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        k, v = kv if kv else (None, None)
+        if self.qk_norm == "whole":
+            q, k = self.q_norm(q), k if k is None else self.k_norm(k)
+        d = self.attn.spec.head_dim
+        q, k = q.unflatten(-1, (-1, d)), k if k is None else k.unflatten(-1, (-1, d))
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), k if k is None else self.k_norm(k)
+        q, k = apply_rotary(q, k, rope)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache, meta,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's output, not yet added to the residual stream; the first
+        layer gets the embeddings and no residual. Returns (output, residual stream)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """embed_tokens → layers → norm, with one RoPE table lookup shared by all layers; a family
+    sets the four parts."""
+
+    embed_tokens: nn.Module
+    rotary: nn.Module
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        normed, _ = self.norm(hidden, residual)
+        return normed
+
+
+class CausalLM(nn.Module):
+    """A decoder `model` (with an `embed_tokens`) under the LM head."""
+
+    stacked_params = STACKED_PARAMS
+
+    def __init__(self, cfg: ArchConfig, model: nn.Module, quant_config: QuantizationConfig | None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = model
+        self.lm_head = (model.embed_tokens if cfg.tie_word_embeddings
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config, "lm_head"))
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.config.tie_word_embeddings:  # the head is the embedding
+            weights = ((n, w) for n, w in weights if n != "lm_head.weight")
+        # A layer that reads another's KV has no k/v projections; checkpoints may still carry them.
+        sharing = {f"model.layers.{i}.self_attn.{p}_proj." for i, s in enumerate(self.config.kv_cache_specs())
+                   if isinstance(s, SharedKVSpec) for p in "kv"}
+        if sharing:
+            weights = ((n, w) for n, w in weights if n[:n.rindex(".") + 1] not in sharing)
+        load_named_weights(self, weights, self.stacked_params)

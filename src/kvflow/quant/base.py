@@ -1,0 +1,63 @@
+"""The seam between layers and quantization.
+
+A layer (linear, embedding, LM head) knows its shape and where each checkpoint tensor goes; its
+`QuantMethod` decides what its parameters are and how it multiplies by them. So a model is written
+once and runs float, int8, int4 or GGUF blocks alike. This module must not import `kvflow.model`:
+layers call down into it, never the other way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class QuantMethod(ABC):
+    """How one layer stores and applies its weight W [output_size, input_size].
+
+    `create_weights` registers the layer's parameters (each with a `weight_loader` and the
+    attributes the layer's loader reads: `output_dim`, `input_dim`); the checkpoint fills them;
+    `process_weights_after_loading` turns them into the form `apply` runs fastest (quantizing a
+    float checkpoint, repacking for a kernel)."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None: ...
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        return None
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias) for x [T, input_size]."""
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W, in the model dtype (only for methods an embedding can use)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve as an embedding")
+
+
+class QuantizationConfig(ABC):
+    """Which method each layer gets; `kind` is "linear" or "embedding" (the LM head counts as an
+    embedding: it is the same matrix, tied or not). None means: leave this layer unquantized."""
+
+    name: str
+
+    @abstractmethod
+    def get_quant_method(self, kind: str, prefix: str) -> QuantMethod | None: ...
+
+
+def set_weight_attrs(param: nn.Parameter, **attrs) -> nn.Parameter:
+    for key, value in attrs.items():
+        setattr(param, key, value)
+    return param
+
+
+def copy_checked(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into (a slice of) a parameter; a wrong shape is an error that the
+    loader prefixes with the tensor's name."""
+    if dest.shape != src.shape:
+        raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(src)

@@ -1,0 +1,108 @@
+"""GGUF checkpoints run on their own quantized blocks (`quantization=None` with a .gguf file).
+
+Each checkpoint tensor arrives as raw blocks (`GGUFBlocks`), one row of blocks per output channel,
+and the layer keeps it per shard until all shards are in. Then every block type that is affine
+per group of ≥ 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) becomes int4 planes for aten's
+kernel (`int4pack.py`); shards of one fused layer share one set of planes when their groups and
+widths agree. What has no such form — Q6_K (groups of 16), block types without a decoder here,
+float tensors — is decoded to the model dtype, that tensor only. On a GPU every tensor is decoded
+(the int4 kernel here is the CPU one).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.quant.base import QuantizationConfig, QuantMethod
+from kvflow.quant.gguf_blocks import BLOCK_SIZES, Affine, GGUFBlocks, decode
+from kvflow.quant.int4pack import Int4Planes, planes_from_affine
+
+
+class GGUFConfig(QuantizationConfig):
+    name = "gguf"
+
+    def get_quant_method(self, kind: str, prefix: str) -> QuantMethod:
+        return GGUFMethod()
+
+
+class DenseWeight(nn.Module):
+    """A float weight [N, K] behind the same interface as `Int4Planes`."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.weight.to(dtype or self.weight.dtype)
+
+
+class GGUFMethod(QuantMethod):
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        # A placeholder the loader can name; the shards' blocks wait in `gguf_shards`.
+        weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        weight.weight_loader = lambda param, loaded, shard_id=None: self._load(layer, loaded, shard_id)
+        layer.register_parameter("weight", weight)
+        layer.gguf_shards, layer.gguf_dtype = {}, params_dtype
+
+    def _load(self, layer: nn.Module, loaded, shard_id) -> None:
+        index = layer.shard_index(shard_id)
+        expected = (layer.output_sizes[index] * (layer.tp_size if layer.tp_split == "output" else 1),
+                    layer.input_size * (layer.tp_size if layer.tp_split == "input" else 1))
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {expected}")
+        if layer.tp_split == "input" and layer.tp_size > 1:
+            raise ValueError("cannot split GGUF blocks over input channels (row-parallel ranks)")
+        rows = layer.output_sizes[index]
+        start = layer.tp_rank * rows if layer.tp_split == "output" else 0
+        layer.gguf_shards[index] = (loaded.narrow_rows(start, rows) if isinstance(loaded, GGUFBlocks)
+                                    else loaded.narrow(0, start, rows))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]
+        on_cpu = layer.weight.device.type == "cpu"
+        forms = [_affine(s) if on_cpu else None for s in shards]
+        parts, i = [], 0
+        while i < len(shards):  # consecutive shards with the same group run as one set of planes
+            j = i + 1
+            while j < len(shards) and forms[i] is not None and forms[j] is not None and forms[j].group == forms[i].group:
+                j += 1
+            parts.append(self._part(shards[i:j], forms[i:j], layer))
+            i = j
+        layer.gguf_parts = nn.ModuleList(parts)
+        del layer.weight, layer.gguf_shards
+
+    @staticmethod
+    def _part(shards, forms, layer) -> nn.Module:
+        dtype, device = layer.gguf_dtype, layer.weight.device
+        if forms[0] is None:
+            dense = [decode(s).dequantize() if isinstance(s, GGUFBlocks) and s.qtype in BLOCK_SIZES else s.float()
+                     for s in shards]
+            return DenseWeight(torch.cat(dense).to(device=device, dtype=dtype))
+        bits = max(f.bits for f in forms)
+        u, scale, minimum = (torch.cat([getattr(f, name) for f in forms]) for name in ("u", "scale", "min"))
+        return Int4Planes(planes_from_affine(u, scale, minimum, bits), forms[0].group, dtype, layer.prefix)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        parts = layer.gguf_parts
+        y = parts[0](x) if len(parts) == 1 else torch.cat([part(x) for part in parts], dim=-1)
+        return y if bias is None else y + bias
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return layer.gguf_parts[0].rows(ids)
+
+
+def _affine(shard) -> Affine | None:
+    """The int4-plane form of a shard, or None where it has none (float, Q6_K, unknown types)."""
+    if not isinstance(shard, GGUFBlocks) or shard.qtype not in BLOCK_SIZES:
+        return None
+    form = decode(shard)
+    return form if form.group >= 32 and form.bits <= 8 else None

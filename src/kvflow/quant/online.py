@@ -1,0 +1,89 @@
+"""The shared life of a method that quantizes a float checkpoint at load, or loads what
+`kvflow quantize` saved from it.
+
+From a float checkpoint the layer gets a float `weight` (loaded like an unquantized one) that
+`process_weights_after_loading` quantizes into the method's stored tensors. From a saved
+checkpoint the layer gets the stored tensors themselves, rows = output channels, so shards and
+tensor-parallel slices load like any weight. Either way the stored tensors stay on the layer
+(`stored_tensors` reads them back for saving) and a runtime module built from them multiplies.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch import nn
+
+from kvflow.quant.base import QuantizationConfig, QuantMethod, set_weight_attrs
+
+
+class OnlineQuantMethod(QuantMethod):
+    # name → (dtype, columns as a function of input_size or None for a 1-D per-row tensor)
+    stored_spec: dict[str, tuple[torch.dtype, object]] = {}
+
+    def __init__(self, config: OnlineQuantConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def quantize(self, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        """A float weight [N, K] → the stored tensors (rows = output channels)."""
+
+    @abstractmethod
+    def runtime(self, stored: dict[str, torch.Tensor], dtype: torch.dtype, name: str) -> nn.Module:
+        """The module that multiplies (and gathers rows) from the stored tensors."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        layer.quant_dtype = params_dtype
+        rows = sum(output_sizes)
+        specs = self.stored_specs(input_size) if self.config.from_saved else {"weight": (params_dtype, input_size)}
+        for name, (dtype, cols) in specs.items():
+            shape = (rows,) if cols is None else (rows, cols)
+            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            attrs = dict(output_dim=0, weight_loader=layer.weight_loader)
+            if cols is not None and cols == input_size:
+                attrs["input_dim"] = 1
+            layer.register_parameter(name, set_weight_attrs(param, **attrs))
+
+    def stored_specs(self, input_size: int) -> dict[str, tuple[torch.dtype, int | None]]:
+        return {name: (dtype, cols(input_size) if callable(cols) else cols)
+                for name, (dtype, cols) in self.stored_spec.items()}
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.config.from_saved:
+            stored = {name: getattr(layer, name).data for name in self.stored_spec}
+        else:
+            stored = self.quantize(layer.weight.data, layer.prefix)
+        for name in list(self.stored_spec) + ["weight"]:
+            if name in layer._parameters:
+                del layer._parameters[name]
+        for name, tensor in stored.items():
+            layer.register_buffer(name, tensor)
+        layer.quant_runtime = self.runtime(stored, layer.quant_dtype, layer.prefix)
+
+    def stored_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """name → (tensor, its output-channel dim, values packed per element along it)."""
+        return {name: (getattr(layer, name), 0, 1) for name in self.stored_spec}
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = layer.quant_runtime(x)
+        return y if bias is None else y + bias
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return layer.quant_runtime.rows(ids)
+
+
+class OnlineQuantConfig(QuantizationConfig):
+    method_class: type[OnlineQuantMethod]
+
+    def __init__(self, group_size: int | None = None, from_saved: bool = False) -> None:
+        self.group_size = group_size
+        self.from_saved = from_saved  # loading tensors `kvflow quantize` wrote, not a float checkpoint
+
+    def get_quant_method(self, kind: str, prefix: str) -> QuantMethod:
+        return self.method_class(self)
+
+    def to_dict(self) -> dict:
+        """What a saved checkpoint's config.json records as "quantization_config"."""
+        return {"quant_method": self.name} | ({"group_size": self.group_size} if self.group_size else {})

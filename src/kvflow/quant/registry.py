@@ -1,0 +1,56 @@
+"""`quantization=` names (vLLM's where it has them) → the config that gives each layer its method."""
+
+from __future__ import annotations
+
+from kvflow.quant.base import QuantizationConfig
+
+# Applied at load to a float checkpoint (or one saved by `kvflow quantize`, which names its method).
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "mxfp4", "awq", "w8a8")
+
+
+def get_quantization_config(quantization: str | None, group_size: int | None,
+                            checkpoint_quant: dict | None) -> QuantizationConfig | None:
+    """`quantization` is what the user asked for (None: run the checkpoint as stored);
+    `checkpoint_quant` is how the checkpoint stores its weights (a GGUF's blocks, or the
+    "quantization_config" of a quantized checkpoint)."""
+    stored = (checkpoint_quant or {}).get("quant_method")
+    if stored == "gguf":
+        return _config("gguf", None, None)
+    if stored is not None:
+        if quantization is not None and quantization != stored:
+            raise ValueError(f"quantization={quantization!r}, but the checkpoint is already quantized with {stored!r}")
+        if stored not in QUANTIZATION_METHODS:
+            raise ValueError(f"the checkpoint is quantized with {stored!r}, which kvflow cannot load "
+                             f"(supported: {', '.join(QUANTIZATION_METHODS)}, gguf)")
+        return _config(stored, group_size, checkpoint_quant)
+    if quantization is None:
+        return None
+    return _config(quantization, group_size, None)
+
+
+def _config(name: str, group_size: int | None, stored: dict | None) -> QuantizationConfig:
+    if name == "gguf":
+        from kvflow.quant.gguf import GGUFConfig
+
+        return GGUFConfig()
+    configs = _online_configs()
+    if name not in configs:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {name!r}")
+    if stored is not None:
+        group_size = stored.get("group_size", group_size)
+    if group_size is not None and name not in ("int4", "awq"):
+        raise ValueError(f"group_size applies to int4 and awq, not {name}")
+    if name == "awq" and stored is not None:  # AutoAWQ's checkpoints keep the embedding float
+        return configs[name](group_size, True, int8_embedding=stored.get("embedding") == "int8")
+    return configs[name](group_size=group_size, from_saved=stored is not None)
+
+
+def _online_configs() -> dict:
+    from kvflow.quant.awq import AWQConfig
+    from kvflow.quant.fp8 import Fp8Config
+    from kvflow.quant.int4 import Int4Config
+    from kvflow.quant.int8 import Int8Config
+    from kvflow.quant.mxfp4 import Mxfp4Config
+    from kvflow.quant.w8a8 import W8A8Config
+
+    return {c.name: c for c in (Int8Config, Int4Config, Fp8Config, Mxfp4Config, AWQConfig, W8A8Config)}

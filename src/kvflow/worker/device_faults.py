@@ -1,0 +1,19 @@
+"""Which exceptions mean the device itself is unusable.
+
+A CUDA error other than running out of memory (a device-side assert, an illegal address) leaves
+the context poisoned: every later kernel launch fails too, so retrying steps only fails every
+request one by one. Out-of-memory is different: the allocation failed, nothing was corrupted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_device_fault(error: BaseException) -> bool:
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA errors
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and "CUDA error" in str(error)

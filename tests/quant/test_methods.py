@@ -1,0 +1,71 @@
+"""Each method's layer against its own dequantized weights in float32, for every matmul shape the
+default model has, at decode (kernel) and prefill (dequantized) sizes, and its embedding rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.model.layers.embedding import VocabParallelEmbedding
+from kvflow.model.layers.linear import MergedColumnParallelLinear
+from kvflow.quant.registry import get_quantization_config
+
+# (N, K) of SmolLM2-135M: qkv, o, gate_up, down; the 49152-row head is covered by the GGUF tests
+# (int4 planes) and by a smaller vocabulary here.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+METHODS = ["int8", "int4", "fp8", "mxfp4", "w8a8"]
+
+
+def _layer(method: str, n: int, k: int, group: int | None = None):
+    config = get_quantization_config(method, group, None)
+    layer = MergedColumnParallelLinear(k, [n // 2, n // 2], quant_config=config, prefix=f"{method}.{n}x{k}")
+    w = torch.randn(n, k) * 0.05
+    layer.weight_loader(layer.weight, w[: n // 2], 0)
+    layer.weight_loader(layer.weight, w[n // 2:], 1)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer, w
+
+
+def _dequantized(layer) -> torch.Tensor:
+    return layer.quant_runtime.dequantize(torch.float32) if hasattr(layer.quant_runtime, "dequantize") else None
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_matmul_matches_its_dequantized_weights(method):
+    torch.manual_seed(0)
+    for n, k in SHAPES:
+        layer, w = _layer(method, n, k)
+        for rows in (1, 3, 100):
+            x = torch.randn(rows, k)
+            y = layer(x)
+            if method == "w8a8":  # activations are rounded too: compare with both sides rounded
+                scale = x.abs().amax(1, keepdim=True) / 127
+                x = (x / scale).round() * scale
+                deq = layer.quant_runtime.q_t.t().float() * layer.quant_runtime.scale[:, None]
+            else:
+                deq = _dequantized(layer)
+            torch.testing.assert_close(y, x @ deq.t(), atol=2e-4, rtol=1e-4)
+        # and the quantized weights stay near the float ones (the format's own bound)
+        deq = _dequantized(layer) if method != "w8a8" else layer.quant_runtime.q_t.t().float() * layer.quant_runtime.scale[:, None]
+        assert (deq - w).abs().max() <= {"int8": 0.002, "int4": 0.03, "fp8": 0.016, "mxfp4": 0.1, "w8a8": 0.002}[method]
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_group_sizes(group):
+    layer, w = _layer("int4", 576, 1536, group)
+    x = torch.randn(2, 1536)
+    torch.testing.assert_close(layer(x), x @ _dequantized(layer).t(), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_embedding_rows_and_tied_head(method):
+    config = get_quantization_config(method, None, None)
+    embed = VocabParallelEmbedding(1000, 576, quant_config=config, prefix="model.embed_tokens")
+    w = torch.randn(1000, 576)
+    embed.weight_loader(embed.weight, w)
+    embed.quant_method.process_weights_after_loading(embed)
+    ids = torch.tensor([0, 1, 63, 64, 999])
+    rows = embed(ids)
+    deq = _dequantized(embed) if method != "w8a8" else embed.quant_runtime.q_t.t().float() * embed.quant_runtime.scale[:, None]
+    torch.testing.assert_close(rows, deq[ids])
+    assert embed.compute_logits(torch.randn(2, 576)).shape == (2, 1000)

@@ -1,0 +1,104 @@
+"""`kvflow quantize` writes a checkpoint that loads without re-quantizing and gives the same
+logits as quantizing at load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.entrypoints.cli import main
+from tiny_models import make_tiny_model
+
+PROMPTS = [[1, 5, 9, 22, 40, 3, 7, 8], [11, 12]]
+PARAMS = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3, logprobs=3, ignore_eos=True)
+
+
+def _run(path, **kw):
+    llm = LLM(str(path), skip_tokenizer_init=True, disable_log_stats=True, dtype="float32", **kw)
+    return [(o.outputs[0].token_ids, o.prompt_logprobs[1:], o.outputs[0].logprobs)
+            for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)], llm
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8", "mxfp4", "w8a8"])
+def test_saved_checkpoint_reloads_with_identical_logits(method, tmp_path):
+    make_tiny_model("qwen2-bias", tmp_path / "float")  # q/k/v biases and a tied head
+    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--method", method]) == 0
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == method
+    at_load, _ = _run(tmp_path / "float", quantization=method)
+    reloaded, llm = _run(tmp_path / "q")
+    assert reloaded == at_load
+    model = llm.llm_engine.runner.model
+    assert not any(p.is_floating_point() and p.dim() == 2 and "proj" in n for n, p in model.named_parameters())
+
+
+def _char_tokenizer(directory, vocab_size: int) -> None:
+    """A character-level tokenizer (ids < vocab_size), so AWQ can read its calibration text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:'!?-\n"
+    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars[:vocab_size - 1])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.save(str(directory / "tokenizer.json"))
+
+
+def test_awq_calibrates_and_reloads(tmp_path):
+    make_tiny_model("llama-mha-tied", tmp_path / "float")  # one value head per query head: o_proj is scaled too
+    _char_tokenizer(tmp_path / "float", 97)
+    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--method", "awq"]) == 0
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert config == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
+                      "embedding": "int8"}
+    prompts = [{"prompt_token_ids": list(range(1, 60))}]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def nll(path, **kw):
+        llm = LLM(str(path), dtype="float32", disable_log_stats=True, **kw)
+        out = llm.generate(prompts, params, use_tqdm=False)[0]
+        return -sum(lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompts[0]["prompt_token_ids"][1:]))
+
+    assert nll(tmp_path / "q") == nll(tmp_path / "float", quantization="awq")
+
+
+def test_awq_search_protects_salient_channels():
+    """Inputs with a few large channels: the searched scale beats plain rounding (α = 0) on the
+    layer's output error, and never loses to it (α = 0 is in the grid)."""
+    from kvflow.quant.awq_search import search_scale
+    from kvflow.quant.formats import int4_per_group
+
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 128), torch.randn(512, 128)
+    x[:, :4] *= 20
+    s, alpha = search_scale(w, x.abs().mean(0), x, 32, "w")
+
+    def error(scale):
+        u, sc, mn = int4_per_group(w * scale, 32, "w")
+        dq = (u.view(256, 4, 32).float() * sc[..., None] + mn[..., None]).view(256, 128) / scale
+        return (x @ dq.t() - x @ w.t()).pow(2).mean().item()
+
+    assert alpha > 0 and error(s) < 0.8 * error(torch.ones(128))
+
+
+def test_group_size_is_recorded_and_a_mismatch_is_refused(tmp_path):
+    make_tiny_model("llama-mqa", tmp_path / "float")
+    main(["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--method", "int4", "--group-size", "32"])
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "int4", "group_size": 32}
+    with pytest.raises(ValueError, match="already quantized with 'int4'"):
+        LLM(str(tmp_path / "q"), skip_tokenizer_init=True, quantization="int8")
+
+
+def test_group_size_that_does_not_divide_names_the_layer(tmp_path):
+    make_tiny_model("llama-mqa", tmp_path)  # hidden 64
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.qkv_proj: group size 128 does not divide its 64"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, quantization="int4", group_size=128)
+
+
+def test_unknown_method_is_named(tmp_path):
+    make_tiny_model("llama-mqa", tmp_path)
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, quantization="int3")
