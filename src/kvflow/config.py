@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvflow.kv_cache_spec import QUANTIZED_KV_CACHE_DTYPES
 from kvflow.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,6 +40,7 @@ class CacheConfig:
     num_kv_blocks: int | None  # overrides the memory budget exactly (tests)
     enable_prefix_caching: bool = True
     swap_space_gb: float = 0.0  # host memory for preempted requests' KV (preemption_mode="swap")
+    cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" | "int8" (kvflow.attention.kv_quant)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class EngineArgs:
     max_logprobs: int = 20  # vLLM's name and default; -1: no cap
     quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
     group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
+    kv_cache_dtype: str = "auto"  # vLLM's name: fp8 or int8 stores KV in one byte per number plus scales
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -127,8 +130,12 @@ class EngineArgs:
             "attention_backend", "auto, torch_sdpa, torch_reference or triton",
         )
         _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
+        _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", "auto, fp8 or int8")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
+        if self.kv_cache_dtype != "auto" and backend == "triton":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} is not implemented by the triton attention "
+                             "backend yet; use kv_cache_dtype=auto or attention_backend=torch_sdpa")
         return EngineConfig(
             model=ModelConfig(
                 model=self.model or "",
@@ -143,7 +150,7 @@ class EngineArgs:
             ),
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
-                self.swap_space_gb if self.preemption_mode == "swap" else 0.0,
+                self.swap_space_gb if self.preemption_mode == "swap" else 0.0, self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 self.max_num_batched_tokens, self.max_num_seqs, self.scheduling_policy, self.preemption_mode
@@ -190,6 +197,9 @@ class EngineArgs:
                        help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
                             "(default: run the checkpoint as stored; a GGUF on its own blocks)")
         g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
+                       help="KV cache storage: auto (the model's dtype), or fp8 (E4M3) / int8 with a bfloat16 scale "
+                            "per head and position: ~2x the tokens of bfloat16 in the same memory")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -34,6 +34,10 @@ class FullAttentionSpec:
         return 2 * self.num_kv_heads * self.head_dim  # K and V
 
     @property
+    def vectors_per_token(self) -> int:
+        return 2 * self.num_kv_heads  # a quantized cache keeps one scale per head's K and V
+
+    @property
     def sliding_window(self) -> int | None:
         return None
 
@@ -47,6 +51,10 @@ class SlidingWindowSpec:
     @property
     def elements_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def vectors_per_token(self) -> int:
+        return 2 * self.num_kv_heads
 
     @property
     def sliding_window(self) -> int | None:
@@ -63,6 +71,10 @@ class MLAAttentionSpec:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def vectors_per_token(self) -> int:
+        return 1
+
+    @property
     def sliding_window(self) -> int | None:
         return None
 
@@ -75,14 +87,34 @@ class SharedKVSpec:
     def elements_per_token(self) -> int:
         return 0
 
+    @property
+    def vectors_per_token(self) -> int:
+        return 0
+
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedKVSpec
 
+# `kv_cache_dtype` settings: "auto" keeps KV in the model's dtype; the others store one byte per
+# number plus a bfloat16 scale per vector, one head's K or V at one position
+# (kvflow.attention.kv_quant).
+QUANTIZED_KV_CACHE_DTYPES = ("fp8", "int8")
+KV_SCALE_BYTES = 2
 
-def kv_bytes_per_token(specs: list[KVCacheSpec], dtype_bytes: float) -> float:
+
+def token_bytes(spec: KVCacheSpec, dtype_bytes: float, kv_cache_dtype: str = "auto") -> float:
+    """What one token costs in a layer of this spec; `dtype_bytes`: the model's dtype ("auto")."""
+    if kv_cache_dtype == "auto":
+        return spec.elements_per_token * dtype_bytes
+    if kv_cache_dtype not in QUANTIZED_KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, {' or '.join(QUANTIZED_KV_CACHE_DTYPES)}; "
+                         f"got {kv_cache_dtype!r}")
+    return spec.elements_per_token + spec.vectors_per_token * KV_SCALE_BYTES
+
+
+def kv_bytes_per_token(specs: list[KVCacheSpec], dtype_bytes: float, kv_cache_dtype: str = "auto") -> float:
     """KV bytes one token adds over all layers, before any window cap: the planner's figure and
     the pool's per-token cost."""
-    return sum(s.elements_per_token for s in specs) * dtype_bytes
+    return sum(token_bytes(s, dtype_bytes, kv_cache_dtype) for s in specs)
 
 
 @dataclass(frozen=True)
@@ -108,9 +140,9 @@ class KVLayout:
     def sliding_windows(self) -> tuple[int | None, ...]:
         return tuple(g.spec.sliding_window for g in self.groups)
 
-    def block_bytes(self, block_size: int, dtype_bytes: int) -> int:
+    def block_bytes(self, block_size: int, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
         """Memory of one block: one slot's worth of KV in each of the group_size tensors."""
-        return self.group_size * self.groups[0].spec.elements_per_token * block_size * dtype_bytes
+        return int(self.group_size * token_bytes(self.groups[0].spec, dtype_bytes, kv_cache_dtype) * block_size)
 
 
 def kv_layout(specs: list[KVCacheSpec]) -> KVLayout:

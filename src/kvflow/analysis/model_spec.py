@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvflow.kv_cache_spec import (
-    FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SharedKVSpec, SlidingWindowSpec, kv_bytes_per_token,
+    FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SharedKVSpec, SlidingWindowSpec, kv_bytes_per_token, token_bytes,
 )
 from kvflow.model.arch_config import ArchConfig
 
@@ -224,10 +224,11 @@ class ModelSpec:
         one latent plus its RoPE key."""
         return next(s.elements_per_token for s in self.layer_kv_specs() if not isinstance(s, SharedKVSpec))
 
-    def kv_bytes_per_token(self, kv_dtype: str | int = "bfloat16") -> int:
+    def kv_bytes_per_token(self, kv_dtype: str | int = "bfloat16", kv_cache_dtype: str = "auto") -> int:
         """KV bytes one token adds across all layers, before any sliding-window cap (the same
-        function sizes the engine's pool)."""
-        return int(kv_bytes_per_token(self.layer_kv_specs(), dtype_bits(kv_dtype) / 8))
+        function sizes the engine's pool). `kv_cache_dtype` fp8/int8: one byte per number plus
+        the scales, whatever `kv_dtype` is."""
+        return int(kv_bytes_per_token(self.layer_kv_specs(), dtype_bits(kv_dtype) / 8, kv_cache_dtype))
 
     def attended_tokens(self, context_len: int) -> int:
         """Sum over layers of the positions a new token sees (window-capped on local layers)."""
@@ -237,12 +238,13 @@ class ModelSpec:
             for i in range(self.num_layers)
         )
 
-    def kv_bytes_for_context(self, context_len: int, kv_dtype: str | int = "bfloat16") -> int:
+    def kv_bytes_for_context(self, context_len: int, kv_dtype: str | int = "bfloat16", kv_cache_dtype: str = "auto") -> int:
         """KV bytes one request holds at `context_len` tokens (local layers keep only W, layers
         that share another's KV keep none)."""
-        elements = sum(s.elements_per_token * (context_len if s.sliding_window is None else min(context_len, s.sliding_window))
-                       for s in self.layer_kv_specs())
-        return elements * dtype_bits(kv_dtype) // 8
+        per_number = dtype_bits(kv_dtype) / 8
+        return int(sum(token_bytes(s, per_number, kv_cache_dtype)
+                       * (context_len if s.sliding_window is None else min(context_len, s.sliding_window))
+                       for s in self.layer_kv_specs()))
 
     # ---- FLOPs ----------------------------------------------------------------------------
 

@@ -106,6 +106,7 @@ class PlanResult:
     dtype: str
     weight_bits: int
     context_len: int
+    kv_cache_dtype: str
     params: int
     active_params: int
     weight_bytes: int
@@ -149,9 +150,10 @@ def max_batch_size(hw: Hardware, weight_bytes: int, kv_per_sequence: int) -> int
 
 
 def decode_row(
-    model: ModelSpec, hw: Hardware, dtype: str, weight_bits: int, batch_size: int, context_len: int
+    model: ModelSpec, hw: Hardware, dtype: str, weight_bits: int, batch_size: int, context_len: int,
+    kv_cache_dtype: str = "auto",
 ) -> DecodeRow:
-    kv = batch_size * model.kv_bytes_for_context(context_len, dtype)
+    kv = batch_size * model.kv_bytes_for_context(context_len, dtype, kv_cache_dtype)
     read = model.decode_weight_bytes(batch_size, weight_bits) + kv
     flops = batch_size * model.flops_per_token(context_len)
     seconds, bound = roofline(flops, read, hw, dtype)
@@ -171,11 +173,11 @@ def decode_row(
 
 
 def prefill_estimate(
-    model: ModelSpec, hw: Hardware, dtype: str, weight_bits: int, tokens: int
+    model: ModelSpec, hw: Hardware, dtype: str, weight_bits: int, tokens: int, kv_cache_dtype: str = "auto"
 ) -> PrefillEstimate:
     """Time to first token for one request: a forward pass over the prompt that writes its KV."""
     flops = model.prefill_flops(tokens)
-    nbytes = model.weight_bytes(weight_bits) + model.kv_bytes_for_context(tokens, dtype)
+    nbytes = model.weight_bytes(weight_bits) + model.kv_bytes_for_context(tokens, dtype, kv_cache_dtype)
     seconds, bound = roofline(flops, nbytes, hw, dtype)
     return PrefillEstimate(tokens, flops, nbytes, seconds * 1e3, flops / nbytes, bound)
 
@@ -194,10 +196,11 @@ def spec_estimate(spec: SpecParams, batch1: DecodeRow) -> SpecEstimate:
     )
 
 
-def quant_row(model: ModelSpec, hw: Hardware, dtype: str, bits: int, context_len: int) -> QuantRow:
-    row = decode_row(model, hw, dtype, bits, 1, context_len)
+def quant_row(model: ModelSpec, hw: Hardware, dtype: str, bits: int, context_len: int,
+              kv_cache_dtype: str = "auto") -> QuantRow:
+    row = decode_row(model, hw, dtype, bits, 1, context_len, kv_cache_dtype)
     weights = model.weight_bytes(bits)
-    fit = max_batch_size(hw, weights, model.kv_bytes_for_context(context_len, dtype))
+    fit = max_batch_size(hw, weights, model.kv_bytes_for_context(context_len, dtype, kv_cache_dtype))
     return QuantRow(bits, weights, fit, row.latency_ms, row.throughput_tok_s)
 
 
@@ -209,18 +212,21 @@ def plan(
     context_len: int = DEFAULT_CONTEXT_LEN,
     spec: SpecParams | None = None,
     weight_bits: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> PlanResult:
     """Plan decode for `model` on `hw`: every request holds `context_len` tokens of KV.
 
-    `dtype` is the compute and KV dtype; `weight_bits` stores weights narrower (int8 → 8).
+    `dtype` is the compute and KV dtype; `weight_bits` stores weights narrower (int8 → 8);
+    `kv_cache_dtype` fp8/int8 stores KV in one byte per number plus scales, as the engine does.
     """
     if context_len < 1 or not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ValueError("need context_len >= 1 and at least one batch size, all >= 1")
     dtype = canonical_dtype(dtype)
     bits = weight_bits or dtype_bits(dtype)
-    kv_seq = model.kv_bytes_for_context(context_len, dtype)
-    rows = tuple(decode_row(model, hw, dtype, bits, b, context_len) for b in batch_sizes)
-    batch1 = decode_row(model, hw, dtype, bits, 1, context_len)
+    kv = kv_cache_dtype
+    kv_seq = model.kv_bytes_for_context(context_len, dtype, kv)
+    rows = tuple(decode_row(model, hw, dtype, bits, b, context_len, kv) for b in batch_sizes)
+    batch1 = decode_row(model, hw, dtype, bits, 1, context_len, kv)
     quant_bits = sorted({dtype_bits(dtype), 8, 4}, reverse=True)
     return PlanResult(
         model=model,
@@ -228,14 +234,15 @@ def plan(
         dtype=dtype,
         weight_bits=bits,
         context_len=context_len,
+        kv_cache_dtype=kv,
         params=model.param_count(),
         active_params=model.active_param_count(),
         weight_bytes=model.weight_bytes(bits),
-        kv_bytes_per_token=model.kv_bytes_per_token(dtype),
+        kv_bytes_per_token=model.kv_bytes_per_token(dtype, kv),
         kv_bytes_per_sequence=kv_seq,
         max_batch_size=max_batch_size(hw, model.weight_bytes(bits), kv_seq),
         rows=rows,
-        prefill=prefill_estimate(model, hw, dtype, bits, context_len),
+        prefill=prefill_estimate(model, hw, dtype, bits, context_len, kv),
         speculative=spec_estimate(spec, batch1) if spec else None,
-        quantization=tuple(quant_row(model, hw, dtype, b, context_len) for b in quant_bits),
+        quantization=tuple(quant_row(model, hw, dtype, b, context_len, kv) for b in quant_bits),
     )

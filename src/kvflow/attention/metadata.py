@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.attention import kv_quant
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -52,10 +54,14 @@ def slot_blocks_and_offsets(meta: AttentionMetadata) -> tuple[torch.Tensor, torc
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store the new tokens' K and V. kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim]
-    (head-major inside a block, so a request's keys gather into contiguous [heads, len, dim])."""
+    (head-major inside a block, so a request's keys gather into contiguous [heads, len, dim]), or
+    a quantized cache (kvflow.attention.kv_quant), which stores codes and scales."""
     blocks, offsets, rows = slot_blocks_and_offsets(meta)
     if rows is not None:
         k, v = k[rows], v[rows]
+    if kv_quant.is_quantized(kv_cache):
+        kv_quant.write(k, v, kv_cache, blocks, offsets, meta.block_size)
+        return
     kv_cache[0].transpose(1, 2)[blocks, offsets] = k.to(kv_cache.dtype)
     kv_cache[1].transpose(1, 2)[blocks, offsets] = v.to(kv_cache.dtype)
 
@@ -67,10 +73,15 @@ def gather_index(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return (block_tables[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, index: torch.Tensor | None = None):
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, index: torch.Tensor | None = None,
+              block_size: int = 0, dtype: torch.dtype | None = None):
     """The cached keys and values of a batch of requests: block_tables [B, n] → K and V as
-    [B, num_kv_heads, n * block_size, head_dim], contiguous. `index`: gather_index(), if precomputed."""
+    [B, num_kv_heads, n * block_size, head_dim], contiguous. `index`: gather_index(), if precomputed.
+    A quantized cache is dequantized to `dtype` on the way (its packed rows need `block_size`)."""
     batch, n = block_tables.shape
+    if kv_quant.is_quantized(kv_cache):
+        index = gather_index(block_tables, kv_cache.shape[2]) if index is None else index
+        return kv_quant.gather(kv_cache, index, batch, block_size, dtype)
     _, num_blocks, heads, block_size, dim = kv_cache.shape
     index = gather_index(block_tables, heads) if index is None else index
     return tuple(kv_cache[i].view(num_blocks * heads, block_size, dim).index_select(0, index)

@@ -22,7 +22,8 @@ class TorchReferenceBackend:
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             n_blocks = -(-seq_len // meta.block_size)
-            keys, values = gather_kv(kv_cache, meta.block_tables[i:i + 1, :n_blocks])  # [1, Hkv, L', D]
+            keys, values = gather_kv(kv_cache, meta.block_tables[i:i + 1, :n_blocks], None, meta.block_size,
+                                     torch.float32)  # [1, Hkv, L', D]
             keys = keys[0, :, :seq_len].transpose(0, 1).float().repeat_interleave(group, dim=1)  # [L, H, D]
             values = values[0, :, :seq_len].transpose(0, 1).float().repeat_interleave(group, dim=1)
             queries = q[start:start + q_len].float()  # [n, H, D]

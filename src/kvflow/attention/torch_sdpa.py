@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvflow.attention import kv_quant
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, gather_index, gather_kv, write_kv
 
 # A decode joins the current bucket while its context is at least this fraction of the bucket's
@@ -56,10 +57,14 @@ class TorchSDPABackend:
         if plan is None:
             plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv)
         out = torch.empty_like(q)
+        if plan.fresh_prompts and kv_quant.is_quantized(kv_cache):
+            # A prompt sees its own keys as every later read will: quantized.
+            k, v = kv_quant.round_trip(k, kv_cache.dtype), kv_quant.round_trip(v, kv_cache.dtype)
         for rows in plan.fresh_prompts:
             out[rows] = _causal_prompt(q[rows], k[rows], v[rows], layer)
         for g in plan.groups:
-            keys, values = gather_kv(kv_cache, g.blocks, g.index)  # whole blocks: the mask hides the rest
+            # Whole blocks: the mask hides the rest.
+            keys, values = gather_kv(kv_cache, g.blocks, g.index, meta.block_size, q.dtype)
             queries = q[g.rows].view(len(g.blocks), g.n, layer.num_heads, layer.head_dim)
             out[g.rows] = grouped_attention(queries, keys, values, g.mask, layer).flatten(0, 1)
         return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kvflow.attention import kv_quant
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.attention.triton_kernels import (
     decode_split_k_launches, kv_store_launch, make_tiles, num_splits_for, paged_prefill_launch, query_tile_size,
@@ -52,6 +53,9 @@ class TritonBackend:
                  out: torch.Tensor) -> list[KernelLaunch]:
         """The kernel launches of forward(), in order, writing into `out`: every choice of grid and
         tile is made here, for the GPU run and for `kvflow bench gpu-compile` alike."""
+        if kv_quant.is_quantized(kv_cache):
+            raise NotImplementedError(f"the triton attention backend cannot read a quantized KV cache "
+                                      f"({kv_cache.dtype}) yet; use kv_cache_dtype=auto or attention_backend=torch_sdpa")
         block_q = query_tile_size(layer.num_heads, layer.num_kv_heads, layer.head_dim, q.dtype)
         key = (self.name, block_q)  # the tile table depends on the GQA group through block_q
         plan = meta.plans.get(key)

@@ -105,7 +105,7 @@ def engine_shapes(model: str | None, args: EngineArgs, dtype: torch.dtype = torc
     return EngineShapes(
         model=name, arch=arch, dtype=dtype, block_size=args.block_size, max_model_len=max_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=num_kv_blocks(cache, arch, dtype, useful), context_len=context_len,
+        num_kv_blocks=num_kv_blocks(cache, arch.kv_layout.block_bytes(args.block_size, dtype.itemsize), useful), context_len=context_len,
     )
 
 

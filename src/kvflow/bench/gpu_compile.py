@@ -88,6 +88,7 @@ def _report(request: CompileRequest, cache: dict) -> dict[str, Any]:
     from kvflow.bench.engine_shapes import DEFAULT_CONTEXT_LEN, engine_shapes
     from kvflow.bench.gpu_targets import parse_targets
     from kvflow.bench.kernel_compile import compile_launch
+    from kvflow.bench.gpu_kernels import PER_HEAD_QK_NORM
 
     targets = parse_targets(request.archs)
     shapes = engine_shapes(request.model, EngineArgs(**request.engine), torch_dtype(request.dtype),
@@ -117,7 +118,7 @@ def _report(request: CompileRequest, cache: dict) -> dict[str, Any]:
         "model": shapes.model, "dtype": request.dtype,
         "shapes": {"hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size, "num_heads": a.num_heads,
                    "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "windows": shapes.windows(),
-                   "qk_norm": a.qk_norm, "block_size": shapes.block_size, "max_model_len": shapes.max_model_len,
+                   "qk_norm": a.architecture in PER_HEAD_QK_NORM, "block_size": shapes.block_size, "max_model_len": shapes.max_model_len,
                    "max_num_seqs": shapes.max_num_seqs, "max_num_batched_tokens": shapes.max_num_batched_tokens,
                    "num_kv_blocks": shapes.num_kv_blocks, "context_len": shapes.context_len},
         "steps": [{"name": s.name, "requests": len(s.query_lens), "tokens": s.num_tokens, "graph": s.graph}

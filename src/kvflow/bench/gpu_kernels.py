@@ -40,6 +40,11 @@ class KernelCase:
     per_forward: int = 1  # launches like this one in one forward pass of the model
 
 
+# Architectures whose attention normalises each head of q and k (their model files pass
+# qk_norm="per_head"): two more RMSNorm launches per layer.
+PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"})
+
+
 @dataclass(frozen=True)
 class KernelEntry:
     name: str
@@ -98,7 +103,7 @@ def rms_norm_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
     hidden, layers = s.empty(n, a.hidden_size), a.num_layers
     # Layer 0's input norm has no residual yet; every later norm adds it (the final norm too).
     inputs = [("first layer", hidden, None, 1), ("with residual", hidden, s.empty(n, a.hidden_size), 2 * layers)]
-    if a.qk_norm:
+    if a.architecture in PER_HEAD_QK_NORM:
         q, k, _ = _qkv_views(s, n)
         inputs += [("q norm", q, None, layers), ("k norm", k, None, layers)]
     cases = []
@@ -120,7 +125,7 @@ def _qkv_views(s: EngineShapes, num_tokens: int) -> tuple[torch.Tensor, torch.Te
 def rotary_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
     a, n, e = s.arch, step.num_tokens, s.dtype.itemsize
     q, k, _ = _qkv_views(s, n)
-    if a.qk_norm:  # normed q and k are fresh tensors
+    if a.architecture in PER_HEAD_QK_NORM:  # normed q and k are fresh tensors
         q, k = s.empty(n, a.num_heads, a.head_dim), s.empty(n, a.num_kv_heads, a.head_dim)
     tables = s.empty(a.max_position_embeddings, a.head_dim // 2, dtype=torch.float32)
     launch, _ = rotary_launch(q, k, s.empty(n, dtype=torch.int64), tables, tables)

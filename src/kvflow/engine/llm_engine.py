@@ -49,7 +49,7 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         model = self._load_model(checkpoint, dummy)
         cache, dtype, layout = self.config.cache, self.config.model.dtype, self.arch.kv_layout
-        block_bytes = layout.block_bytes(cache.block_size, dtype.itemsize)
+        block_bytes = layout.block_bytes(cache.block_size, dtype.itemsize, cache.cache_dtype)
         useful = (-(-self.config.model.max_model_len // cache.block_size) * self.config.scheduler.max_num_seqs
                   * len(layout.groups))
         self.num_kv_blocks = num_kv_blocks(cache, block_bytes, useful)
@@ -115,8 +115,9 @@ class LLMEngine:
         """The runner with its KV tensors (and swap space, and captured decode graphs)."""
         cfg, cache, dtype, device = self.config, self.config.cache, self.config.model.dtype, self.config.device
         layout = self.arch.kv_layout
-        kv_caches = allocate_kv_caches(layout, self.num_kv_blocks, cache.block_size, dtype, device)
-        host_caches = allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu") if num_host_blocks else None
+        kv_caches = allocate_kv_caches(layout, self.num_kv_blocks, cache.block_size, dtype, device, cache.cache_dtype)
+        host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype)
+                       if num_host_blocks else None)
         graphs = None
         # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
         if cfg.use_cuda_graphs and self.arch.moe is None:

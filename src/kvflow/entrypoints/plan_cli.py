@@ -16,6 +16,7 @@ from kvflow.analysis.planner import (
     SpecParams,
     plan,
 )
+from kvflow.kv_cache_spec import QUANTIZED_KV_CACHE_DTYPES
 
 DEFAULT_HARDWARE = "H100-SXM"  # the seeds' reference device
 
@@ -44,6 +45,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="A100-80GB, H100-SXM, H200, or 'measured' (this machine)",
     )
     parser.add_argument("--dtype", default="bfloat16", help="compute, weight and KV dtype")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
+                        help="KV storage: auto (--dtype), or fp8 / int8 codes plus a 2-byte scale per head and token")
     parser.add_argument(
         "--context-len",
         type=int,
@@ -103,6 +106,7 @@ def run_plan(args: argparse.Namespace) -> int:
             batch_sizes=tuple(args.batch_sizes),
             context_len=args.context_len,
             spec=_spec_params(args),
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         if args.plot:
             from kvflow.analysis.roofline_plot import plot_roofline
@@ -168,12 +172,16 @@ def _summary(r: PlanResult) -> list[str]:
         f"{hw.peak(r.dtype) / 1e12:,.1f} TFLOP/s {r.dtype}; "
         f"ridge {hw.ridge_point(r.dtype):.0f} FLOP/B",
         f"weights   {_gb(r.weight_bytes)} GB at {r.weight_bits} bits",
-        f"KV cache  {r.kv_bytes_per_token / 1024:,.1f} KiB/token; "
+        f"KV cache  {r.kv_bytes_per_token / 1024:,.1f} KiB/token ({_kv_storage(r)}); "
         f"{r.kv_bytes_per_sequence / 1e6:,.1f} MB per {r.context_len}-token request",
         f"max batch {r.max_batch_size} requests of {r.context_len} tokens fit in memory"
         + (" (the weights alone do not fit)" if r.weight_bytes > hw.memory_bytes else ""),
         f"prefill   TTFT {p.ttft_ms:,.2f} ms for {p.tokens} tokens ({p.bound}-bound)",
     ]
+
+
+def _kv_storage(r: PlanResult) -> str:
+    return r.dtype if r.kv_cache_dtype == "auto" else f"{r.kv_cache_dtype} + scales"
 
 
 def format_plan(r: PlanResult) -> str:
@@ -210,7 +218,7 @@ def format_plan(r: PlanResult) -> str:
         "\n".join(_summary(r)),
         "decode (roofline: max(bytes/bandwidth, FLOPs/peak))",
         decode,
-        "weight quantization (KV stays " + r.dtype + ")",
+        f"weight quantization (KV stays {_kv_storage(r)})",
         quant,
     ]
     if s := r.speculative:

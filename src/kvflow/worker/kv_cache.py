@@ -9,7 +9,10 @@ another layer's KV get that layer's tensor. Shapes:
   that a request's keys gather into the contiguous [heads, len, dim] operand a batched matmul
   reads fastest;
 - MLA: `[1, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`, the latent and the RoPE key
-  of each position side by side.
+  of each position side by side;
+- quantized K/V (kv_cache_dtype fp8 or int8): `[2, num_blocks, num_kv_heads, block_size *
+  (head_dim + 2)]`, each (block, head) row its codes then their bfloat16 scales
+  (kvflow.attention.kv_quant).
 
 Either way dimension 1 is the block, which is all block copies and swaps need to know.
 """
@@ -18,15 +21,21 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.attention import kv_quant
 from kvflow.config import CacheConfig
 from kvflow.kv_cache_spec import KVCacheSpec, KVLayout, MLAAttentionSpec, SharedKVSpec
 
 
-def kv_cache_shape(spec: KVCacheSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
+def kv_cache_shape(spec: KVCacheSpec, num_blocks: int, block_size: int, quantized: bool = False) -> tuple[int, ...]:
     if isinstance(spec, SharedKVSpec):
         raise ValueError("a layer that shares KV has no cache of its own")
     if isinstance(spec, MLAAttentionSpec):
+        if quantized:
+            raise ValueError("kv_cache_dtype fp8/int8 is not implemented for multi-head latent attention (MLA) "
+                             "caches yet; use kv_cache_dtype=auto")
         return (1, num_blocks, block_size, spec.elements_per_token)
+    if quantized:
+        return kv_quant.packed_shape(spec.num_kv_heads, spec.head_dim, num_blocks, block_size)
     return (2, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
 
 
@@ -41,12 +50,16 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_useful_blocks: int) 
     return min(blocks, max_useful_blocks)
 
 
-def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype, device) -> list[torch.Tensor]:
-    """One cache per layer (views of the G pool tensors; sharing layers get their target's)."""
+def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype, device,
+                       kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
+    """One cache per layer (views of the G pool tensors; sharing layers get their target's).
+    `dtype`: the model's, which "auto" keeps; fp8/int8 store codes of that dtype plus scales."""
+    codes = kv_quant.storage_dtype(kv_cache_dtype)
+    quantized = codes is not None
     first = layout.groups[0].spec
-    pool = [torch.zeros(kv_cache_shape(first, num_blocks, block_size), dtype=dtype, device=device)
+    pool = [torch.zeros(kv_cache_shape(first, num_blocks, block_size, quantized), dtype=codes or dtype, device=device)
             for _ in range(layout.group_size)]
-    return [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size))
+    return [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
             for group, slot in layout.places]
 
 
