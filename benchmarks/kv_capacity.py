@@ -48,7 +48,7 @@ def run(windows: tuple, num_blocks: int, args) -> dict:
         out = scheduler.schedule()
         most = max(most, scheduler.num_running)
         peak_blocks = max(peak_blocks, kv.pool.num_blocks - kv.pool.num_free_blocks)
-        scheduler.update_from_output(out, {c.request_id: 1 for c in out.chunks if c.sample})
+        scheduler.update_from_output(out, {c.request_id: [1] for c in out.chunks if c.sample})
         steps += 1
     return {"most_running": most, "peak_blocks": peak_blocks, "preemptions": scheduler.num_preemptions_total,
             "steps": steps}

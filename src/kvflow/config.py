@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvflow.kv_cache_spec import QUANTIZED_KV_CACHE_DTYPES
+from kvflow.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,6 +88,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     lora: LoRAConfig | None = None  # None: LoRA disabled
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -110,6 +112,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # triton on CUDA, torch_sdpa on CPU
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
+    speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
     max_logprobs: int = 20  # vLLM's name and default; -1: no cap
     enable_lora: bool = False  # vLLM's LoRA knobs, names and defaults
     max_loras: int = 1
@@ -176,6 +179,9 @@ class EngineArgs:
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported yet (only rank 0 "
+                             "would propose and verify); use tensor_parallel_size=1")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet (adapters are not "
                              "sharded); use tensor_parallel_size=1")
@@ -217,6 +223,7 @@ class EngineArgs:
             if self.enable_lora else None,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_init_method, self.node_rank,
                                     self.distributed_timeout_s),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -244,6 +251,9 @@ class EngineArgs:
                        choices=["auto", "torch_sdpa", "torch_reference", "triton"])
         g.add_argument("--device", default=d.device, help="auto (cuda when a GPU is visible), cpu, or cuda[:N]")
         g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                            '(methods: ngram, draft_model with "model", layer_skip with "num_draft_layers")')
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="the most logprobs / prompt_logprobs one request may ask for (-1: no cap)")
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")

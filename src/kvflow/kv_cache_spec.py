@@ -91,6 +91,10 @@ class SharedKVSpec:
     def vectors_per_token(self) -> int:
         return 0
 
+    @property
+    def sliding_window(self) -> int | None:
+        return None  # it holds nothing, so there is nothing to cap
+
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedKVSpec
 

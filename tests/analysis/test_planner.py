@@ -217,6 +217,15 @@ def test_hybrid_local_global_kv(layout):
     assert spec.kv_bytes_per_token() == 12 * per_layer_token  # uncapped per-token figure
 
 
+def test_cross_layer_sharing_keeps_no_kv_in_the_sharing_layers():
+    # The last 6 of 12 layers read an earlier layer's KV: per token and per request, half the KV.
+    plain = ModelSpec.from_hf_config({**SMOLLM2_CONFIG, "num_hidden_layers": 12})
+    shared = ModelSpec.from_hf_config({**SMOLLM2_CONFIG, "num_hidden_layers": 12, "num_kv_shared_layers": 6})
+    assert 2 * shared.kv_bytes_per_token() == plain.kv_bytes_per_token()
+    assert 2 * shared.kv_bytes_for_context(4096) == plain.kv_bytes_for_context(4096)
+    assert plan(shared, H100, batch_sizes=(1,)).max_batch_size > plan(plain, H100, batch_sizes=(1,)).max_batch_size
+
+
 def test_qwen2_style_sliding_window_off_when_disabled():
     cfg = {
         **SMOLLM2_CONFIG,

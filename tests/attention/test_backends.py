@@ -13,13 +13,15 @@ from kvflow.attention.torch_sdpa import TorchSDPABackend
 
 
 def random_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype, window: int | None):
-    """A mixed batch (fresh prompts, chunks after a cached prefix, decodes) over shuffled blocks,
+    """A mixed batch (fresh prompts, chunks after a cached prefix, decodes, verifications of 4
+    tokens) over shuffled blocks,
     with the cached part of every context already written."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     dim = 32
     cases = [(0, rng.randint(2, 40)), (rng.randint(1, 50), rng.randint(2, 20))] + \
-            [(rng.randint(1, 90), 1) for _ in range(rng.randint(1, 6))] + [(0, 1)]
+            [(rng.randint(1, 90), 1) for _ in range(rng.randint(1, 6))] + [(0, 1)] + \
+            [(rng.randint(1, 70), 4) for _ in range(rng.randint(1, 3))]  # speculative verifications
     rng.shuffle(cases)
     total_blocks = sum(-(-(c + n) // block_size) for c, n in cases) + 5
     physical = list(range(total_blocks))

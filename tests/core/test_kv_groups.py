@@ -75,7 +75,7 @@ def _run(windows: tuple, num_blocks: int, mode: str, seed: int) -> tuple[int, in
                 if window is not None:  # live blocks: the window's and the chunk's
                     live = sum(b != NULL_BLOCK for b in table)
                     assert live <= -(-(window - 1 + chunk.num_tokens) // BLOCK) + 1
-        scheduler.update_from_output(out, {c.request_id: 7 for c in out.chunks if c.sample})
+        scheduler.update_from_output(out, {c.request_id: [7] for c in out.chunks if c.sample})
     assert kv.usage == 0.0
     return scheduler.num_preemptions_total, kv.prefix_cache_hits
 

@@ -22,7 +22,7 @@ def _scheduler(budget=64, max_seqs=8, blocks=64, block_size=4, max_len=256, poli
 
 def _run_step(s: Scheduler, token: int = 5):
     out = s.schedule()
-    s.update_from_output(out, {c.request_id: token for c in out.chunks if c.sample})
+    s.update_from_output(out, {c.request_id: [token] for c in out.chunks if c.sample})
     return out
 
 

@@ -28,7 +28,7 @@ def _drive(s: Scheduler, max_steps: int = 50) -> int:
         assert out.chunks, "a step with nothing to run while requests wait"
         for chunk in out.chunks:  # every chunk stays inside its block table
             assert chunk.start_pos + chunk.num_tokens <= min(map(len, chunk.block_ids)) * s.kv_cache.block_size
-        s.update_from_output(out, {c.request_id: 7 for c in out.chunks if c.sample})
+        s.update_from_output(out, {c.request_id: [7] for c in out.chunks if c.sample})
     raise AssertionError(f"not finished after {max_steps} steps")
 
 
@@ -61,7 +61,7 @@ def test_priority_preemption_does_not_grow_the_chunk_past_its_blocks():
     s = Scheduler(SchedulerConfig(17, 8, "priority"), KVCacheManager(6, 4), 256)
     s.add_request(_request("b", list(range(100, 116)), max_tokens=4, priority=1))
     out = s.schedule()
-    s.update_from_output(out, {"b": 7})
+    s.update_from_output(out, {"b": [7]})
     s.add_request(_request("a", list(range(200, 220)), max_tokens=4, priority=0))
     out = s.schedule()
     assert out.preempted_request_ids == ["b"]

@@ -4,7 +4,8 @@
   fused causal kernel, without reading the cache back.
 - Everything else (decodes, prompt chunks after a cached prefix) gathers its keys from the
   blocks and runs grouped-query attention as two batched matmuls: on CPU this is several times
-  faster than SDPA with an explicit mask in bfloat16. Decodes are batched in buckets of similar
+  faster than SDPA with an explicit mask in bfloat16. Requests with few queries (decodes, and
+  speculative verifications of k + 1 tokens) are batched by query count, in buckets of similar
   context length, so the padding each bucket gathers stays small.
 
 Which rows go where, the gather indices and the masks depend only on the batch, so they are
@@ -31,6 +32,8 @@ from kvflow.attention.metadata import (
 # A decode joins the current bucket while its context is at least this fraction of the bucket's
 # longest: bounds padded work to 1 / BUCKET_RATIO of the real work, with few buckets.
 BUCKET_RATIO = 0.6
+# Requests with at most this many queries are batched with others of the same count.
+SHORT_QUERY = 33
 
 
 @dataclass(frozen=True)
@@ -85,22 +88,24 @@ def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer
                in_place: bool = False) -> _Plan:
     """A fresh prompt attends to its own new keys, unless the layer writes none (it reads a
     shared layer's cache) or has a window (the masked path keeps only the window's blocks).
-    `in_place`: the other requests with few queries go to the CPU kernel (`cpu_paged`)."""
+    `in_place`: the other requests with few queries (decodes, speculative verifications) go to
+    the CPU kernel (`cpu_paged`); otherwise those of equal query length are batched together."""
     starts = meta.query_start_loc.tolist()
-    fresh, groups, decodes, kernel = [], [], [], []
+    fresh, groups, short, kernel = [], [], {}, []
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         is_fresh = q_len == seq_len and window is None and layer_writes
         if in_place and q_len <= cpu_paged.MAX_QUERIES and not is_fresh:
-            kernel.append(i)
-        elif q_len == 1:
-            decodes.append(i)
+            kernel.append(i)  # decodes and speculative verifications
+        elif q_len == 1 or (q_len <= SHORT_QUERY and not is_fresh):
+            short.setdefault(q_len, []).append(i)
         elif is_fresh:
             fresh.append(slice(starts[i], starts[i + 1]))
         else:
             groups.append(_group(meta, [i], slice(starts[i], starts[i + 1]), q_len, window, kv_heads))
-    for bucket in _length_buckets(decodes, meta.seq_lens_cpu):
-        rows = torch.tensor([starts[i] for i in bucket], device=meta.seq_lens.device)
-        groups.append(_group(meta, bucket, rows, 1, window, kv_heads))
+    for n, requests in short.items():
+        for bucket in _length_buckets(requests, meta.seq_lens_cpu):
+            rows = torch.tensor([starts[i] + j for i in bucket for j in range(n)], device=meta.seq_lens.device)
+            groups.append(_group(meta, bucket, rows, n, window, kv_heads))
     return _Plan(fresh, groups, torch.tensor(kernel, device=meta.seq_lens.device) if kernel else None)
 
 

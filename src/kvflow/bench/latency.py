@@ -39,6 +39,9 @@ def add_latency_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--num-iters", type=int, default=d.num_iters, help="measured runs; the median is reported")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--prompt-set", default="random", choices=["random", "grounded", "chat"],
+                   help="with --speculative-config: random token ids, rewrite/summarize-a-passage, or chat")
+    p.add_argument("--num-prompts", type=int, default=4, help="with --speculative-config: requests per iteration")
     add_ceilings_argument(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_latency)
@@ -84,6 +87,11 @@ def measure_latency(engine, workload: LatencyWorkload, ceilings: Ceilings) -> di
 
 def run_latency(args: argparse.Namespace) -> int:
     from kvflow.engine.llm_engine import LLMEngine
+
+    if args.speculative_config:
+        from kvflow.bench.spec_latency import run_speculative_latency
+
+        return run_speculative_latency(args)
 
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     shape = EngineShape.from_engine(engine)

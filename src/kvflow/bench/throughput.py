@@ -16,6 +16,7 @@ from kvflow.bench.mbu import (
     get_ceilings,
     utilization,
 )
+from kvflow.bench.spec_prompts import PROMPT_SETS, chat_prompt_ids
 from kvflow.bench.workloads import random_prompts
 from kvflow.config import EngineArgs
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
@@ -30,6 +31,7 @@ class ThroughputWorkload:
     max_input_len: int = 512
     output_len: int = 128
     seed: int = 0
+    prompt_set: str = "random"  # or a chat set of bench/spec_prompts.py (speculative decoding's workloads)
 
 
 def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
@@ -40,6 +42,8 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-input-len", type=int, default=d.max_input_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--prompt-set", default=d.prompt_set, choices=["random", *PROMPT_SETS],
+                   help="random token ids, or chat prompts: grounded (rewrite a passage) or chat")
     add_ceilings_argument(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_throughput)
@@ -86,7 +90,10 @@ def generate_counting_steps(engine, prompts: list[list[int]], params: SamplingPa
 
 def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings) -> dict:
     w = workload
-    prompts = random_prompts(w.num_prompts, w.min_input_len, w.max_input_len, engine.arch.vocab_size, w.seed)
+    if w.prompt_set == "random":
+        prompts = random_prompts(w.num_prompts, w.min_input_len, w.max_input_len, engine.arch.vocab_size, w.seed)
+    else:
+        prompts = chat_prompt_ids(engine.get_tokenizer(), w.prompt_set, w.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
     generate_counting_steps(engine, prompts[:2], params.clone(max_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -96,6 +103,7 @@ def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings)
     lengths = [(len(p), n) for p, n in zip(prompts, run.output_lens)]
     util = utilization(batch_work(shape.spec, lengths, run.steps, shape.dtype_bytes), elapsed, ceilings)
     prompt_tokens, output_tokens = sum(len(p) for p in prompts), sum(run.output_lens)
+    spec = engine.get_stats().spec_decoding  # includes the warm-up's few steps
     return {
         "num_prompts": len(prompts),
         "prompt_tokens": prompt_tokens,
@@ -108,6 +116,9 @@ def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings)
         "mfu": util.mfu,
         "dtype": shape.dtype,
         "ceilings": ceilings.to_json(),
+        "spec_acceptance_rate": None if spec is None else spec.acceptance_rate,
+        "spec_mean_acceptance_length": None if spec is None else spec.mean_acceptance_length,
+        "spec_num_drafts": None if spec is None else spec.num_drafts,
     }
 
 
@@ -117,11 +128,15 @@ def run_throughput(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     shape = EngineShape.from_engine(engine)
     ceilings = get_ceilings(args.ceilings_json, shape.dtype, shape.device)
-    workload = ThroughputWorkload(args.num_prompts, args.min_input_len, args.max_input_len, args.output_len, args.seed)
+    workload = ThroughputWorkload(args.num_prompts, args.min_input_len, args.max_input_len, args.output_len, args.seed,
+                                  args.prompt_set)
     r = measure_throughput(engine, workload, ceilings)
     print(json.dumps(r) if args.json else
           f"{r['num_prompts']} requests, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens "
           f"in {r['elapsed_s']:.2f} s ({r['num_steps']} steps)\n"
           f"output: {r['output_tok_s']:.1f} tok/s   total: {r['total_tok_s']:.1f} tok/s   "
-          f"{Utilization(r['mbu'], r['mfu']).describe()}")
+          f"{Utilization(r['mbu'], r['mfu']).describe()}"
+          + ("" if r["spec_num_drafts"] is None else
+             f"\nspeculation: {r['spec_num_drafts']} verifications, acceptance {r['spec_acceptance_rate']:.1%}, "
+             f"mean acceptance length {r['spec_mean_acceptance_length']:.2f}"))
     return 0

@@ -56,6 +56,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of every full block of all_token_ids
     host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed to follow its last token, not yet verified
     max_chunk_tokens: int = 1 << 62  # set at admission: the largest chunk whose KV blocks fit the pool
 
     def __post_init__(self) -> None:
@@ -86,9 +87,25 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    @property
+    def num_tokens_allowed(self) -> int:
+        """How many more tokens it may produce (max_tokens); max_model_len is never tighter,
+        because admission checked prompt + max_tokens against it."""
+        return self.max_tokens - self.num_output_tokens
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_output_tokens(self, tokens: list[int], max_model_len: int) -> tuple[RequestStatus | None, int]:
+        """Append tokens one at a time, up to the first that ends the request, as if each had come
+        in a step of its own. Returns that stop (or None) and how many tokens were appended."""
+        for i, token in enumerate(tokens):
+            self.append_output_token(token)
+            status = self.check_stop(max_model_len)
+            if status is not None:
+                return status, i + 1
+        return None, len(tokens)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions after a new token; stop *strings* are the detokenizer's job."""

@@ -2,6 +2,11 @@
 
 This is the only thing the worker learns about requests: token ids to compute, where they sit,
 which blocks hold the request's KV, and how to sample if the chunk reaches the request's end.
+
+With speculative decoding a chunk that reaches the end may carry proposed tokens after the known
+ones: the worker verifies them in the same forward pass and returns every token it accepted (one
+more than the accepted proposals). A chunk may also ask the worker to propose tokens for the next
+step; the slots those proposals will occupy are already reserved in `block_ids`.
 """
 
 from __future__ import annotations
@@ -27,10 +32,16 @@ class ScheduledChunk:
     output_token_ids: list[int]  # for penalties and min_tokens; read-only for the worker
     eos_token_ids: frozenset[int]
     lora_request: LoRARequest | None = None  # the adapter its rows run with
+    num_spec_tokens: int = 0  # the last this-many of token_ids are proposals to verify (then sample is True)
+    num_lookahead_tokens: int = 0  # tokens to propose after sampling, for the next step
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_spec_tokens:] if self.num_spec_tokens else []
 
 
 @dataclass

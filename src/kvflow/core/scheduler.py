@@ -14,6 +14,14 @@ recomputed, when the host pool has room.
 
 With LoRA, the requests running at once use at most `max_loras` distinct adapters (the device
 slots): a waiting request whose adapter would be one too many waits, and later ones may pass it.
+
+Speculative decoding enters as proposals: a decode verifies the tokens proposed for it after the
+previous step, in the same chunk, when the budget and the pool allow (it never preempts for them).
+After the step the rejected ones are rolled back out of `num_computed_tokens` before any block is
+hashed, so only accepted tokens ever reach the prefix cache; the accepted tokens are appended one
+by one, each checked for a stop. A sliding-window group needs no margin for that rollback: it
+gives blocks back only below the window of `num_computed_tokens` as it stood when the step was
+scheduled, and a rollback never goes below that (the chunk's own tokens stay computed).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.core.waiting_queue import WaitingQueue
+from kvflow.spec_decode.policy import SpeculationPolicy
 
 
 class SchedulerStallError(RuntimeError):
@@ -39,12 +48,14 @@ class SchedulerStallError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 host_pool: BlockPool | None = None, max_loras: int | None = None) -> None:
+                 host_pool: BlockPool | None = None, max_loras: int | None = None,
+                 speculation: SpeculationPolicy | None = None) -> None:
         self.config = config
         self.max_loras = max_loras  # None: no LoRA
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.host_pool = host_pool  # swap space, in blocks
+        self.speculation = speculation
         self._host_blocks_read = []  # swapped in this step: reusable once the step's copies are done
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(self._order)
@@ -113,8 +124,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_uncomputed_tokens, budget, request.max_chunk_tokens)
+            drafts = self._proposals_to_verify(request, num_new, budget)
             if self._reserve_or_preempt(request, num_new, out):
-                out.add(self._chunk(request, num_new))
+                out.add(self._chunk(request, num_new, drafts))
         if not out.preempted_request_ids or self.config.policy == "priority":
             self._admit_waiting(out)
         if self.waiting and not self.running and not out.preempted_request_ids:
@@ -208,8 +220,35 @@ class Scheduler:
                 return False
         return True
 
+    def _proposals_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposals a decode verifies this step: what the budget, max_tokens (k proposals
+        yield up to k + 1 tokens) and free blocks allow, all or none; never a preemption."""
+        if not request.spec_token_ids or num_new != request.num_uncomputed_tokens:
+            return []
+        room = min(budget, request.max_chunk_tokens) - num_new
+        drafts = request.spec_token_ids[:min(room, request.num_tokens_allowed - 1)]
+        if drafts and self.kv_cache.allocate_slots(request, request.num_computed_tokens, num_new + len(drafts)):
+            return drafts
+        return []
+
+    def _lookahead(self, request: Request, num_scheduled: int) -> int:
+        """Tokens to propose after this step's sampling. A proposer that writes KV gets its slots
+        now, if the pool has them; otherwise the request does not speculate next step."""
+        if self.speculation is None:
+            return 0
+        # At least one token is appended this step and proposals must leave room for one more.
+        k = min(self.speculation.num_lookahead_tokens(request.request_id, len(self.running)),
+                request.num_tokens_allowed - 2)
+        if k <= 0:
+            return 0
+        if self.speculation.reserves_kv_slots and not self.kv_cache.allocate_slots(
+                request, request.num_computed_tokens, num_scheduled + k):
+            return 0
+        return k
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         if self.config.preemption_mode == "swap" and self._swap_out(request, out):
             request.status = RequestStatus.SWAPPED
         else:
@@ -236,39 +275,55 @@ class Scheduler:
         self._host_blocks_read.extend(request.host_blocks)
         request.host_blocks = []
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
+        lookahead = self._lookahead(request, num_new + len(drafts)) if sample else 0
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
+            token_ids=[*request.all_token_ids[start:start + num_new], *drafts],
             start_pos=start,
             block_ids=self.kv_cache.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
             lora_request=request.lora_request,
+            num_spec_tokens=len(drafts),
+            num_lookahead_tokens=lookahead,
         )
 
     # -- after the model ran ---------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests that hit a stop.
-        Returns the requests that produced a token this step."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           draft_token_ids: dict[str, list[int]] | None = None) -> list[tuple[Request, int]]:
+        """Advance computed tokens (less the rejected proposals), append the sampled tokens up to
+        the first that stops the request, finish it if one did, and keep the new proposals.
+        Returns each request that produced tokens this step with how many it kept."""
         produced = []
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += chunk.num_tokens
-            self.kv_cache.cache_computed_blocks(request)
             if not chunk.sample:
+                request.num_computed_tokens += chunk.num_tokens
+                self.kv_cache.cache_computed_blocks(request)
                 continue
-            request.append_output_token(sampled[chunk.request_id])
-            produced.append(request)
-            status = request.check_stop(self.max_model_len)
+            tokens = sampled[chunk.request_id]
+            num_accepted = len(tokens) - 1  # proposals kept; the last token is the target's own
+            request.num_computed_tokens += chunk.num_tokens - (chunk.num_spec_tokens - num_accepted)
+            self.kv_cache.cache_computed_blocks(request)  # before any output: the prompt's tail block too
+            if chunk.num_spec_tokens and self.speculation is not None:
+                self.speculation.observe(request.request_id, chunk.num_spec_tokens, num_accepted)
+            status, kept = request.append_output_tokens(tokens, self.max_model_len)
+            if num_accepted:  # blocks the accepted proposals completed
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                self.kv_cache.cache_computed_blocks(request)
+            produced.append((request, kept))
             if status is not None:
                 self._finish(request, status)
+            else:
+                request.spec_token_ids = (draft_token_ids or {}).get(request.request_id, [])
         return produced
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -283,6 +338,9 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
+        request.spec_token_ids = []
+        if self.speculation is not None:
+            self.speculation.forget(request.request_id)
         self.kv_cache.free(request)
         if request.host_blocks:
             self.host_pool.release(request.host_blocks)

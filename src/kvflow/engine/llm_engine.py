@@ -16,6 +16,7 @@ from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
+from kvflow.engine.speculation import setup_speculation
 from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
@@ -47,15 +48,17 @@ class LLMEngine:
         self.num_kv_blocks, num_host_blocks = self.model_executor.num_kv_blocks, self.model_executor.num_host_blocks
         cache, layout = self.config.cache, self.arch.kv_layout
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
-        # Rank 0 samples for every rank, so only its runner masks with the grammars.
+        # Rank 0 samples for every rank, so only its runner masks with the grammars and speculates.
         self.structured_output = self._make_structured_output()
         self.runner.structured_output = self.structured_output
+        self.speculation = setup_speculation(self.config, self.arch, self.runner, self.num_kv_blocks)
         self.scheduler = Scheduler(
             self.config.scheduler,
             KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, layout.sliding_windows),
             self.config.model.max_model_len,
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
             max_loras=None if self.config.lora is None else self.config.lora.max_loras,
+            speculation=self.speculation,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # user request id → engine request ids
@@ -225,8 +228,13 @@ class LLMEngine:
             self._running_at_step.update(e.request_ids)  # abort_failed_step ends them too
             raise
         runner_out = self.model_executor.execute_model(sched)
-        produced = self.scheduler.update_from_output(sched, runner_out.sampled)
-        self._generation_tokens_total += len(produced)
+        produced = self.scheduler.update_from_output(sched, runner_out.sampled, runner_out.draft_token_ids)
+        self._generation_tokens_total += sum(n for _, n in produced)
+        if self.speculation is not None:
+            decode_only = all(c.sample and c.num_tokens == 1 + c.num_spec_tokens for c in sched.chunks)
+            self.speculation.observe_step(sched.num_batched_tokens, runner_out.target_seconds,
+                                          sum(map(len, runner_out.draft_token_ids.values())),
+                                          runner_out.proposer_seconds, decode_only)
         outputs, stopped = self.output_processor.process(produced, runner_out)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:
@@ -292,6 +300,7 @@ class LLMEngine:
             prefix_cache_hits_total=self.scheduler.kv_cache.prefix_cache_hits,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            spec_decoding=None if self.speculation is None else self.speculation.stats.snapshot(),
         )
 
 

@@ -66,18 +66,26 @@ class OutputProcessor:
         parent.children.append(state)
         self.states[request.request_id] = state
 
-    def process(self, produced: list[Request], runner_out: ModelRunnerOutput) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to hand out and the ids of requests a stop string just ended
-        (the scheduler must finish those)."""
+    def process(self, produced: list[tuple[Request, int]], runner_out: ModelRunnerOutput) -> tuple[list[RequestOutput], list[str]]:
+        """`produced`: each request that got tokens this step, with how many (several with
+        speculative decoding). Returns the outputs to hand out and the ids of requests a stop
+        string just ended (the scheduler must finish those)."""
         now = time.monotonic()
         self._record_prompt_logprobs(runner_out)
         stopped, touched = [], []
-        for request in produced:
+        for request, num_new in produced:
             state = self.states[request.request_id]
             state.parent.metrics.first_token_time = state.parent.metrics.first_token_time or now
             state.parent.metrics.last_token_time = now
-            if self._append_token(state, request, runner_out.logprobs.get(request.request_id)):
-                stopped.append(request.request_id)
+            logprobs = runner_out.logprobs.get(request.request_id)
+            new_tokens = request.output_token_ids[-num_new:]
+            for i, token in enumerate(new_tokens):
+                # One token at a time, as without speculation: a stop string ends the output at
+                # the token that completed it, and the tokens after it are dropped.
+                last = i == num_new - 1
+                if self._append_token(state, request, token, None if logprobs is None else logprobs[i], last):
+                    stopped.append(request.request_id)
+                    break
             touched.append(state)
         return self._outputs(touched, now), stopped
 
@@ -90,13 +98,14 @@ class OutputProcessor:
                 touched.append(state)
         return self._outputs(touched, time.monotonic())
 
-    def _append_token(self, state: RequestState, request: Request, lp: PositionLogprobs | None) -> bool:
-        token = request.output_token_ids[-1]
+    def _append_token(self, state: RequestState, request: Request, token: int, lp: PositionLogprobs | None,
+                      last: bool) -> bool:
+        """`last`: the step's last token for this request, the one a finish applies to."""
         state.token_ids.append(token)
         if lp is not None:
             state.logprobs.append(self._logprob_dict(lp))
             state.cumulative_logprob += lp.logprobs[0]
-        finish = request.status.finish_reason
+        finish = request.status.finish_reason if last else None
         stop_string = None
         if state.detokenizer is not None:
             stop_string = state.detokenizer.append([token], final=finish is not None)

@@ -3,6 +3,11 @@
 The engine thread sees every RequestOutput the moment `step()` returns it, while the request's
 `metrics` still describe that step; later steps overwrite them. So timings are taken there, not
 by the consumer that reads the output some time later.
+
+With speculative decoding one step can bring several tokens: the gap since the previous step is
+shared evenly among them, so every token after a completion's first still counts one gap and the
+gaps still add up to the time it took. (Outputs are counted as deltas, which is what the server
+asks for.)
 """
 
 from __future__ import annotations
@@ -52,10 +57,12 @@ class RequestTiming:
             if completion.finish_reason == "abort":
                 self._aborted = True
             elif completion.token_ids and metrics.last_token_time is not None:
-                self._record_token(completion.index, metrics.last_token_time)
+                self._record_tokens(completion.index, metrics.last_token_time, len(completion.token_ids))
 
-    def _record_token(self, index: int, when: float) -> None:
+    def _record_tokens(self, index: int, when: float, count: int) -> None:
         previous = self._last_token_time.get(index)
-        if previous is not None:
-            self._gaps.append(when - previous)
+        if previous is None:  # the completion's first token opens no gap
+            self._gaps.extend([0.0] * (count - 1))
+        else:
+            self._gaps.extend([(when - previous) / count] * count)
         self._last_token_time[index] = when

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvflow.spec_decode.metrics import SpecDecodingStats
+
 logger = logging.getLogger("kvflow")
 
 
@@ -20,6 +22,7 @@ class EngineStats:
     prefix_cache_hits_total: int  # of those, tokens found cached
     prompt_tokens_total: int  # prompt tokens of admitted requests (once per request, whatever n)
     generation_tokens_total: int  # tokens sampled
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
 
 
 class StatsLogger:
@@ -45,6 +48,8 @@ class StatsLogger:
                 f"KV cache usage: {stats.kv_cache_usage:.1%}, prefix cache hit rate: {hit_rate:.1%}, "
                 f"prompt throughput: {prompt_rate:.1f} tok/s, generation throughput: {gen_rate:.1f} tok/s, "
                 f"preemptions: {stats.num_preemptions_total}")
+        if stats.spec_decoding is not None:
+            line += "; " + stats.spec_decoding.describe()
         logger.info(line)
         self._last_time, self._last = now, stats
         return line

@@ -56,11 +56,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-sizes", type=_batch_sizes, default=DEFAULT_BATCH_SIZES, help="e.g. 1,16,64"
     )
-    parser.add_argument("--spec-k", type=int, help="speculative decoding: drafted tokens")
-    parser.add_argument("--spec-alpha", type=float, help="speculative decoding: acceptance rate")
-    parser.add_argument(
-        "--spec-cost-ratio", type=float, help="speculative decoding: draft/target cost per token"
-    )
+    parser.add_argument("--speculative", "--spec-k", dest="spec_k", type=int,
+                        help="speculative decoding: k, tokens proposed per step")
+    parser.add_argument("--acceptance", "--spec-alpha", dest="spec_alpha", type=float,
+                        help="speculative decoding: α, the fraction of proposed tokens accepted")
+    parser.add_argument("--draft-cost", "--spec-cost-ratio", dest="spec_cost_ratio", type=float,
+                        help="speculative decoding: r, a proposed token's cost over a target decode step's")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", metavar="PATH", help="also write a roofline PNG here")
     parser.add_argument(
@@ -88,7 +89,7 @@ def _spec_params(args: argparse.Namespace) -> SpecParams | None:
     if all(v is None for v in given):
         return None
     if any(v is None for v in given):
-        raise ValueError("--spec-k, --spec-alpha and --spec-cost-ratio go together")
+        raise ValueError("--speculative, --acceptance and --draft-cost go together")
     return SpecParams(args.spec_k, args.spec_alpha, args.spec_cost_ratio)
 
 

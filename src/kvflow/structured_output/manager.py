@@ -60,6 +60,9 @@ class StructuredOutputManager:
         """Some live request has a grammar (otherwise a step needs no mask at all)."""
         return bool(self._grammars)
 
+    def has_grammar(self, request_id: str) -> bool:
+        return request_id in self._grammars
+
     def free(self, request_ids) -> None:
         for request_id in request_ids:
             self._grammars.pop(request_id, None)

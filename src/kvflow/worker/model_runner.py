@@ -2,12 +2,13 @@
 
 The flat batch concatenates every scheduled chunk: `input_ids[T]`, `positions[T]`, and the
 attention metadata that tells attention which rows belong to which request. Logits are computed
-only at rows that need them: the last row of a chunk that samples, and prompt rows whose next
-token's logprob was asked for.
+only at rows that need them: the last row of a chunk that samples (its last k + 1 rows when it
+carries k proposals to verify), and prompt rows whose next token's logprob was asked for.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import unique_caches
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
+from kvflow.worker.speculator import Speculator, VerifyRow
 
 # Prompt-logprob rows are scored this many at a time: a long prompt's [rows, vocab] logits (and
 # their log-softmax) would otherwise take gigabytes at once.
@@ -32,7 +34,7 @@ class FlatBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: tuple[AttentionMetadata, ...]  # one per KV group: same rows, that group's block tables
-    sample_rows: list[int]  # row of each sampling chunk's last token
+    sample_rows: list[int]  # row of each sampling chunk's last token (and of its proposals)
     sample_chunks: list[ScheduledChunk]
     prompt_rows: list[int]  # rows whose next token is a prompt token with logprobs requested
     prompt_targets: list[int]
@@ -53,6 +55,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, for its whole life
         self.decode_graphs = decode_graphs
+        self.speculator: Speculator | None = None  # set when speculative decoding is on
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -60,6 +63,8 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if self.structured_output is not None:
             self.structured_output.free(sched.finished_request_ids)
+        if self.speculator is not None:
+            self.speculator.drop([*sched.finished_request_ids, *sched.preempted_request_ids])
         # Order matters: a block may be swapped out, then reused as a copy's destination or a
         # swap-in's, all before the forward pass writes the step's new K/V.
         self._swap(sched.swap_out, to_host=True)
@@ -67,16 +72,30 @@ class ModelRunner:
         self._swap(sched.swap_in, to_host=False)
         if not sched.chunks:
             return ModelRunnerOutput()
+        started = time.perf_counter()
         batch = self.prepare(sched.chunks)
         hidden = self._forward(batch)
         out = ModelRunnerOutput()
         if batch.sample_rows:
-            # Filled on the host while an accelerator still runs the forward pass.
-            sampling = self._sampling_batch(batch.sample_chunks)
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
-            self._collect_samples(batch.sample_chunks, self.sampler(logits, sampling), out)
+            chunks = batch.sample_chunks
+            if any(c.num_spec_tokens for c in chunks):
+                grammar = self._speculative_grammar_bitmask(chunks)
+                logits = self.model.compute_logits(hidden[batch.sample_rows])
+                self.speculator.verify(chunks, logits, lambda rows: self._sampling_batch(rows, grammar),
+                                       self._generator, out)
+            else:
+                # Filled on the host while an accelerator still runs the forward pass.
+                sampling = self._sampling_batch(chunks)
+                logits = self.model.compute_logits(hidden[batch.sample_rows])
+                self._collect_samples(chunks, self.sampler(logits, sampling), out)
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, hidden, out)
+        if self.speculator is not None:
+            proposing = time.perf_counter()  # the sampled ids were read back: the device is done
+            grammars = self.structured_output
+            self.speculator.propose(batch.sample_chunks, self._generator, out,
+                                    grammars.valid_prefix if grammars is not None and grammars.active else None)
+            out.target_seconds, out.proposer_seconds = proposing - started, time.perf_counter() - proposing
         return out
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
@@ -144,7 +163,7 @@ class ModelRunner:
         offset = 0
         for chunk, q_len in zip(chunks, query_lens):
             if chunk.sample:
-                batch.sample_rows.append(offset + q_len - 1)
+                batch.sample_rows.extend(range(offset + q_len - 1 - chunk.num_spec_tokens, offset + q_len))
                 batch.sample_chunks.append(chunk)
             if chunk.sampling_params.prompt_logprobs is not None:
                 self._add_prompt_rows(batch, chunk, offset)
@@ -163,7 +182,9 @@ class ModelRunner:
         batch.prompt_rows.extend(range(offset, offset + count))
         batch.prompt_targets.extend(chunk.prompt_token_ids[chunk.start_pos + 1:last + 1])
 
-    def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
+    def _sampling_batch(self, chunks: list[ScheduledChunk | VerifyRow], grammar: dict | None = None) -> SamplingBatch:
+        """One row per chunk (or per verified position). `grammar`: the rows' grammar masks, if
+        already made (a verifying step's); otherwise each chunk's mask after its output."""
         params = [c.sampling_params for c in chunks]
         dev = self.device
 
@@ -187,7 +208,7 @@ class ModelRunner:
             any_penalties=any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
                               for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            **self._grammar_bitmask(chunks),
+            **(self._grammar_bitmask(chunks) if grammar is None else grammar),
         )
 
     def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> dict:
@@ -199,6 +220,23 @@ class ModelRunner:
             return {}
         return {"grammar_bitmask": masks.bitmask.to(self.device, non_blocking=True),
                 "grammar_rows": torch.tensor(masks.rows, device=self.device)}
+
+    def _speculative_grammar_bitmask(self, chunks: list[ScheduledChunk]) -> dict:
+        """The grammar masks of a verifying step's rows: a chunk's k + 1 rows get the masks after
+        its output and after each prefix of its k proposals (SamplingBatch's fields)."""
+        grammars = self.structured_output
+        if grammars is None or not grammars.active:
+            return {}
+        masks, rows, offset = [], [], 0
+        for c in chunks:
+            if grammars.has_grammar(c.request_id):
+                masks.append(grammars.speculative_bitmask(c.request_id, c.output_token_ids, c.spec_token_ids))
+                rows.extend(range(offset, offset + c.num_spec_tokens + 1))
+            offset += c.num_spec_tokens + 1
+        if not masks:
+            return {}
+        return {"grammar_bitmask": torch.cat(masks).to(self.device, non_blocking=True),
+                "grammar_rows": torch.tensor(rows, device=self.device)}
 
     def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
         seed = chunk.sampling_params.seed
@@ -216,10 +254,10 @@ class ModelRunner:
         ids = None if sampled.logprob_token_ids is None else sampled.logprob_token_ids.tolist()
         ranks = None if sampled.sampled_ranks is None else sampled.sampled_ranks.tolist()
         for i, chunk in enumerate(chunks):
-            out.sampled[chunk.request_id] = tokens[i]
+            out.sampled[chunk.request_id] = [tokens[i]]
             n = chunk.sampling_params.logprobs
             if n is not None:
-                out.logprobs[chunk.request_id] = PositionLogprobs(ids[i][:n + 1], logprobs[i][:n + 1], ranks[i])
+                out.logprobs[chunk.request_id] = [PositionLogprobs(ids[i][:n + 1], logprobs[i][:n + 1], ranks[i])]
 
     def _collect_prompt_logprobs(self, batch: FlatBatch, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         targets = torch.tensor(batch.prompt_targets, device=hidden.device)

@@ -1,4 +1,6 @@
-"""What one model step returns to the engine: a token per sampling request, and logprobs."""
+"""What one model step returns to the engine: the tokens each sampling request produced (one, or
+with speculative decoding its accepted proposals and one more), their logprobs, and the tokens
+proposed for the next step."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ class PositionLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # one per sampled token
     # request id → (position of the first prompt token covered, logprobs of each next prompt token)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # request id → tokens proposed to follow this step's last sampled token (speculative decoding)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # With speculation on: the step's time in the target (forward and sampling) and in the proposer.
+    target_seconds: float = 0.0
+    proposer_seconds: float = 0.0

@@ -46,19 +46,8 @@ class Worker:
         self.local_arch = rank_arch(arch, tp)
 
     def load_model(self, checkpoint: Checkpoint) -> torch.nn.Module:
-        cfg = self.config
-        # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
-        static_len = cfg.model.max_model_len if cfg.use_cuda_graphs else None
-        with tensor_parallel_scope(self.tp):
-            model = build_model(self.arch, get_attention_backend(cfg.attention_backend, static_len),
-                                cfg.model.dtype, cfg.device, self.quant_config)
-        if cfg.model.load_format == "dummy":
-            init_dummy_weights(model, cfg.model.seed)
-        else:
-            model.load_weights(checkpoint.weights)
-        process_weights_after_loading(model)
-        self.model = model
-        return model
+        self.model = load_model(self.config, self.arch, self.quant_config, checkpoint, self.tp)
+        return self.model
 
     def determine_num_kv_blocks(self) -> tuple[int, int]:
         """(device blocks, host blocks for swapping) this rank can hold: the configured budget,
@@ -85,6 +74,23 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(sched)
+
+
+def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint,
+               tp: TensorParallel = SINGLE) -> torch.nn.Module:
+    """A model of `arch` built for rank `tp.rank` (its slices of every layer), with the
+    checkpoint's weights (dummy ones for load_format="dummy"), ready to run."""
+    # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
+    static_len = config.model.max_model_len if config.use_cuda_graphs else None
+    with tensor_parallel_scope(tp):
+        model = build_model(arch, get_attention_backend(config.attention_backend, static_len),
+                            config.model.dtype, config.device, quant_config)
+    if config.model.load_format == "dummy":
+        init_dummy_weights(model, config.model.seed)
+    else:
+        model.load_weights(checkpoint.weights)
+    process_weights_after_loading(model)
+    return model
 
 
 def rank_arch(arch: ArchConfig, tp: TensorParallel) -> ArchConfig:

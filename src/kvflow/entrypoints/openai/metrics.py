@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvflow.engine.request_timing import FinishedRequest
 from kvflow.engine.stats import EngineStats
+from kvflow.spec_decode.metrics import SpecDecodingStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -39,6 +40,17 @@ _ENGINE_METRICS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "kvflow:generation_tokens_total": ("Tokens generated.", lambda s: s.generation_tokens_total),
 }
 
+# Speculative decoding (only with it on), as vLLM's spec-decode counters.
+_SPEC_METRICS: dict[str, tuple[str, Callable[[SpecDecodingStats], float]]] = {
+    "kvflow:spec_decode_num_drafts_total": ("Verifications: one request's proposals checked in one step.",
+                                            lambda s: s.num_drafts),
+    "kvflow:spec_decode_num_draft_tokens_total": ("Tokens proposed.", lambda s: s.num_draft_tokens),
+    "kvflow:spec_decode_num_accepted_tokens_total": ("Proposed tokens accepted.", lambda s: s.num_accepted_tokens),
+    "kvflow:spec_decode_proposer_seconds_total": ("Time spent proposing.", lambda s: s.proposer_seconds),
+    "kvflow:spec_decode_target_seconds_total": ("Time in the target model while speculating.",
+                                                lambda s: s.target_seconds),
+}
+
 
 class EngineStatsCollector(Collector):
     def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
@@ -47,7 +59,19 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.get_stats()
-        for name, (doc, read) in _ENGINE_METRICS.items():
+        yield from self._families(_ENGINE_METRICS, stats)
+        spec = stats.spec_decoding
+        if spec is not None:
+            yield from self._families(_SPEC_METRICS, spec)
+            per_position = CounterMetricFamily("kvflow:spec_decode_num_accepted_tokens_per_pos",
+                                               "Proposed tokens accepted, by position in the proposal.",
+                                               labels=["model_name", "position"])
+            for position, accepted in enumerate(spec.accepted_per_position):
+                per_position.add_metric([self.model_name, str(position)], float(accepted))
+            yield per_position
+
+    def _families(self, metrics: dict, stats) -> Iterator[Metric]:
+        for name, (doc, read) in metrics.items():
             if name.endswith("_total"):
                 family = CounterMetricFamily(name.removesuffix("_total"), doc, labels=["model_name"])
             else:

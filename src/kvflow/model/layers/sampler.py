@@ -54,6 +54,17 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits, raw_logprobs = self.adjust(logits, batch)
+        tokens = self._sample(logits, batch)
+        out = SamplerOutput(token_ids=tokens)
+        if raw_logprobs is not None:
+            out.logprobs, out.logprob_token_ids, out.sampled_ranks = gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
+        return out
+
+    @staticmethod
+    def adjust(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Penalties, the grammar's mask and min_tokens bans applied; the raw logprobs, if any
+        row wants logprobs."""
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs >= 0 else None
         logits = apply_penalties(logits, batch)
@@ -61,21 +72,23 @@ class Sampler:
         if has_grammar:
             logits = apply_grammar_bitmask(logits, batch.grammar_bitmask, batch.grammar_rows)
         # A grammar that only allows ending overrules min_tokens: a row never loses every token.
-        logits = ban_tokens(logits, batch.banned_token_ids, never_empty=has_grammar)
-        tokens = self._sample(logits, batch)
-        out = SamplerOutput(token_ids=tokens)
-        if raw_logprobs is not None:
-            out.logprobs, out.logprob_token_ids, out.sampled_ranks = gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
-        return out
+        return ban_tokens(logits, batch.banned_token_ids, never_empty=has_grammar), raw_logprobs
+
+    @staticmethod
+    def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution each row samples from: temperature, min-p, top-k, top-p. Greedy rows
+        keep temperature 1 (their argmax is what counts)."""
+        greedy = batch.temperature < GREEDY_TEMPERATURE
+        temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        logits = filter_logits(logits / temperature[:, None], batch.top_k, batch.top_p, batch.min_p, batch.any_top_k_or_p)
+        return logits.softmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy_tokens
         greedy = batch.temperature < GREEDY_TEMPERATURE
-        temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
-        logits = filter_logits(logits / temperature[:, None], batch.top_k, batch.top_p, batch.min_p, batch.any_top_k_or_p)
-        probs = logits.softmax(dim=-1)
+        probs = self.probs(logits, batch)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in enumerate(batch.generators):
             if gen is not None:

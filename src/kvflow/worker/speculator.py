@@ -1,0 +1,162 @@
+"""The worker's half of speculative decoding: verify the proposals a step carries, then ask the
+proposer for the next step's.
+
+Verification: a chunk with k proposals has k + 1 logit rows (after its last known token and after
+each proposal). Each row gets the request's full sampling treatment as if decoded one token at a
+time: its penalties count the proposals before it, its min_tokens ban counts them too. The
+rejection sampler then compares these target distributions p with the proposals' q; its random
+numbers come from the request's own generator when seeded, so seeded requests reproduce.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+
+from kvflow.core.sched_output import ScheduledChunk
+from kvflow.model.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from kvflow.sampling_params import SamplingParams
+from kvflow.spec_decode.proposer import DraftRequest, Proposer
+from kvflow.spec_decode.rejection_sampler import pad_rows, rejection_sample, verify_greedy
+from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
+
+GeneratorOf = Callable[[ScheduledChunk], torch.Generator | None]
+ValidPrefix = Callable[[str, list[int], list[int]], int]
+
+
+class VerifyRow(NamedTuple):
+    """One logit row of a chunk, seen as the runner's sampling-batch builder sees a chunk: the
+    request's outputs so far include the proposals before this row."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+
+
+BatchBuilder = Callable[[list[ScheduledChunk | VerifyRow]], SamplingBatch]
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, sampler: Sampler, device: torch.device) -> None:
+        self.proposer = proposer
+        self.sampler = sampler
+        self.device = device
+        self._draft_probs: dict[str, torch.Tensor] = {}  # q of each request's pending proposals
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            self._draft_probs.pop(request_id, None)
+        self.proposer.drop(request_ids)
+
+    # -- verification ----------------------------------------------------------------------
+    def verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor, sampling_batch: BatchBuilder,
+               generator_of: GeneratorOf, out: ModelRunnerOutput) -> None:
+        """`logits`: the k + 1 rows of each sampling chunk, in order."""
+        counts = [c.num_spec_tokens + 1 for c in chunks]
+        rows = [VerifyRow(c.request_id, c.sampling_params, c.prompt_token_ids,
+                          [*c.output_token_ids, *c.spec_token_ids[:j]] if j else c.output_token_ids, c.eos_token_ids)
+                for c in chunks for j in range(c.num_spec_tokens + 1)]
+        batch = sampling_batch(rows)
+        adjusted, raw_logprobs = self.sampler.adjust(logits, batch)
+        width = max(counts)
+        drafts = torch.tensor([c.spec_token_ids + [0] * (width - n) for c, n in zip(chunks, counts)], device=self.device)
+        num_drafts = torch.tensor([c.num_spec_tokens for c in chunks], device=self.device)
+        if batch.all_greedy:  # argmax per row is all there is to compare
+            for chunk in chunks:
+                self._draft_probs.pop(chunk.request_id, None)
+            result = verify_greedy(pad_rows(adjusted.argmax(dim=-1), counts, width), drafts, num_drafts)
+        else:
+            target = pad_rows(self.sampler.probs(adjusted, batch), counts, width)
+            vocab = target.shape[-1]
+            uniforms, noise = self._randomness(chunks, generator_of, width - 1, vocab)
+            result = rejection_sample(
+                target, drafts, num_drafts, self._stacked_draft_probs(chunks, width - 1, vocab),
+                torch.tensor([c.sampling_params.greedy for c in chunks], device=self.device), uniforms, noise)
+        accepted, final = result.num_accepted.tolist(), result.final_token.tolist()
+        offsets = [0, *itertools.accumulate(counts)][:-1]
+        for i, chunk in enumerate(chunks):
+            out.sampled[chunk.request_id] = [*chunk.spec_token_ids[:accepted[i]], final[i]]
+        if raw_logprobs is not None:
+            self._collect_logprobs(chunks, offsets, raw_logprobs, batch.num_logprobs, out)
+
+    def _randomness(self, chunks: list[ScheduledChunk], generator_of: GeneratorOf, k: int,
+                    vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Acceptance uniforms [R, k] and Exp(1) noise [R, vocab] for the final draw, a seeded
+        request's drawn from its own generator (its proposals' uniforms, then its noise)."""
+        uniforms = torch.rand(len(chunks), k, generator=self.sampler.generator, device=self.device)
+        noise = torch.empty(len(chunks), vocab, device=self.device).exponential_(generator=self.sampler.generator)
+        for row, chunk in enumerate(chunks):
+            own = generator_of(chunk)
+            if own is not None:
+                n = chunk.num_spec_tokens
+                uniforms[row, :n] = torch.rand(n, generator=own, device=self.device)
+                noise[row].exponential_(generator=own)
+        return uniforms, noise
+
+    def _stacked_draft_probs(self, chunks: list[ScheduledChunk], k: int, vocab: int) -> torch.Tensor | None:
+        """q [R, k, vocab] of the proposals being verified; None when every proposal is certain."""
+        pending = [self._draft_probs.pop(c.request_id, None) for c in chunks]
+        if all(q is None for q in pending):
+            return None
+        stacked = torch.zeros(len(chunks), k, vocab, device=self.device)
+        for row, (chunk, q) in enumerate(zip(chunks, pending)):
+            n = chunk.num_spec_tokens
+            if q is not None and n:
+                stacked[row, :n] = q[:n]  # the scheduler may verify fewer than were proposed
+            elif n:  # certain proposals (this request is greedy): one-hot
+                stacked[row, torch.arange(n), torch.tensor(chunk.spec_token_ids)] = 1.0
+        return stacked
+
+    @staticmethod
+    def _collect_logprobs(chunks, offsets, raw_logprobs, num_top, out: ModelRunnerOutput) -> None:
+        rows, tokens = [], []
+        for chunk, offset in zip(chunks, offsets):
+            if chunk.sampling_params.logprobs is not None:
+                produced = out.sampled[chunk.request_id]
+                rows.extend(range(offset, offset + len(produced)))
+                tokens.extend(produced)
+        if not rows:
+            return
+        index = torch.tensor(rows, device=raw_logprobs.device)
+        values, ids, ranks = gather_logprobs(raw_logprobs[index], torch.tensor(tokens, device=raw_logprobs.device), num_top)
+        values, ids, ranks = values.tolist(), ids.tolist(), ranks.tolist()
+        j = 0
+        for chunk in chunks:
+            n = chunk.sampling_params.logprobs
+            if n is None:
+                continue
+            produced = len(out.sampled[chunk.request_id])
+            out.logprobs[chunk.request_id] = [PositionLogprobs(ids[i][:n + 1], values[i][:n + 1], ranks[i])
+                                              for i in range(j, j + produced)]
+            j += produced
+
+    # -- proposing -------------------------------------------------------------------------
+    def propose(self, chunks: list[ScheduledChunk], generator_of: GeneratorOf, out: ModelRunnerOutput,
+                valid_prefix: ValidPrefix | None = None) -> None:
+        """`valid_prefix(request id, its output tokens, proposed)`: how many leading proposals
+        the request's grammar allows (structured output)."""
+        requests = [
+            DraftRequest(c.request_id, [*c.prompt_token_ids, *c.output_token_ids, *out.sampled[c.request_id]],
+                         c.num_lookahead_tokens, c.block_ids, c.sampling_params, generator_of(c))
+            for c in chunks if c.num_lookahead_tokens and c.request_id in out.sampled
+        ]
+        if not requests:
+            return
+        proposals = self.proposer.propose(requests)
+        self._draft_probs.update(proposals.probs)
+        if valid_prefix is not None:
+            outputs = {c.request_id: [*c.output_token_ids, *out.sampled[c.request_id]] for c in chunks
+                       if c.request_id in proposals.token_ids}
+            for request_id, tokens in proposals.token_ids.items():
+                # A certain proposal (q one-hot) that the grammar refuses is rejected for sure,
+                # and the residual max(p - q, 0) of a one-hot q at a token p gives 0 is p itself:
+                # cutting it here, before it costs a verification row, changes nothing.
+                if tokens and request_id not in proposals.probs:
+                    del tokens[valid_prefix(request_id, outputs[request_id], tokens):]
+        out.draft_token_ids = {rid: t for rid, t in proposals.token_ids.items() if t}
