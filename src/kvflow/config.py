@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvflow.kv_cache_spec import QUANTIZED_KV_CACHE_DTYPES
+from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,6 +90,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: LoRA disabled
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None  # None: no KV moves between engines
 
 
 @dataclass
@@ -127,6 +129,7 @@ class EngineArgs:
     distributed_init_method: str | None = None
     node_rank: int = 0
     distributed_timeout_s: float = 60.0
+    kv_transfer_config: dict | str | None = None  # {"kv_connector": "SharedStorageConnector", "kv_role": ...}
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -185,6 +188,10 @@ class EngineArgs:
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet (adapters are not "
                              "sharded); use tensor_parallel_size=1")
+        kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        if kv_transfer is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_transfer_config with tensor_parallel_size > 1 is not supported yet (each rank holds "
+                             "its own KV heads); use tensor_parallel_size=1")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         if self.kv_cache_dtype != "auto" and backend == "triton":
@@ -224,6 +231,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_init_method, self.node_rank,
                                     self.distributed_timeout_s),
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            kv_transfer=kv_transfer,
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -281,6 +289,9 @@ class EngineArgs:
                        help="this process's rank when ranks are started one per node (0 runs the engine)")
         g.add_argument("--distributed-timeout-s", type=float, default=d.distributed_timeout_s,
                        help="a rank that does not answer for this long has failed")
+        g.add_argument("--kv-transfer-config", default=None,
+                       help='disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
+                            '"kv_role": "kv_producer"}\' (roles: kv_producer, kv_consumer, kv_both)')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

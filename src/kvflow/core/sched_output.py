@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvflow.core.kv_connector import KVConnectorMetadata
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class SchedulerOutput:
     # (source, destination) device block copies: copy-on-write of cached blocks, done after the
     # swap-outs and before the swap-ins.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Blocks the KV connector loads before the forward pass and saves after it (None: no connector).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     num_batched_tokens: int = 0
 

@@ -30,6 +30,7 @@ import itertools
 
 from kvflow.config import SchedulerConfig
 from kvflow.core.block_pool import BlockPool
+from kvflow.core.kv_connector import KVConnectorScheduler
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
@@ -49,13 +50,14 @@ class SchedulerStallError(RuntimeError):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  host_pool: BlockPool | None = None, max_loras: int | None = None,
-                 speculation: SpeculationPolicy | None = None) -> None:
+                 speculation: SpeculationPolicy | None = None, kv_connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.max_loras = max_loras  # None: no LoRA
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.host_pool = host_pool  # swap space, in blocks
         self.speculation = speculation
+        self.kv_connector = kv_connector  # KV loaded from / saved for other engines
         self._host_blocks_read = []  # swapped in this step: reusable once the step's copies are done
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(self._order)
@@ -136,6 +138,8 @@ class Scheduler:
             self.host_pool.release(self._host_blocks_read)
             self._host_blocks_read = []
         out.block_copies = self.kv_cache.take_block_copies()
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out.chunks, self.requests)
         return out
 
     def _budget_left(self, out: SchedulerOutput) -> int:
@@ -153,8 +157,7 @@ class Scheduler:
             if self._reuses_cache(request) and self.kv_cache.prefix_in_flight(request, starts[0][1]):
                 held_back.append(request)
                 continue
-            allocated = next(((n, num_new) for blocks, n in starts
-                              if (num_new := self._allocate_for_waiting(request, n, blocks, out))), None)
+            allocated = self._allocate_first_chunk(request, starts, out)
             if allocated is None:
                 self._enqueue(request)
                 break
@@ -184,26 +187,44 @@ class Scheduler:
         owes_prompt_logprobs = request.sampling_params.prompt_logprobs is not None and request.status is RequestStatus.WAITING
         return request.status is not RequestStatus.SWAPPED and not owes_prompt_logprobs
 
-    def _start_running(self, request: Request, start: int, num_new: int, out: SchedulerOutput) -> None:
+    def _start_running(self, request: Request, start: int, num_external: int, num_new: int,
+                       out: SchedulerOutput) -> None:
+        """`start` tokens are in the local cache, the next `num_external` are loaded by the connector."""
         if request.status is RequestStatus.SWAPPED:
             self._swap_in(request, out)
         elif self._reuses_cache(request):
             self.kv_cache.record_lookup(request.num_tokens, start)
         if request.status is RequestStatus.WAITING:
-            request.num_cached_tokens = start
-        request.num_computed_tokens = start
+            request.num_cached_tokens = start + num_external
+        request.num_computed_tokens = start + num_external
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         # The allocated count, not the budget left now: preempting victims for the allocation may
         # have returned their tokens to the budget, but no blocks were taken for those.
         out.add(self._chunk(request, num_new))
 
+    def _allocate_first_chunk(self, request: Request, starts, out: SchedulerOutput) -> tuple[int, int, int] | None:
+        """(tokens cached locally, tokens the connector loads, first chunk's length) from the
+        first start point whose blocks fit; None if none does."""
+        for blocks, n in starts:
+            external = 0
+            if self.kv_connector is not None and self._reuses_cache(request):
+                external = self.kv_connector.get_num_matched_tokens(request, n)
+            num_new = self._allocate_for_waiting(request, n, blocks, out, external)
+            if num_new:
+                if external:
+                    self.kv_connector.update_state_after_alloc(request, self.kv_cache.block_ids(request.request_id)[0],
+                                                               n, external)
+                return n, external, num_new
+        return None
+
     def _allocate_for_waiting(self, request: Request, num_cached: int, cached: tuple[list[int], ...],
-                              out: SchedulerOutput) -> int:
-        """Blocks for the first chunk; returns its length (0: no room). Under the priority policy
-        a waiting request may preempt running ones behind it."""
+                              out: SchedulerOutput, num_external: int = 0) -> int:
+        """Blocks for the external tokens and the first chunk; returns the chunk's length (0: no
+        room). Under the priority policy a waiting request may preempt running ones behind it."""
+        num_cached += num_external  # loaded, not computed: its blocks are allocated with the chunk's
         num_new = min(request.num_tokens - num_cached, self._budget_left(out), request.max_chunk_tokens)
-        while not self.kv_cache.allocate_slots(request, num_cached, num_new, cached):
+        while not self.kv_cache.allocate_slots(request, num_cached - num_external, num_external + num_new, cached):
             victim = max(self.running, key=self._order, default=None)
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
                 return 0
@@ -342,6 +363,8 @@ class Scheduler:
         if self.speculation is not None:
             self.speculation.forget(request.request_id)
         self.kv_cache.free(request)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request)
         if request.host_blocks:
             self.host_pool.release(request.host_blocks)
             request.host_blocks = []

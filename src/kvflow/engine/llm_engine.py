@@ -11,6 +11,7 @@ import time
 
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
+from kvflow.core.kv_connector import SharedStorageConnector
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
@@ -59,6 +60,7 @@ class LLMEngine:
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
             max_loras=None if self.config.lora is None else self.config.lora.max_loras,
             speculation=self.speculation,
+            kv_connector=self._make_kv_connector(),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # user request id → engine request ids
@@ -66,6 +68,7 @@ class LLMEngine:
         self._running_at_step: set[str] = set()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._kv_transfer_bytes_total, self._kv_transfer_seconds_total = 0, 0.0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
         if getattr(self.quant_config, "needs_calibration", False):
             self._calibrate_awq()
@@ -95,6 +98,15 @@ class LLMEngine:
 
         calibrate_and_quantize(self.runner.model, run, windows, self.config.model.seed)
         self.reset_prefix_cache()  # those blocks hold the float model's keys and values
+
+    def _make_kv_connector(self) -> SharedStorageConnector | None:
+        kv_transfer = self.config.kv_transfer
+        if kv_transfer is None:
+            return None
+        if self.arch.kv_layout.sliding_windows != (None,):
+            raise ValueError(f"kv_transfer_config: {self.arch.architecture} has sliding-window or several KV "
+                             "groups; KV transfer supports models whose layers all keep full attention for now")
+        return SharedStorageConnector(kv_transfer.shared_storage_path, kv_transfer.kv_role, self.config.cache.block_size)
 
     def _make_structured_output(self) -> StructuredOutputManager | None:
         """Grammar matchers need the vocabulary: none without a tokenizer."""
@@ -229,6 +241,10 @@ class LLMEngine:
             raise
         runner_out = self.model_executor.execute_model(sched)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled, runner_out.draft_token_ids)
+        if runner_out.kv_transfer:
+            self.output_processor.record_kv_transfers(runner_out)
+            self._kv_transfer_bytes_total += sum(t.bytes for t in runner_out.kv_transfer.values())
+            self._kv_transfer_seconds_total += sum(t.seconds for t in runner_out.kv_transfer.values())
         self._generation_tokens_total += sum(n for _, n in produced)
         if self.speculation is not None:
             decode_only = all(c.sample and c.num_tokens == 1 + c.num_spec_tokens for c in sched.chunks)
@@ -301,6 +317,8 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             spec_decoding=None if self.speculation is None else self.speculation.stats.snapshot(),
+            kv_transfer_bytes_total=self._kv_transfer_bytes_total,
+            kv_transfer_seconds_total=self._kv_transfer_seconds_total,
         )
 
 

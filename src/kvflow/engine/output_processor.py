@@ -66,6 +66,13 @@ class OutputProcessor:
         parent.children.append(state)
         self.states[request.request_id] = state
 
+    def record_kv_transfers(self, runner_out: ModelRunnerOutput) -> None:
+        for request_id, transfer in runner_out.kv_transfer.items():
+            state = self.states.get(request_id)
+            if state is not None:
+                state.parent.metrics.kv_transfer_bytes += transfer.bytes
+                state.parent.metrics.kv_transfer_seconds += transfer.seconds
+
     def process(self, produced: list[tuple[Request, int]], runner_out: ModelRunnerOutput) -> tuple[list[RequestOutput], list[str]]:
         """`produced`: each request that got tokens this step, with how many (several with
         speculative decoding). Returns the outputs to hand out and the ids of requests a stop

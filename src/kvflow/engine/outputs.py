@@ -36,6 +36,10 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # KV moved between this engine and another (disaggregated prefill/decode): saved by a
+    # prefill engine, loaded by a decode engine
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
 
     @property
     def time_to_first_token(self) -> float | None:

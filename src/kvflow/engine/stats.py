@@ -23,6 +23,8 @@ class EngineStats:
     prompt_tokens_total: int  # prompt tokens of admitted requests (once per request, whatever n)
     generation_tokens_total: int  # tokens sampled
     spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
+    kv_transfer_bytes_total: int = 0  # KV saved for or loaded from other engines
+    kv_transfer_seconds_total: float = 0.0
 
 
 class StatsLogger:

@@ -45,6 +45,7 @@ def _runs_a_worker_rank(args: argparse.Namespace) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     from kvflow.entrypoints.plan_cli import add_plan_parser
     from kvflow.bench.ceilings import add_ceilings_parser
+    from kvflow.bench.disagg import add_disagg_parser
     from kvflow.bench.gpu_compile import add_gpu_compile_parser
     from kvflow.bench.latency import add_latency_parser
     from kvflow.bench.lora import add_lora_bench_parser
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_bench_parser(bench_sub)
     add_lora_bench_parser(bench_sub)
     add_gpu_compile_parser(bench_sub)
+    add_disagg_parser(bench_sub)
     add_plan_parser(sub)
     add_quantize_parser(sub)
     add_eval_parser(sub)

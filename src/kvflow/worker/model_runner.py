@@ -21,6 +21,7 @@ from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, g
 from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import unique_caches
+from kvflow.worker.kv_connector import SharedStorageConnectorWorker
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.worker.speculator import Speculator, VerifyRow
 
@@ -56,6 +57,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, for its whole life
         self.decode_graphs = decode_graphs
         self.speculator: Speculator | None = None  # set when speculative decoding is on
+        self.kv_connector: SharedStorageConnectorWorker | None = None  # set when KV moves between engines
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -72,10 +74,15 @@ class ModelRunner:
         self._swap(sched.swap_in, to_host=False)
         if not sched.chunks:
             return ModelRunnerOutput()
+        out = ModelRunnerOutput()
+        transfers = sched.kv_connector_metadata
+        if transfers is not None and transfers.loads:
+            self.kv_connector.load_kv(transfers, out.kv_transfer)
         started = time.perf_counter()
         batch = self.prepare(sched.chunks)
         hidden = self._forward(batch)
-        out = ModelRunnerOutput()
+        if transfers is not None and transfers.saves:  # the forward pass wrote the prompts' last KV
+            self.kv_connector.save_kv(transfers, out.kv_transfer)
         if batch.sample_rows:
             chunks = batch.sample_chunks
             if any(c.num_spec_tokens for c in chunks):

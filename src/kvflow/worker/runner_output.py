@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow.core.kv_connector import TransferStats
+
 
 @dataclass(frozen=True)
 class PositionLogprobs:
@@ -28,3 +30,5 @@ class ModelRunnerOutput:
     # With speculation on: the step's time in the target (forward and sampling) and in the proposer.
     target_seconds: float = 0.0
     proposer_seconds: float = 0.0
+    # request id → KV it loaded from or saved for another engine this step
+    kv_transfer: dict[str, TransferStats] = field(default_factory=dict)

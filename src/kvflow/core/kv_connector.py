@@ -1,0 +1,176 @@
+"""The scheduler half of a KV connector: KV that comes from, or goes to, outside this engine.
+
+A connector moves KV blocks between this engine's pool and somewhere else, keyed by the prefix
+cache's chained block hashes (equal keys mean equal prefixes, whoever computed them). It has two
+halves. This one, in the scheduler, decides:
+
+- when a request is admitted, how many tokens after its local prefix hit can be loaded instead of
+  computed (`get_num_matched_tokens`), and, once blocks are allocated for them, which blocks to
+  load into (`update_state_after_alloc`);
+- when a step finishes a request's prompt, which of its blocks to save (`build_connector_meta`);
+- when a request ends, what to forget (`request_finished`).
+
+Each step it hands the worker half (`kvflow.worker.kv_connector`) a `KVConnectorMetadata`: the
+(key, block) pairs to load before the forward pass and to save after it. Loads and saves are
+synchronous within the step, so a block is never freed or reused while a copy of it is under way.
+
+What is transferred is a prompt's KV but for its last token: the receiving engine computes that
+token itself, because it needs its logits to sample the first output token; so it recomputes
+nothing it received. The keys are the hashes of the prompt's full blocks before that token and of
+the partial block that ends there (`transfer_keys`).
+
+`SharedStorageConnector` is the first implementation: one file per block in a directory that all
+engines on a host share (/dev/shm by default: memory, not disk). A prefill engine (kv_role
+"kv_producer") saves; a decode engine ("kv_consumer") loads and deletes what its requests used
+when they end; "kv_both" does both.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvflow.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, hash_block
+from kvflow.core.request import Request
+from kvflow.kv_transfer_config import KV_ROLES
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    request_id: str
+    key: BlockHash
+    block_id: int
+
+
+@dataclass
+class TransferStats:
+    """A request's KV transfer: bytes moved and seconds spent (summed over its blocks)."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, num_bytes: int, seconds: float) -> None:
+        self.bytes += num_bytes
+        self.seconds += seconds
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the worker half does this step: loads before the forward pass, saves after it."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.loads or self.saves)
+
+
+def block_path(root: Path, key: BlockHash) -> Path:
+    """Where a shared-storage connector keeps the block under `key`."""
+    return root / f"{key.hex()}.kv"
+
+
+def transfer_keys(prompt_token_ids: list[int], block_size: int, extra_keys: tuple = ()) -> list[tuple[BlockHash, int]]:
+    """(key, tokens covered up to and including it) of each block of the prompt but its last
+    token: the chained hashes of its full blocks, then of the partial block that ends there.
+    `extra_keys`: the request's cache keys (adapter, salt), as the prefix cache hashes them."""
+    prefix = prompt_token_ids[:-1]
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, prefix, block_size, extra_keys)
+    keys = [(h, (i + 1) * block_size) for i, h in enumerate(hashes)]
+    full = len(hashes) * block_size
+    if full < len(prefix):
+        parent = hashes[-1] if hashes else ROOT_HASH
+        keys.append((hash_block(parent, prefix[full:], () if hashes else extra_keys), len(prefix)))
+    return keys
+
+
+class KVConnectorScheduler:
+    """The interface the scheduler calls; the base class transfers nothing."""
+
+    def get_num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens after the first `num_computed_tokens` (found locally) that can be loaded."""
+        return 0
+
+    def update_state_after_alloc(self, request: Request, block_table: list[int], num_computed_tokens: int,
+                                 num_external_tokens: int) -> None:
+        """Blocks are allocated: load the external tokens into `block_table`'s blocks that hold them."""
+
+    def build_connector_meta(self, chunks, requests: dict[str, Request]) -> KVConnectorMetadata:
+        """This step's loads and saves; clears what was pending."""
+        return KVConnectorMetadata()
+
+    def request_finished(self, request: Request) -> None:
+        """The request ended (finished, aborted): forget its pending transfers."""
+
+
+class SharedStorageConnector(KVConnectorScheduler):
+    """Blocks as files named by their key's hex digest under `path`, shared by the engines of one host."""
+
+    def __init__(self, path: str | os.PathLike, kv_role: str, block_size: int) -> None:
+        if kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}; got {kv_role!r}")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.kv_role = kv_role
+        self.block_size = block_size
+        self._loads: list[BlockTransfer] = []
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role != "kv_consumer"
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role != "kv_producer"
+
+    def block_path(self, key: BlockHash) -> Path:
+        return block_path(self.path, key)
+
+    def _keys(self, request: Request) -> list[tuple[BlockHash, int]]:
+        return transfer_keys(request.prompt_token_ids, self.block_size, request.cache_extra_keys)
+
+    def get_num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if not self.loads or request.num_output_tokens:
+            return 0
+        end = num_computed_tokens
+        for key, covered in self._keys(request)[num_computed_tokens // self.block_size:]:
+            if not self.block_path(key).exists():
+                break
+            end = covered
+        return max(0, end - num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, block_table: list[int], num_computed_tokens: int,
+                                 num_external_tokens: int) -> None:
+        first = num_computed_tokens // self.block_size
+        for index, (key, covered) in enumerate(self._keys(request)[first:], first):
+            if covered > num_computed_tokens + num_external_tokens:
+                break
+            self._loads.append(BlockTransfer(request.request_id, key, block_table[index]))
+
+    def build_connector_meta(self, chunks, requests: dict[str, Request]) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if self.saves:
+            for chunk in chunks:  # the step that computes a prompt's last token saves the rest of it
+                request = requests[chunk.request_id]
+                if chunk.sample and not request.num_output_tokens:
+                    table = chunk.block_ids[0]
+                    meta.saves.extend(BlockTransfer(request.request_id, key, table[i])
+                                      for i, (key, _) in enumerate(self._keys(request)))
+        return meta
+
+    def request_finished(self, request: Request) -> None:
+        """A consumer deletes its request's blocks from the store, loaded or not (its own prefix
+        cache may have held some): a transfer serves one request. Another request of the same
+        prefix still in flight then finds them in this engine's prefix cache, or computes them."""
+        self._loads = [t for t in self._loads if t.request_id != request.request_id]
+        if self.kv_role == "kv_consumer":
+            self.discard(request.prompt_token_ids, request.cache_extra_keys)
+
+    def discard(self, prompt_token_ids: list[int], extra_keys: tuple = ()) -> None:
+        """Delete whatever was saved for a prompt that no engine will load now (its request ended)."""
+        for key, _ in transfer_keys(prompt_token_ids, self.block_size, extra_keys):
+            self.block_path(key).unlink(missing_ok=True)
