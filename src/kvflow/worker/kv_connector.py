@@ -27,33 +27,43 @@ class SharedStorageConnectorWorker:
     def __init__(self, path: str | os.PathLike, kv_caches: list[torch.Tensor]) -> None:
         self.path = Path(path)
         self.pools = unique_caches(kv_caches)
-        self.block_bytes = sum(p[:, 0].numel() * p.element_size() for p in self.pools)
+        self._pool_bytes = [p[:, 0].numel() * p.element_size() for p in self.pools]
+        self.block_bytes = sum(self._pool_bytes)
 
     def load_kv(self, meta: KVConnectorMetadata, stats: dict[str, TransferStats]) -> None:
-        """Before the forward pass: fill the loads' blocks from the store."""
-        for t in meta.loads:
-            started = time.perf_counter()
-            path = block_path(self.path, t.key)
-            data = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
-            if data.numel() != self.block_bytes:
-                raise ValueError(f"KV transfer file {path} holds {data.numel()} bytes, not the {self.block_bytes} "
-                                 "of one block of this engine's KV layout (another model or dtype wrote it?)")
-            offset = 0
-            for pool in self.pools:
-                block = pool[:, t.block_id]
-                n = block.numel() * block.element_size()
-                block.copy_(data[offset:offset + n].view(pool.dtype).view(block.shape))
-                offset += n
-            stats.setdefault(t.request_id, TransferStats()).add(self.block_bytes, time.perf_counter() - started)
+        """Before the forward pass: fill the loads' blocks from the store (one copy per pool tensor)."""
+        started = time.perf_counter()
+        data = torch.stack([self._read(t.key) for t in meta.loads]).to(self.pools[0].device)
+        ids = torch.tensor([t.block_id for t in meta.loads], device=self.pools[0].device)
+        offset = 0
+        for pool, n in zip(self.pools, self._pool_bytes):
+            rows = data[:, offset:offset + n].contiguous().view(pool.dtype).view(len(ids), *pool.shape[:1], *pool.shape[2:])
+            pool[:, ids] = rows.transpose(0, 1)
+            offset += n
+        self._record(meta.loads, time.perf_counter() - started, stats)
 
     def save_kv(self, meta: KVConnectorMetadata, stats: dict[str, TransferStats]) -> None:
-        """After the forward pass: write the saves' blocks to the store."""
-        for t in meta.saves:
-            started = time.perf_counter()
+        """After the forward pass: write the saves' blocks to the store (one gather per pool tensor)."""
+        started = time.perf_counter()
+        ids = torch.tensor([t.block_id for t in meta.saves], device=self.pools[0].device)
+        rows = torch.cat([pool[:, ids].transpose(0, 1).reshape(len(ids), -1).view(torch.uint8) for pool in self.pools],
+                         dim=1).cpu().numpy()
+        for t, row in zip(meta.saves, rows):
             path = block_path(self.path, t.key)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                for pool in self.pools:
-                    f.write(pool[:, t.block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            row.tofile(tmp)
             os.replace(tmp, path)
-            stats.setdefault(t.request_id, TransferStats()).add(self.block_bytes, time.perf_counter() - started)
+        self._record(meta.saves, time.perf_counter() - started, stats)
+
+    def _read(self, key) -> torch.Tensor:
+        path = block_path(self.path, key)
+        data = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+        if data.numel() != self.block_bytes:
+            raise ValueError(f"KV transfer file {path} holds {data.numel()} bytes, not the {self.block_bytes} "
+                             "of one block of this engine's KV layout (another model or dtype wrote it?)")
+        return data
+
+    def _record(self, transfers, seconds: float, stats: dict[str, TransferStats]) -> None:
+        """The step's transfer time, shared among its requests by their blocks."""
+        for t in transfers:
+            stats.setdefault(t.request_id, TransferStats()).add(self.block_bytes, seconds / len(transfers))
