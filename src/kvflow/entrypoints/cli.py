@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
     from kvflow.entrypoints.quantize_cli import add_quantize_parser
+    from kvflow.entrypoints.router import add_router_parser
     from kvflow.eval.perplexity import add_eval_parser
 
     parser = argparse.ArgumentParser(prog="kvflow", description="LLM inference with a paged KV cache and continuous batching")
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_disagg_parser(bench_sub)
     add_plan_parser(sub)
     add_quantize_parser(sub)
+    add_router_parser(sub)
     add_eval_parser(sub)
     return parser
 

@@ -38,6 +38,10 @@ _ENGINE_METRICS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "kvflow:prefix_cache_hits_total": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits_total),
     "kvflow:prompt_tokens_total": ("Prompt tokens of admitted requests.", lambda s: s.prompt_tokens_total),
     "kvflow:generation_tokens_total": ("Tokens generated.", lambda s: s.generation_tokens_total),
+    # Disaggregated prefill/decode: KV saved for (prefill) or loaded from (decode) another engine.
+    "kvflow:kv_transfer_bytes_total": ("KV bytes moved to or from other engines.", lambda s: s.kv_transfer_bytes_total),
+    "kvflow:kv_transfer_seconds_total": ("Time spent moving KV to or from other engines.",
+                                         lambda s: s.kv_transfer_seconds_total),
 }
 
 # Speculative decoding (only with it on), as vLLM's spec-decode counters.
