@@ -9,8 +9,9 @@ the same model with the same block size and KV dtype.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+from kvflow.json_config import config_dict
 
 CONNECTORS = ("SharedStorageConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -32,18 +33,7 @@ class KVTransferConfig:
         """From the user's dict or JSON text; a bad one raises ValueError naming the key."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a dict (JSON object); got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
-        config = cls(**value)
+        config = cls(**config_dict(value, "kv_transfer_config", cls))
         if config.kv_connector not in CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector must be one of {', '.join(CONNECTORS)}; "
                              f"got {config.kv_connector!r}")

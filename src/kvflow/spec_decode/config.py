@@ -3,8 +3,9 @@ spelled as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4, ...}
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from kvflow.json_config import config_dict
 
 METHODS = ("ngram", "draft_model", "layer_skip")
 
@@ -33,17 +34,7 @@ class SpeculativeConfig:
         """From the user's dict or JSON text; a bad one raises ValueError naming the key."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict (JSON object); got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+        value = config_dict(value, "speculative_config", cls)
         if "method" not in value:
             raise ValueError(f"speculative_config needs 'method': one of {', '.join(METHODS)}")
         if "num_speculative_tokens" not in value:
