@@ -38,7 +38,7 @@ class SharedStorageConnectorWorker:
         offset = 0
         for pool, n in zip(self.pools, self._pool_bytes):
             rows = data[:, offset:offset + n].contiguous().view(pool.dtype).view(len(ids), *pool.shape[:1], *pool.shape[2:])
-            pool[:, ids] = rows.transpose(0, 1)
+            pool.index_copy_(1, ids, rows.transpose(0, 1))  # an index_put here is ~30x slower on CPU
             offset += n
         self._record(meta.loads, time.perf_counter() - started, stats)
 
@@ -46,7 +46,7 @@ class SharedStorageConnectorWorker:
         """After the forward pass: write the saves' blocks to the store (one gather per pool tensor)."""
         started = time.perf_counter()
         ids = torch.tensor([t.block_id for t in meta.saves], device=self.pools[0].device)
-        rows = torch.cat([pool[:, ids].transpose(0, 1).reshape(len(ids), -1).view(torch.uint8) for pool in self.pools],
+        rows = torch.cat([pool.index_select(1, ids).transpose(0, 1).reshape(len(ids), -1).view(torch.uint8) for pool in self.pools],
                          dim=1).cpu().numpy()
         for t, row in zip(meta.saves, rows):
             path = block_path(self.path, t.key)
