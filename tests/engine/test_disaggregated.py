@@ -82,6 +82,16 @@ def test_outputs_equal_one_engine_and_decode_computes_only_the_last_prompt_token
     assert pair.prefill.get_stats().kv_transfer_bytes_total == stats.kv_transfer_bytes_total
 
 
+def test_chunked_prefill_on_both_sides(model_dir, tmp_path):
+    prompts = [_tokens(100, seed=5), _tokens(3 * B + 2, seed=6)]
+    pair = _pair(model_dir, tmp_path, max_num_batched_tokens=16)  # the prefill engine saves after its last chunk
+    for prompt, out, ref in zip(prompts, pair.generate([{"prompt_token_ids": p} for p in prompts], GREEDY),
+                                _reference(model_dir, prompts)):
+        _assert_same(out, ref)
+        assert out.num_cached_tokens == len(prompt) - 1
+    assert _store_files(tmp_path) == []
+
+
 def test_decode_side_prefix_hits_load_only_the_rest(model_dir, tmp_path):
     shared = _tokens(3 * B, seed=7)
     first, prompts = shared + _tokens(5, 1), [shared + _tokens(n, seed=n) for n in (1, B - 1, B + 3, 2 * B)]

@@ -203,7 +203,8 @@ class Scheduler:
         # have returned their tokens to the budget, but no blocks were taken for those.
         out.add(self._chunk(request, num_new))
 
-    def _allocate_first_chunk(self, request: Request, starts, out: SchedulerOutput) -> tuple[int, int, int] | None:
+    def _allocate_first_chunk(self, request: Request, starts: list[tuple[tuple[list[int], ...], int]],
+                              out: SchedulerOutput) -> tuple[int, int, int] | None:
         """(tokens cached locally, tokens the connector loads, first chunk's length) from the
         first start point whose blocks fit; None if none does."""
         for blocks, n in starts:
@@ -222,9 +223,9 @@ class Scheduler:
                               out: SchedulerOutput, num_external: int = 0) -> int:
         """Blocks for the external tokens and the first chunk; returns the chunk's length (0: no
         room). Under the priority policy a waiting request may preempt running ones behind it."""
-        num_cached += num_external  # loaded, not computed: its blocks are allocated with the chunk's
-        num_new = min(request.num_tokens - num_cached, self._budget_left(out), request.max_chunk_tokens)
-        while not self.kv_cache.allocate_slots(request, num_cached - num_external, num_external + num_new, cached):
+        # Loaded tokens spend no budget, but their blocks are allocated with the chunk's.
+        num_new = min(request.num_tokens - num_cached - num_external, self._budget_left(out), request.max_chunk_tokens)
+        while not self.kv_cache.allocate_slots(request, num_cached, num_external + num_new, cached):
             victim = max(self.running, key=self._order, default=None)
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
                 return 0
