@@ -71,6 +71,7 @@ class ParallelConfig:
     distributed_init_method: str | None = None
     node_rank: int = 0  # this process's rank when the ranks are started by hand (one per node)
     distributed_timeout_s: float = 60.0  # a rank silent this long has failed
+    data_parallel_size: int = 1  # engine replicas behind one server (kvflow.engine.dp_async_llm)
 
     @property
     def world_size(self) -> int:
@@ -127,6 +128,7 @@ class EngineArgs:
     distributed_init_method: str | None = None
     node_rank: int = 0
     distributed_timeout_s: float = 60.0
+    data_parallel_size: int = 1  # replicas, one process each, behind one server
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -175,6 +177,11 @@ class EngineArgs:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1")
         _require(0 <= self.node_rank < self.tensor_parallel_size, "node_rank", "in [0, tensor_parallel_size)")
         _require(self.distributed_timeout_s > 0, "distributed_timeout_s", "> 0")
+        _require(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+                 "data_parallel_size", "an integer >= 1")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet (each replica "
+                             "runs one rank); use one of them")
         _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", "auto, fp8 or int8")
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")
@@ -222,7 +229,7 @@ class EngineArgs:
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
             if self.enable_lora else None,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_init_method, self.node_rank,
-                                    self.distributed_timeout_s),
+                                    self.distributed_timeout_s, self.data_parallel_size),
             speculative=SpeculativeConfig.parse(self.speculative_config),
         )
 
@@ -281,6 +288,8 @@ class EngineArgs:
                        help="this process's rank when ranks are started one per node (0 runs the engine)")
         g.add_argument("--distributed-timeout-s", type=float, default=d.distributed_timeout_s,
                        help="a rank that does not answer for this long has failed")
+        g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                       help="serve from N engine replicas, one process each, behind one router (kvflow serve)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
