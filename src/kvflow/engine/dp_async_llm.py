@@ -79,8 +79,8 @@ class DPAsyncLLM:
     def get_stats(self) -> EngineStats:
         """Every replica's gauges and counters added up (KV usage: their mean); a dead replica
         keeps its last counters, so totals never go backwards."""
-        stats = [r.stats for r in self.replicas if r.stats is not None]
-        live = [r.stats for r in self.replicas if r.stats is not None and r.alive]
+        stats = [r.stats for r in self.replicas]
+        live = [r.stats for r in self.replicas if r.alive]
         return EngineStats(
             num_running=sum(s.num_running for s in live), num_waiting=sum(s.num_waiting for s in live),
             kv_cache_usage=sum(s.kv_cache_usage for s in live) / len(live) if live else 0.0,
@@ -101,7 +101,7 @@ class DPAsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt, token_ids = self._tokenize(prompt)
         hashes = self._block_hashes(token_ids, cache_salt, lora_request)
-        loads = [ReplicaLoad(r.alive, r.num_in_flight, r.stats.kv_cache_usage if r.stats else 0.0)
+        loads = [ReplicaLoad(r.alive, r.num_in_flight, r.stats.kv_cache_usage)
                  for r in self.replicas]
         try:
             index = self.router.route(hashes, loads)

@@ -46,7 +46,7 @@ class ReplicaClient:
                                        name=f"kvflow-dp{index}", daemon=True)
         self.process.start()
         child_end.close()  # ours must go, or the replica's death would never read as end-of-file
-        self.stats: EngineStats | None = None  # as of the replica's last batch
+        self.stats: EngineStats | None = None  # as of the replica's last batch (set once it is ready)
         self.on_finished: Callable[[FinishedRequest], None] = lambda finished: None
         self.on_death: Callable[[ReplicaClient], None] = lambda client: None
         self.dead_reason: str | None = None
@@ -66,6 +66,7 @@ class ReplicaClient:
                              f"(exit code {self.process.exitcode})") from None
         if kind == "failed":
             raise ValueError(f"data-parallel replica {self.index} could not start: {detail}")
+        self.stats = detail
         threading.Thread(target=self._read, name=f"kvflow-dp{self.index}-reader", daemon=True).start()
 
     # -- any thread ------------------------------------------------------------------------

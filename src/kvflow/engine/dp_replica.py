@@ -9,7 +9,7 @@ integer never reused), not by the caller's request id, which may be reused once 
 The wire, client → replica:
     ("add", key, request_id, prompt, params, arrival_time, priority, cache_salt, lora_request)
     ("abort", key)   ("call", call_id, method, argument)   ("stop", reason)
-replica → client: first ("ready", None) or ("failed", message), then batches
+replica → client: first ("ready", EngineStats) or ("failed", message), then batches
     ("batch", [("accepted", key, error | None) | ("item", key, outputs | error)
                | ("finished", FinishedRequest) | ("called", call_id, result, error)], EngineStats)
 one per engine iteration (the stats double as a heartbeat every HEARTBEAT_SECONDS when idle).
@@ -44,7 +44,7 @@ def run_replica(conn: Connection, args: EngineArgs, limits: LoadLimits, num_thre
     except BaseException as e:  # the server reports it and stops starting
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", engine.get_stats()))
     try:
         asyncio.run(_Replica(conn, engine, limits).serve())
     finally:
