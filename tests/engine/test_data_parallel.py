@@ -146,7 +146,7 @@ def test_a_killed_replica_fails_its_requests_fast_and_the_other_serves(model_dir
     llm = DPAsyncLLM(EngineArgs(model_dir, data_parallel_size=2, **ENGINE))
     server = start_thread(build_app(llm, "tiny"))
     try:
-        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
         long = GREEDY.clone(max_tokens=240)
 
         async def main():
@@ -171,10 +171,10 @@ def test_a_killed_replica_fails_its_requests_fast_and_the_other_serves(model_dir
         results, after = run(main())
         died = [(why, t) for why, t in results if why != "finished"]
         assert len(died) == 2 and all("data-parallel replica 0" in why and "died" in why for why, _ in died)
-        assert all(t < 5 for _, t in died), died
+        assert all(t < 10 for _, t in died), died  # at once in practice; slack for a loaded machine
         assert sum(why == "finished" for why, _ in results) == 2  # the survivor's requests ran to the end
         assert len(after) == 8
-        assert not llm.is_alive() and httpx.get(f"{server.url}/health").status_code == 503
+        assert not llm.is_alive() and httpx.get(f"{server.url}/health", timeout=60).status_code == 503
         reply = httpx.post(f"{server.url}/v1/completions", timeout=60,
                            json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"]

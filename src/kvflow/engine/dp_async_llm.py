@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from kvflow.config import EngineArgs
-from kvflow.engine.async_llm import RequestStream
+from kvflow.engine.async_llm import AsyncLLM, RequestStream
 from kvflow.engine.dp_client import ReplicaClient
 from kvflow.engine.dp_router import DPRouter, ReplicaLoad
 from kvflow.engine.engine_thread import EngineDeadError
 from kvflow.engine.llm_engine import PromptType
 from kvflow.engine.load_limits import LoadLimits
-from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.request_timing import FinishedRequest
 from kvflow.engine.stats import EngineStats
 from kvflow.lora.request import LoRARequest
@@ -109,15 +108,8 @@ class DPAsyncLLM:
             raise EngineDeadError(f"{e}: {self.replicas[0].dead_reason}") from None
         return await self.replicas[index].add_request(request_id, prompt, params, priority, cache_salt, lora_request)
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0, cache_salt: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, priority, cache_salt, lora_request)
-        try:
-            async for output in stream:
-                yield output
-        finally:  # cancelled, closed early or failed: the replica frees the request's blocks
-            stream.close()
+    # The same stream-and-close loop as one engine's, over this add_request.
+    generate = AsyncLLM.generate
 
     def abort(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

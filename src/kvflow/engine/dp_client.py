@@ -50,7 +50,7 @@ class ReplicaClient:
         self.on_finished: Callable[[FinishedRequest], None] = lambda finished: None
         self.on_death: Callable[[ReplicaClient], None] = lambda client: None
         self.dead_reason: str | None = None
-        self._lock = threading.Lock()  # orders sends and the live table against death
+        self._lock = threading.Lock()  # guards the live table and orders sends against death
         self._keys = itertools.count()
         self._live: dict[int, _Live] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -79,7 +79,8 @@ class ReplicaClient:
         return len(self._live)
 
     def holds(self, request_id: str) -> bool:
-        return any(live.request_id == request_id for live in list(self._live.values()))
+        with self._lock:
+            return any(live.request_id == request_id for live in self._live.values())
 
     async def add_request(self, request_id: str, prompt, params, priority: int, cache_salt: str | None,
                           lora_request) -> RequestStream:
@@ -163,13 +164,15 @@ class ReplicaClient:
         kind = message[0]
         if kind == "accepted":
             _, key, error = message
-            live = self._live.get(key) if error is None else self._live.pop(key, None)
+            with self._lock:
+                live = self._live.get(key) if error is None else self._live.pop(key, None)
             if live is not None:
                 _settle(live.loop, live.accepted, None, error)
         elif kind == "item":
             _, key, item = message
             final = isinstance(item, BaseException) or item[-1].finished
-            live = self._live.pop(key, None) if final else self._live.get(key)
+            with self._lock:
+                live = self._live.pop(key, None) if final else self._live.get(key)
             if live is not None:
                 _call_on(live.loop, live.stream.put, item)
         elif kind == "finished":

@@ -13,7 +13,7 @@ replica → client: first ("ready", EngineStats) or ("failed", message), then ba
     ("batch", [("accepted", key, error | None) | ("item", key, outputs | error)
                | ("finished", FinishedRequest) | ("called", call_id, result, error)], EngineStats)
 one per engine iteration (the stats double as a heartbeat every HEARTBEAT_SECONDS when idle).
-When the client's end closes (the server died) the replica stops.
+When the client's end closes (the server died), or the engine thread dies, the replica stops.
 """
 
 from __future__ import annotations
@@ -168,6 +168,8 @@ class _Replica:
             await asyncio.sleep(HEARTBEAT_SECONDS)
             if not self.outbox:
                 self._flush()
+            if not self.thread.is_alive():  # the engine died (its requests were told why): so does
+                self._stop("the engine died")  # the replica, and the server sees it gone
 
 
 def _outcome(future: asyncio.Future) -> tuple[object, BaseException | None]:
