@@ -72,6 +72,7 @@ class ParallelConfig:
     distributed_init_method: str | None = None
     node_rank: int = 0  # this process's rank when the ranks are started by hand (one per node)
     distributed_timeout_s: float = 60.0  # a rank silent this long has failed
+    data_parallel_size: int = 1  # engine replicas behind one server (kvflow.engine.dp_async_llm)
 
     @property
     def world_size(self) -> int:
@@ -130,6 +131,7 @@ class EngineArgs:
     node_rank: int = 0
     distributed_timeout_s: float = 60.0
     kv_transfer_config: dict | str | None = None  # {"kv_connector": "SharedStorageConnector", "kv_role": ...}
+    data_parallel_size: int = 1  # replicas, one process each, behind one server
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -178,6 +180,11 @@ class EngineArgs:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1")
         _require(0 <= self.node_rank < self.tensor_parallel_size, "node_rank", "in [0, tensor_parallel_size)")
         _require(self.distributed_timeout_s > 0, "distributed_timeout_s", "> 0")
+        _require(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+                 "data_parallel_size", "an integer >= 1")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet (each replica "
+                             "runs one rank); use one of them")
         _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", "auto, fp8 or int8")
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")
@@ -229,7 +236,7 @@ class EngineArgs:
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
             if self.enable_lora else None,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_init_method, self.node_rank,
-                                    self.distributed_timeout_s),
+                                    self.distributed_timeout_s, self.data_parallel_size),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             kv_transfer=kv_transfer,
         )
@@ -292,6 +299,8 @@ class EngineArgs:
         g.add_argument("--kv-transfer-config", default=None,
                        help='disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
                             '"kv_role": "kv_producer"}\' (roles: kv_producer, kv_consumer, kv_both)')
+        g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                       help="serve from N engine replicas, one process each, behind one router (kvflow serve)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

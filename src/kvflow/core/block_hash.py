@@ -22,6 +22,13 @@ def hash_block(parent: BlockHash, token_ids: list[int], extra_keys: tuple = ()) 
     return h.digest()
 
 
+def cache_extra_keys(cache_salt: str | None, lora_int_id: int) -> tuple:
+    """What besides its tokens keys a prompt's first block: requests share cached blocks only with
+    the same salt and the same LoRA adapter (0: none)."""
+    salt = () if cache_salt is None else (cache_salt,)
+    return salt if not lora_int_id else (*salt, ("lora", lora_int_id))
+
+
 def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int, extra_keys: tuple = ()) -> None:
     """Append the hashes of every full block of `token_ids` not yet in `hashes`. Extra keys enter
     the first block only; the chain carries them to every later one."""

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvflow.core.block_hash import cache_extra_keys
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,8 +65,7 @@ class Request:
 
     @property
     def cache_extra_keys(self) -> tuple:
-        salt = () if self.cache_salt is None else (self.cache_salt,)
-        return salt if self.lora_request is None else (*salt, ("lora", self.lora_request.lora_int_id))
+        return cache_extra_keys(self.cache_salt, self.lora_int_id)
 
     @property
     def lora_int_id(self) -> int:

@@ -36,6 +36,9 @@ AWQ_CALIBRATION_TOKENS = 2048  # from the end of the shipped text; perplexity re
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        if isinstance(args.data_parallel_size, int) and args.data_parallel_size > 1:  # before anything loads
+            raise ValueError(f"data_parallel_size={args.data_parallel_size}: an LLMEngine (and LLM) is one replica; "
+                             "replicas are served by `kvflow serve --data-parallel-size N` (DPAsyncLLM)")
         dummy = args.load_format == "dummy"
         checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy,
                                      native_gguf=args.quantization is None)

@@ -243,14 +243,31 @@ def served_name(model: str | None) -> str:
     return model if model else default_model_path().stem
 
 
+def _start_engine(engine_args: EngineArgs, limits: ServerLimits, lora_modules: list[LoRARequest]) -> AsyncLLM:
+    """One engine, or `data_parallel_size` replicas behind a router; a bad adapter stops the
+    start, naming it."""
+    if engine_args.data_parallel_size == 1:
+        engine = LLMEngine(engine_args)
+        for adapter in lora_modules:
+            engine.add_lora(adapter)
+        return AsyncLLM(engine, limits.load_limits())
+    from kvflow.engine.dp_async_llm import DPAsyncLLM
+
+    replicas = DPAsyncLLM(engine_args, limits.load_limits())
+    try:
+        for adapter in lora_modules:
+            asyncio.run(replicas.add_lora(adapter))
+    except BaseException:
+        replicas.shutdown()
+        raise
+    return replicas
+
+
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     limits = ServerLimits.from_cli_args(args)
     lora_modules = parse_lora_modules(args.lora_modules)
-    engine = LLMEngine(EngineArgs.from_cli_args(args))
-    for adapter in lora_modules:  # a bad adapter stops the start, naming it
-        engine.add_lora(adapter)
-    async_llm = AsyncLLM(engine, limits.load_limits())
+    async_llm = _start_engine(EngineArgs.from_cli_args(args), limits, lora_modules)
     name = args.served_model_name or served_name(args.model)
     try:
         app = build_app(async_llm, name, args.api_key, limits, args.disallow_special_tokens_in_content,
