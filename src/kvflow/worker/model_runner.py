@@ -8,6 +8,7 @@ token's logprob was asked for.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -68,11 +69,12 @@ class ModelRunner:
         if not sched.chunks:
             return ModelRunnerOutput()
         batch = self.prepare(sched.chunks)
+        grammar = self._grammar_bitmask(batch.sample_chunks)  # filled on a thread during the forward pass
         hidden = self._forward(batch)
         out = ModelRunnerOutput()
         if batch.sample_rows:
             # Filled on the host while an accelerator still runs the forward pass.
-            sampling = self._sampling_batch(batch.sample_chunks)
+            sampling = self._sampling_batch(batch.sample_chunks, grammar)
             logits = self.model.compute_logits(hidden[batch.sample_rows])
             self._collect_samples(batch.sample_chunks, self.sampler(logits, sampling), out)
         if batch.prompt_rows:
@@ -163,7 +165,7 @@ class ModelRunner:
         batch.prompt_rows.extend(range(offset, offset + count))
         batch.prompt_targets.extend(chunk.prompt_token_ids[chunk.start_pos + 1:last + 1])
 
-    def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
+    def _sampling_batch(self, chunks: list[ScheduledChunk], grammar: Future | None = None) -> SamplingBatch:
         params = [c.sampling_params for c in chunks]
         dev = self.device
 
@@ -187,14 +189,18 @@ class ModelRunner:
             any_penalties=any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
                               for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            **self._grammar_bitmask(chunks),
+            **self._grammar_fields(grammar),
         )
 
-    def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> dict:
-        """The grammar masks of the rows whose requests have one (SamplingBatch's fields)."""
-        if self.structured_output is None or not self.structured_output.active:
-            return {}
-        masks = self.structured_output.bitmask([(c.request_id, c.output_token_ids) for c in chunks])
+    def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> Future | None:
+        """The grammar masks of the rows whose requests have one, being filled; None: no row has one."""
+        if not chunks or self.structured_output is None or not self.structured_output.active:
+            return None
+        return self.structured_output.start_bitmask([(c.request_id, c.output_token_ids) for c in chunks])
+
+    def _grammar_fields(self, grammar: Future | None) -> dict:
+        """SamplingBatch's grammar fields, once the fill is done (its error is the step's)."""
+        masks = None if grammar is None else grammar.result()
         if masks is None:
             return {}
         return {"grammar_bitmask": masks.bitmask.to(self.device, non_blocking=True),
