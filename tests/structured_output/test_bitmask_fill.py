@@ -5,7 +5,6 @@ is that step's error, raised where the step takes the mask, never a hang for the
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -84,11 +83,17 @@ class FailingFill(Exception):
     pass
 
 
-def test_a_failed_fill_is_the_steps_error_and_the_next_step_goes_on(tokenizer, eos_ids):
+@pytest.fixture
+def one_request(tokenizer, eos_ids):
+    """A manager with request "r" under the JSON schema, its output so far and its constraint."""
     manager = StructuredOutputManager("guidance", tokenizer.backend, VOCAB, eos_ids, compile_timeout_s=60)
     params, text = CASES["json"]
     manager.add_request("r", manager.compile(params))
-    tokens = tokenizer.encode(text, add_special_tokens=False)
+    return manager, tokenizer.encode(text, add_special_tokens=False), params
+
+
+def test_a_failed_fill_is_the_steps_error_and_the_next_step_goes_on(one_request):
+    manager, tokens, params = one_request
     backend = manager.compiler.backend
 
     def failing(matchers, rows, bitmask):
@@ -104,11 +109,8 @@ def test_a_failed_fill_is_the_steps_error_and_the_next_step_goes_on(tokenizer, e
     assert torch.equal(out.bitmask, alone(backend, params, tokens))
 
 
-def test_whatever_touches_a_matcher_waits_for_the_fill_in_flight(tokenizer, eos_ids):
-    manager = StructuredOutputManager("guidance", tokenizer.backend, VOCAB, eos_ids, compile_timeout_s=60)
-    params, text = CASES["json"]
-    manager.add_request("r", manager.compile(params))
-    tokens = tokenizer.encode(text, add_special_tokens=False)
+def test_whatever_touches_a_matcher_waits_for_the_fill_in_flight(one_request):
+    manager, tokens, params = one_request
     backend = manager.compiler.backend
     release, filling = threading.Event(), threading.Event()
     fill_bitmasks = type(backend).fill_bitmasks
