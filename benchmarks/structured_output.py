@@ -12,7 +12,9 @@ prompts at temperature 1 (seeded, EOS ignored so every request makes every token
 unconstrained (A) and once constrained by a JSON schema that cannot end within that many tokens
 (B: an array of at least 1000 short strings), alternating A and B --iters times. A step's time
 is the median of its decode steps (prefill steps excluded); overhead = B / A - 1. The mask's own
-parts are timed inside B: filling the bitmask (the grammar library) and applying it (the sampler).
+parts are timed inside B: filling the bitmask (the grammar library, on the fill thread while the
+forward pass runs), how long the step then waits for the fill before sampling, and applying the
+mask (the sampler).
 """
 
 from __future__ import annotations
@@ -67,26 +69,27 @@ def measure_compiles(backend_name: str, tokenizer, vocab: int, eos: list[int], i
 def measure_overhead(engine: LLMEngine, batch: int, output_len: int, iters: int) -> dict:
     tokenizer = engine.get_tokenizer()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "List some short words as JSON."}], tokenize=True)
-    fill: list[float] = []
-    apply: list[float] = []
-    _time_into(engine.structured_output, "bitmask", fill)
-    _time_into(sampler_module, "apply_grammar_bitmask", apply)
+    timed = {"fill": [], "wait": [], "apply": []}
+    _time_into(engine.structured_output, "_fill_rows", timed["fill"])
+    _time_into(engine.runner, "_grammar_fields", timed["wait"])
+    _time_into(sampler_module, "apply_grammar_bitmask", timed["apply"])
     steps = {"A": [], "B": []}
-    parts = {"fill": [], "apply": []}  # per constrained run: the median time of one step's part
+    parts = {part: [] for part in timed}  # per constrained run: the median time of one step's part
     for _ in range(iters):
         for label in ("A", "B"):
             constraint = StructuredOutputsParams(json=ENDLESS) if label == "B" else None
             params = SamplingParams(temperature=1.0, seed=0, max_tokens=output_len, ignore_eos=True,
                                     structured_outputs=constraint)
-            fill.clear()
-            apply.clear()
+            for times in timed.values():
+                times.clear()
             steps[label].append(statistics.median(_decode_steps(engine, [prompt] * batch, params)))
             if label == "B":  # (unconstrained steps never ask for a mask)
-                parts["fill"].append(statistics.median(fill))
-                parts["apply"].append(statistics.median(apply))
+                for part, times in timed.items():
+                    parts[part].append(statistics.median(times))
     a, b = statistics.median(steps["A"]), statistics.median(steps["B"])
     return {"batch": batch, "step_ms_unconstrained": a * 1e3, "step_ms_constrained": b * 1e3, "overhead": b / a - 1,
-            "fill_ms_per_step": statistics.median(parts["fill"]) * 1e3,  # matchers advanced, masks filled
+            "fill_ms_per_step": statistics.median(parts["fill"]) * 1e3,  # masks filled (fill thread)
+            "fill_wait_ms_per_step": statistics.median(parts["wait"]) * 1e3,  # the step waiting for it
             "apply_ms_per_step": statistics.median(parts["apply"]) * 1e3,
             "runs_ms": {k: [round(v * 1e3, 2) for v in runs] for k, runs in steps.items()}}
 

@@ -3,7 +3,13 @@ says which tokens may come next.
 
 The engine compiles a request's grammar when the request arrives (`compile`, refusing bad ones
 with a ValueError before anything is queued) and registers it (`add_request`). The model runner
-asks for the step's bitmask right before sampling (`bitmask`) and drops finished requests (`free`).
+starts the step's bitmask before the forward pass (`start_bitmask`) and takes it right before
+sampling; it drops finished requests (`free`).
+
+Filling a mask is the grammar library's work (a walk of the token trie per request, a fraction
+of a millisecond each); it runs on a fill thread while the engine thread runs the forward pass,
+which does not depend on it. At most one fill is in flight, and whatever else touches a matcher
+waits for it first, so a matcher is only ever used by one thread at a time.
 
 A matcher is a function of the tokens its request produced, and nothing else: before filling a
 mask it is brought level with the request's output tokens — forward over the tokens sampled since
@@ -15,6 +21,7 @@ moves it back (`speculative_bitmask`).
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +48,8 @@ class StructuredOutputManager:
         self._grammars: dict[str, object] = {}  # request id → its compiled grammar
         self._matchers: dict[str, GrammarMatcher] = {}  # made at the request's first mask
         self._broken: set[str] = set()  # produced a token its grammar refused
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="kvflow-grammar-fill")
+        self._fill: Future | None = None  # the fill in flight, if any
         # The mask of a request whose grammar cannot go on: end the sequence.
         self._eos_only = torch.zeros(self.width, dtype=torch.int32)
         for token in eos:
@@ -64,6 +73,7 @@ class StructuredOutputManager:
         return request_id in self._grammars
 
     def free(self, request_ids) -> None:
+        self._settle()
         for request_id in request_ids:
             self._grammars.pop(request_id, None)
             self._matchers.pop(request_id, None)
@@ -72,6 +82,13 @@ class StructuredOutputManager:
     def bitmask(self, requests: list[tuple[str, list[int]]]) -> GrammarBitmask | None:
         """The masks of one sampling step. `requests`: (request id, its output token ids) per
         logits row; rows of requests without a grammar are left out. None: no row has one."""
+        pending = self.start_bitmask(requests)
+        return None if pending is None else pending.result()
+
+    def start_bitmask(self, requests: list[tuple[str, list[int]]]) -> Future | None:
+        """`bitmask`, filled on the fill thread: the future's result is the GrammarBitmask (or the
+        fill's exception). Matchers are levelled here, on the caller's thread."""
+        self._settle()
         rows = [i for i, (request_id, _) in enumerate(requests) if request_id in self._grammars]
         if not rows:
             return None
@@ -80,19 +97,30 @@ class StructuredOutputManager:
         for target, row in enumerate(rows):
             request_id, output_token_ids = requests[row]
             matcher = self._level(request_id, output_token_ids)
-            if matcher is None:
+            if matcher is None or matcher.is_terminated():  # (ignore_eos went past the end)
                 bitmask[target] = self._eos_only
             else:
                 matchers.append(matcher)
                 targets.append(target)
+        self._fill = self._filler.submit(self._fill_rows, matchers, targets, GrammarBitmask(bitmask, rows))
+        return self._fill
+
+    def _fill_rows(self, matchers: list[GrammarMatcher], targets: list[int], masks: GrammarBitmask) -> GrammarBitmask:
         if matchers:
-            self.compiler.backend.fill_bitmasks(matchers, targets, bitmask)
-        return GrammarBitmask(bitmask, rows)
+            self.compiler.backend.fill_bitmasks(matchers, targets, masks.bitmask)
+        return masks
+
+    def _settle(self) -> None:
+        """Wait for the fill in flight (its error, if any, was the step's that took it)."""
+        if self._fill is not None:
+            wait([self._fill])
+            self._fill = None
 
     def valid_prefix(self, request_id: str, output_token_ids: list[int], proposed: list[int]) -> int:
         """How many leading `proposed` tokens the request's grammar accepts after its output
         (all of them for a request without a grammar): proposals are cut there before they
         are verified."""
+        self._settle()
         if request_id not in self._grammars:
             return len(proposed)
         matcher = self._level(request_id, output_token_ids)
@@ -103,6 +131,7 @@ class StructuredOutputManager:
         the output and proposed[:j], for j = 0..len(proposed). Rows past the first proposed token
         the grammar refuses (or past an end of sequence) allow only the end: verification rejects
         that token there, so what those rows say is never used. The matcher ends where it began."""
+        self._settle()
         bitmask = self._eos_only.repeat(len(proposed) + 1, 1)
         matcher = self._level(request_id, output_token_ids)
         if matcher is None:

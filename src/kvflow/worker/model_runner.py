@@ -9,6 +9,7 @@ carries k proposals to verify), and prompt rows whose next token's logprob was a
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -80,19 +81,23 @@ class ModelRunner:
             self.kv_connector.load_kv(transfers, out.kv_transfer)
         started = time.perf_counter()
         batch = self.prepare(sched.chunks)
+        # A plain step's masks are filled on a thread during the forward pass; a verifying step's,
+        # one per proposed position, after it.
+        verifying = any(c.num_spec_tokens for c in batch.sample_chunks)
+        grammar = None if verifying else self._grammar_bitmask(batch.sample_chunks)
         hidden = self._forward(batch)
         if transfers is not None and transfers.saves:  # the forward pass wrote the prompts' last KV
             self.kv_connector.save_kv(transfers, out.kv_transfer)
         if batch.sample_rows:
             chunks = batch.sample_chunks
-            if any(c.num_spec_tokens for c in chunks):
-                grammar = self._speculative_grammar_bitmask(chunks)
+            if verifying:
+                fields = self._speculative_grammar_bitmask(chunks)
                 logits = self.model.compute_logits(hidden[batch.sample_rows])
-                self.speculator.verify(chunks, logits, lambda rows: self._sampling_batch(rows, grammar),
+                self.speculator.verify(chunks, logits, lambda rows: self._sampling_batch(rows, fields),
                                        self._generator, out)
             else:
                 # Filled on the host while an accelerator still runs the forward pass.
-                sampling = self._sampling_batch(chunks)
+                sampling = self._sampling_batch(chunks, self._grammar_fields(grammar))
                 logits = self.model.compute_logits(hidden[batch.sample_rows])
                 self._collect_samples(chunks, self.sampler(logits, sampling), out)
         if batch.prompt_rows:
@@ -189,9 +194,9 @@ class ModelRunner:
         batch.prompt_rows.extend(range(offset, offset + count))
         batch.prompt_targets.extend(chunk.prompt_token_ids[chunk.start_pos + 1:last + 1])
 
-    def _sampling_batch(self, chunks: list[ScheduledChunk | VerifyRow], grammar: dict | None = None) -> SamplingBatch:
-        """One row per chunk (or per verified position). `grammar`: the rows' grammar masks, if
-        already made (a verifying step's); otherwise each chunk's mask after its output."""
+    def _sampling_batch(self, chunks: list[ScheduledChunk | VerifyRow], grammar_fields: dict | None = None) -> SamplingBatch:
+        """One row per chunk (or per verified position); `grammar_fields`: the rows' grammar masks
+        (SamplingBatch's fields; empty when no row has a grammar)."""
         params = [c.sampling_params for c in chunks]
         dev = self.device
 
@@ -215,14 +220,18 @@ class ModelRunner:
             any_penalties=any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
                               for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            **(self._grammar_bitmask(chunks) if grammar is None else grammar),
+            **(grammar_fields or {}),
         )
 
-    def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> dict:
-        """The grammar masks of the rows whose requests have one (SamplingBatch's fields)."""
-        if self.structured_output is None or not self.structured_output.active:
-            return {}
-        masks = self.structured_output.bitmask([(c.request_id, c.output_token_ids) for c in chunks])
+    def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> Future | None:
+        """The grammar masks of the rows whose requests have one, being filled; None: no row has one."""
+        if not chunks or self.structured_output is None or not self.structured_output.active:
+            return None
+        return self.structured_output.start_bitmask([(c.request_id, c.output_token_ids) for c in chunks])
+
+    def _grammar_fields(self, grammar: Future | None) -> dict:
+        """SamplingBatch's grammar fields, once the fill is done (its error is the step's)."""
+        masks = None if grammar is None else grammar.result()
         if masks is None:
             return {}
         return {"grammar_bitmask": masks.bitmask.to(self.device, non_blocking=True),
