@@ -1,9 +1,12 @@
 """An interleaved A/B of one CPU lever on W1 and W2, both engines in one process.
 
     PYTHONPATH=src .venv/bin/python benchmarks/cpu_ab.py --lever attention-kernel [--rounds 3] [--quick]
+        [--model gemma3-270m]
 
 Levers: `attention-kernel` (decode attention in place, attention/cpu_paged.py; B: the torch
-gather + matmul path, KVFLOW_CPU_ATTENTION_KERNEL=0). Engine A (lever on) and engine B (off)
+gather + matmul path, KVFLOW_CPU_ATTENTION_KERNEL=0); `int4-dense` (int4 layers' dense bf16 copy
+for calls of more than a few rows, quant/int4pack.py; B: the int4 kernel up to 64 rows, per-call
+dequantization above, KVFLOW_INT4_DENSE=0). Engine A (lever on) and engine B (off)
 are built once, then each round runs W1 (`kvflow bench throughput`'s workload; --quick: 32
 prompts) and W2 (`kvflow bench latency`'s) on A, then on B: on a shared machine the load drifts,
 and alternating spreads it over both. The medians of the rounds and their ratio are printed with
@@ -24,15 +27,16 @@ from kvflow.bench.latency import LatencyWorkload, measure_latency
 from kvflow.bench.throughput import ThroughputWorkload, measure_throughput
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.quant import int4pack
 
-LEVERS = {"attention-kernel": {cpu_paged.DISABLE_ENV: "0"}}  # lever → the environment that turns it off
+LEVERS = {"attention-kernel": {cpu_paged.DISABLE_ENV: "0"}, "int4-dense": {int4pack.DENSE_COPY_ENV: "0"}}  # lever → the environment that turns it off
 
 
-def build(off_env: dict[str, str] | None) -> LLMEngine:
+def build(off_env: dict[str, str] | None, model: str | None) -> LLMEngine:
     saved = {k: os.environ.get(k) for k in (off_env or {})}
     os.environ.update(off_env or {})
     try:
-        return LLMEngine(EngineArgs(kv_cache_memory_gb=1.0))
+        return LLMEngine(EngineArgs(kv_cache_memory_gb=1.0, **({"model": model} if model else {})))
     finally:
         for key, value in saved.items():
             if value is None:
@@ -46,13 +50,15 @@ def main() -> None:
     parser.add_argument("--lever", choices=sorted(LEVERS), default="attention-kernel")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="W1 with 32 prompts instead of 128")
+    parser.add_argument("--model", help="as `kvflow --model` (default: the default model)")
     args = parser.parse_args()
-    engines = {"on": build(None), "off": build(LEVERS[args.lever])}
+    engines = {"on": build(None, args.model), "off": build(LEVERS[args.lever], args.model)}
     ceilings = Ceilings(memory_bandwidth_gb_s=1.0, peak_flops=1e12, dtype="bfloat16", device="cpu")  # ratios only
-    w1 = ThroughputWorkload(num_prompts=32 if args.quick else 128)
     results = {name: {"w1": [], "w2": []} for name in engines}
     loads = []
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
+        # New prompts each round: the same ones again would hit the prefix cache and skip prefill.
+        w1 = ThroughputWorkload(num_prompts=32 if args.quick else 128, seed=round_)
         for name, engine in engines.items():
             loads.append(os.getloadavg()[0])
             results[name]["w1"].append(measure_throughput(engine, w1, ceilings)["output_tok_s"])

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvflow.quant.base import QuantizationConfig, QuantMethod
 from kvflow.quant.gguf_blocks import BLOCK_SIZES, Affine, GGUFBlocks, decode
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
 from kvflow.quant.packed_cache import PackedWeightsCache
+from kvflow.quant.packed_linear import DenseWeight
 
 
 class GGUFConfig(QuantizationConfig):
@@ -41,23 +41,6 @@ class GGUFConfig(QuantizationConfig):
         if dtype not in self.packed:
             self.packed[dtype] = PackedWeightsCache(Path(self.cache_dir), dtype, (sys.modules[__name__],))
         return self.packed[dtype]
-
-
-class DenseWeight(nn.Module):
-    """A float weight [N, K] behind the same interface as `Int4Planes`."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.weight.to(dtype or self.weight.dtype)
 
 
 class GGUFMethod(QuantMethod):
@@ -136,13 +119,14 @@ class GGUFMethod(QuantMethod):
 def _part_state(part: nn.Module) -> dict:
     if isinstance(part, Int4Planes):
         return {"kind": "int4", "packed": part.packed, "scale_zero": part.scale_zero, "group": part.group,
-                "out_features": part.out_features}
+                "out_features": part.out_features, "dense": part.dequantize() if part.dense is not None else None}
     return {"kind": "dense", "weight": part.weight}
 
 
 def _part_from_state(state: dict) -> nn.Module:
     if state["kind"] == "int4":
-        return Int4Planes.from_packed(state["packed"], state["scale_zero"], state["group"], state["out_features"])
+        return Int4Planes.from_packed(state["packed"], state["scale_zero"], state["group"], state["out_features"],
+                                      state.get("dense"))
     return DenseWeight(state["weight"])
 
 

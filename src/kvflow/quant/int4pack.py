@@ -5,25 +5,36 @@ The kernel computes x · ((q − 8) · scale + zero)ᵀ for 4-bit q with one (sc
 plane each, whose products add up: u = u₀ + 16·u₁ runs as two kernel calls with scales s and 16·s.
 So Q4_0/Q4_1/Q4_K and int4 are one plane; Q5/Q8_0 and MXFP4 are two.
 
-Which path is faster depends on the number of rows M (measured with
-`benchmarks/quant_kernels.py`, bf16, SmolLM2 shapes, one thread, medians of interleaved runs,
-2026-11-23 on a loaded 2-core EPYC): the kernel dequantizes the weights again for every 4 rows,
-so it wins at decode (M=1: 0.07 ms for gate_up 3072×576 against 0.27 ms for the bf16 matmul)
-and loses at prefill (M=512: 28 ms against 20 ms for dequantize + bf16 matmul). Above
-`KERNEL_MAX_ROWS` the weights are dequantized for the call and multiplied densely.
+Which path is faster depends on the number of rows M: the kernel dequantizes the weights again
+for every few rows, so its time grows with M from the first rows on, while a bf16 GEMM on weights
+packed once for oneDNN (`packed_linear`) reads twice (one plane) or equally many (two) bytes and
+stays memory-bound up to dozens of rows. Measured (bf16, one thread, 30 layers so the weights come
+from memory, medians, 2026-11-23, loaded 2-core EPYC; ms per layer, kernel / packed bf16):
+SmolLM2 gate_up 3072×576, one plane: M=1 0.09 / 0.40, M=8 0.48 / 0.30, M=128 5.6 / 2.2; Gemma-3
+gate_up 4096×640, two planes: M=1 0.37 / 0.45, M=8 1.2 / 0.53, M=128 16.5 / 3.2. So each layer
+also holds its weights dequantized once, in the packed bf16 form, for calls of more than
+`KERNEL_MAX_ROWS` rows (decode batches, prefill): 2 bytes per weight of memory for W1's speed.
+With `KVFLOW_INT4_DENSE=0` it does not, and above `KERNEL_MAX_ROWS_NO_COPY` rows each call
+dequantizes (the old low-memory path: at M=128 that costs far more than the product).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNEL_MAX_ROWS = 64
+from kvflow.quant.packed_linear import linear, prepack
+
+KERNEL_MAX_ROWS = 4  # above: the dense copy
+KERNEL_MAX_ROWS_NO_COPY = 64  # without a dense copy, above: dequantize for the call
+DENSE_COPY_ENV = "KVFLOW_INT4_DENSE"  # =0: no dense copy (less memory; for A/B measurements)
 GROUP_SIZES = (32, 64, 128, 256)
 _ROW_BLOCK = 64  # the kernel packs rows in blocks of 64 (AVX-512); rows are padded to a multiple
+_DEQUANTIZE_ROWS = 64 * _ROW_BLOCK
 
 
 def planes_from_affine(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -71,21 +82,30 @@ class Int4Planes(nn.Module):
         self._hold(torch.stack(packed), torch.stack(scale_zero), group, n)
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int) -> Int4Planes:
-        """The module again from its own buffers (as `packed_cache` stored them)."""
+    def from_packed(cls, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
+                    dense: torch.Tensor | None = None) -> Int4Planes:
+        """The module again from its own buffers and, if given, its `dequantize()` (as `packed_cache`
+        stored them: dequantizing again at every start would cost seconds)."""
         planes = cls.__new__(cls)
         nn.Module.__init__(planes)
-        planes._hold(packed, scale_zero, group, out_features)
+        planes._hold(packed, scale_zero, group, out_features, dense)
         return planes
 
-    def _hold(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int) -> None:
+    def _hold(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
+              dense: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features, self.group = out_features, scale_zero.shape[1] * group, group
         self.register_buffer("packed", packed)  # [P, N padded, K / 2] uint8
         self.register_buffer("scale_zero", scale_zero)  # [P, K / group, N padded, 2]
+        # An attribute, not a buffer: derived from the planes, so out of state_dict.
+        self.dense = None
+        if os.environ.get(DENSE_COPY_ENV, "1") != "0":
+            self.dense = prepack(dense if dense is not None else self.dequantize())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > KERNEL_MAX_ROWS and _layout_known():
+        if x2.shape[0] > KERNEL_MAX_ROWS and self.dense is not None and x2.dtype == self.scale_zero.dtype:
+            y = linear(x2, self.dense)
+        elif x2.shape[0] > KERNEL_MAX_ROWS_NO_COPY and _layout_known():
             y = F.linear(x2, self.dequantize(x2.dtype))
         else:
             y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(x2, p, self.group, sz)
@@ -94,35 +114,39 @@ class Int4Planes(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """W [N, K] in `dtype` (the scales' dtype by default)."""
+        """W [N, K] in `dtype` (the scales' dtype by default), computed in float32 and rounded once."""
         n, k, g = self.out_features, self.in_features, self.group
         if not _layout_known():  # another CPU's packing: let the kernel unpack (slow, exact)
             eye = torch.eye(k, dtype=self.scale_zero.dtype)
             w = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(eye, p, g, sz)
                     for p, sz in zip(self.packed, self.scale_zero))
             return w[:, :n].t().to(dtype or w.dtype)
-        w = None
-        for p, sz in zip(self.packed, self.scale_zero):
-            q = _unpack(p, k)[:n].to(sz.dtype).view(n, k // g, g)
-            scale, zero = sz[:, :n, 0].t()[..., None], sz[:, :n, 1].t()[..., None]
-            plane = torch.addcmul(zero - 8 * scale, q, scale)
-            w = plane if w is None else w + plane
-        return w.reshape(n, k).to(dtype or w.dtype)
+        w = torch.empty(n, k, dtype=dtype or self.scale_zero.dtype)
+        for start in range(0, n, _DEQUANTIZE_ROWS):  # float32 temporaries of bounded size
+            stop = min(start + _DEQUANTIZE_ROWS, n)
+            q = (_unpack(p[start:stop + -stop % _ROW_BLOCK], k)[:stop - start] for p in self.packed)
+            w[start:stop] = self._planes_sum(q, slice(start, stop))
+        return w
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W [len(ids), K] (an embedding lookup)."""
         if not _layout_known():
             return self.dequantize()[ids]
-        k, g = self.in_features, self.group
         block, r = ids // _ROW_BLOCK, ids % _ROW_BLOCK
-        out = None
-        for p, sz in zip(self.packed, self.scale_zero):
-            byte = p.view(-1, k, _ROW_BLOCK // 2)[block, :, r % (_ROW_BLOCK // 2)]  # [T, K]
-            q = torch.where((r >= _ROW_BLOCK // 2)[:, None], byte >> 4, byte & 0x0F).to(sz.dtype)
-            scale, zero = sz[:, ids, 0].t()[..., None], sz[:, ids, 1].t()[..., None]
-            plane = torch.addcmul(zero - 8 * scale, q.view(len(ids), k // g, g), scale).reshape(len(ids), k)
-            out = plane if out is None else out + plane
-        return out
+        bytes_ = (p.view(-1, self.in_features, _ROW_BLOCK // 2)[block, :, r % (_ROW_BLOCK // 2)] for p in self.packed)
+        high = (r >= _ROW_BLOCK // 2)[:, None]
+        q = (torch.where(high, b >> 4, b & 0x0F) for b in bytes_)  # [T, K] each
+        return self._planes_sum(q, ids).to(self.scale_zero.dtype)
+
+    def _planes_sum(self, q_per_plane, rows: slice | torch.Tensor) -> torch.Tensor:
+        """Σ_p (q_p − 8)·scale_p + zero_p in float32 [R, K], for rows `rows` given their 4-bit values
+        per plane [R, K]. In place in float32: a broadcast addcmul in bf16 is ~20× slower."""
+        k, g, acc = self.in_features, self.group, None
+        for q, sz in zip(q_per_plane, self.scale_zero):
+            scale, zero = (sz[:, rows, i].t().float()[..., None] for i in (0, 1))
+            plane = q.float().view(len(q), k // g, g).mul_(scale).add_(zero - 8 * scale)
+            acc = plane if acc is None else acc.add_(plane)
+        return acc.view(len(acc), k)
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,4 @@
-"""Float weights packed once for oneDNN, for the CPU's small-M GEMMs.
+"""Float weights packed once for oneDNN, for the CPU's GEMMs.
 
 F.linear on a bf16 weight reorders W into oneDNN's blocked layout on every call; at decode (M of
 1 to a few dozen rows) that reorder costs as much as the product. `torch.ops.mkldnn.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 
 import torch
-
+import torch.nn.functional as F
+from torch import nn
 
 DISABLE_ENV = "KVFLOW_PACKED_LINEAR"  # =0: F.linear at every call (for A/B measurements)
 
@@ -31,3 +32,35 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """x [..., K] @ W^T (+ bias) with W packed by `pack_weight`."""
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """W in the form `linear` multiplies fastest: packed where `should_pack` says so, else W itself."""
+    return pack_weight(weight) if should_pack(weight) else weight
+
+
+def linear(x: torch.Tensor, prepacked: torch.Tensor) -> torch.Tensor:
+    """x @ W^T for W as `prepack` left it."""
+    return packed_linear(x, prepacked, None) if prepacked.is_mkldnn else F.linear(x, prepacked)
+
+
+class DenseWeight(nn.Module):
+    """A float weight [N, K] behind the same interface as `int4pack.Int4Planes` (GGUF tensors with
+    no int4 form). `weight` stays the float truth (rows, state); bf16 products use the packed copy."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        # An attribute, not a buffer: the opaque tensor stays out of state_dict.
+        self.packed_weight = pack_weight(weight) if should_pack(weight) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and x.dtype == torch.bfloat16:
+            return packed_linear(x, self.packed_weight, None)
+        return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.weight.to(dtype or self.weight.dtype)
