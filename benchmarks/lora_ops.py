@@ -1,13 +1,18 @@
-"""How to add a step's LoRA deltas, timed on the default model's layer shapes: kvflow's segments
-(kvflow/lora/batch.py: per run of rows sharing an adapter, two matmuls on exactly those rows)
-against a gathered bmm (the runs' rows gathered into one zero-padded [adapters, rows, in] batch,
-the adapters' A and B gathered beside them, two bmm calls, the result scattered back).
+"""How to add a step's LoRA deltas, timed on the default model's layer shapes: kvflow's two forms
+(kvflow/lora/batch.py) — segments (per run of rows sharing an adapter, two matmuls on exactly
+those rows) and masked (every row by the stacked A of the step's slot range, a one-hot mask, one
+expand) — against a gathered bmm (the runs' rows gathered into one zero-padded [adapters, rows,
+in] batch, the adapters' A and B gathered beside them, two bmm calls, the result scattered back).
 
-    .venv/bin/python benchmarks/lora_ops.py [--rank 16 --max-loras 16 --repeats 15 --threads N]
+    .venv/bin/python benchmarks/lora_ops.py [--rank 16 --max-loras 16 --repeats 15 --threads N --dtype bfloat16]
 
 Each row is one layer at one shape: T rows spread evenly over K adapters (sorted, as the runner
-orders them), K of the slots resident. Times are medians over interleaved rounds of the whole
-layer (base matmul + deltas), in microseconds; "base" is the layer without adapters.
+orders them, in slots 0..K-1 as a fresh manager assigns them), K of the slots resident. Times
+are medians over interleaved rounds of the whole layer (base matmul + deltas), in microseconds;
+"base" is the layer without adapters, the other columns what the deltas add to it; "auto" says
+which form `LoRABatch.build` picks for the shape. bfloat16 (the engine's dtype on this CPU) runs
+the base as a plain bf16 matmul, not the default GGUF's int4 kernel, so compare the delta
+columns with each other, not with "base".
 """
 
 from __future__ import annotations
@@ -30,14 +35,15 @@ LAYERS = {
     "down_proj": lambda: RowParallelLinear(INTERMEDIATE, HIDDEN),
 }
 # (rows, adapters): decode steps (a row per request) and prefill chunks
-SHAPES = [(16, 4), (16, 16), (64, 4), (64, 16), (128, 4), (128, 16), (256, 1), (512, 4), (2048, 4), (2048, 16)]
+SHAPES = [(16, 4), (16, 16), (32, 4), (32, 16), (64, 4), (64, 16), (128, 4), (128, 16), (256, 1), (256, 4),
+          (512, 4), (2048, 4), (2048, 16)]
 
 
-def build(kind: str, max_loras: int, rank: int) -> LoRALinear:
-    base = LAYERS[kind]()
+def build(kind: str, max_loras: int, rank: int, dtype: torch.dtype = torch.float32) -> LoRALinear:
+    base = LAYERS[kind]().to(dtype)
     with torch.no_grad():
         base.weight.normal_(0, 0.02)
-    layer = LoRALinear(base, max_loras, rank, LoRAContext(), torch.float32, torch.device("cpu"))
+    layer = LoRALinear(base, max_loras, rank, LoRAContext(), dtype, torch.device("cpu"))
     for slot in range(max_loras):
         layer.set_slot(slot, {i: (torch.randn(rank, base.input_size) * 0.02, torch.randn(size, rank) * 0.02)
                               for i, size in enumerate(base.output_sizes)})
@@ -47,14 +53,14 @@ def build(kind: str, max_loras: int, rank: int) -> LoRALinear:
 class GatheredBmm:
     """The alternative: one padded batch per layer, whatever the number of adapters."""
 
-    def __init__(self, batch: LoRABatch) -> None:
+    def __init__(self, batch: LoRABatch, dtype: torch.dtype) -> None:
         self.width = max(end - first for _, first, end in batch.segments)
         rows, keep = [], []
         for _, first, end in batch.segments:
             pad = self.width - (end - first)
             rows += [*range(first, end), *[first] * pad]
             keep += [1.0] * (end - first) + [0.0] * pad
-        self.rows, self.keep = torch.tensor(rows), torch.tensor(keep)[:, None]
+        self.rows, self.keep = torch.tensor(rows), torch.tensor(keep, dtype=dtype)[:, None]
         self.slots = torch.tensor([slot for slot, _, _ in batch.segments])
 
     def __call__(self, layer: LoRALinear, x: torch.Tensor) -> torch.Tensor:
@@ -77,25 +83,32 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-loras", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (1 on a shared machine: a busy core stalls every multi-threaded op)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, rank {args.rank}")
-    print(f"{'layer':<13}{'T':>6}{'K':>4}{'base':>9}{'segments':>10}{'gathered bmm':>14}  LoRA cost (segments)")
-    totals = {"base": 0.0, "segments": 0.0, "bmm": 0.0}
+    dtype = getattr(torch, args.dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, rank {args.rank}, {args.dtype}")
+    print(f"{'layer':<13}{'T':>6}{'K':>4}{'base':>9}{'segments':>10}{'masked':>9}{'gathered bmm':>14}  auto")
+    totals = {"base": 0.0, "segments": 0.0, "masked": 0.0, "bmm": 0.0}
     with torch.inference_mode():
         for kind in LAYERS:
-            layer = build(kind, args.max_loras, args.rank)
+            layer = build(kind, args.max_loras, args.rank, dtype)
             for rows, k in SHAPES:
-                x = torch.randn(rows, layer.base_layer.input_size)
-                batch = LoRABatch.build([r * k // rows for r in range(rows)])
-                bmm = GatheredBmm(batch)
-                layer.context.batch = batch
-                torch.testing.assert_close(bmm(layer, x), layer(x), atol=1e-4, rtol=1e-4)
-                runs = {"base": (None, lambda: layer(x)), "segments": (batch, lambda: layer(x)),
-                        "bmm": (None, lambda: bmm(layer, x))}
+                x = torch.randn(rows, layer.base_layer.input_size, dtype=dtype)
+                row_slots = [r * k // rows for r in range(rows)]
+                segments, masked = (LoRABatch.build(row_slots, dtype, masked=m) for m in (False, True))
+                auto = "masked" if LoRABatch.build(row_slots, dtype).mask is not None else "segments"
+                bmm = GatheredBmm(segments, dtype)
+                layer.context.batch = segments
+                torch.testing.assert_close(bmm(layer, x), layer(x), atol=tol, rtol=tol)
+                layer.context.batch = masked
+                torch.testing.assert_close(bmm(layer, x), layer(x), atol=tol, rtol=tol)
+                runs = {"base": (None, lambda: layer(x)), "segments": (segments, lambda: layer(x)),
+                        "masked": (masked, lambda: layer(x)), "bmm": (None, lambda: bmm(layer, x))}
                 calls = max(1, 2048 // rows)  # a few milliseconds per sample
                 samples: dict[str, list[float]] = {name: [] for name in runs}
                 for _ in range(args.repeats):
@@ -105,10 +118,10 @@ def main() -> None:
                 us = {name: statistics.median(v) * 1e6 for name, v in samples.items()}
                 for name in totals:
                     totals[name] += us[name]
-                print(f"{kind:<13}{rows:>6}{k:>4}{us['base']:>9.0f}{us['segments']:>10.0f}{us['bmm']:>14.0f}"
-                      f"  {us['segments'] / us['base'] - 1:+.0%}", flush=True)
+                print(f"{kind:<13}{rows:>6}{k:>4}{us['base']:>9.0f}{us['segments'] - us['base']:>+10.0f}"
+                      f"{us['masked'] - us['base']:>+9.0f}{us['bmm'] - us['base']:>+14.0f}  {auto}", flush=True)
     print(f"sum over all rows: base {totals['base']:.0f}, segments {totals['segments']:.0f}, "
-          f"gathered bmm {totals['bmm']:.0f}")
+          f"masked {totals['masked']:.0f}, gathered bmm {totals['bmm']:.0f}")
 
 
 if __name__ == "__main__":

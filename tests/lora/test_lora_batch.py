@@ -1,5 +1,6 @@
 """A batch's adapter deltas against a row-by-row reference, on a fused layer whose slices have
-different widths, adapters of several ranks, and rows in any order."""
+different widths, adapters of several ranks (below the layer's max rank) and a slice one adapter
+leaves alone, rows in any order, in both forms a step can take (per segment, masked)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ def _reference(x, y, adapters, row_slots, out_sizes) -> torch.Tensor:
     [2, -1, 0, 2, 1, 1, -1, 0, 0, 2],  # interleaved: a run per row
     [-1, 1, 1, 1],  # one adapter of three slots
     [0, 1, 2, 2],  # every slot
+    [0, 0, 2, -1, 2],  # slot 1 holds an adapter no row uses, inside the masked form's slot range
 ])
-def test_deltas_equal_the_row_by_row_formula(make_layer, row_slots):
+@pytest.mark.parametrize("masked", [False, True])
+def test_deltas_equal_the_row_by_row_formula(make_layer, row_slots, masked):
     gen = torch.Generator().manual_seed(0)
     base = make_layer()
     with torch.no_grad():
@@ -54,7 +57,8 @@ def test_deltas_equal_the_row_by_row_formula(make_layer, row_slots):
     for slot, slices in adapters.items():
         lora.set_slot(slot, slices)
     x = torch.randn(len(row_slots), base.input_size, generator=gen)
-    lora.context.batch = LoRABatch.build(row_slots)
+    lora.context.batch = LoRABatch.build(row_slots, masked=masked)
+    assert (lora.context.batch.mask is not None) == masked
     expected = _reference(x, base(x), adapters, row_slots, base.output_sizes)
     got = lora(x)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -66,3 +70,14 @@ def test_batch_segments():
     assert LoRABatch.build([-1, -1]) is None
     assert LoRABatch.build([-1, 2, 2, 0, -1, 0]).segments == [(2, 1, 3), (0, 3, 4), (0, 5, 6)]
     assert LoRABatch.build([1] * 5).segments == [(1, 0, 5)]
+
+
+def test_form_follows_the_shape():
+    """Decode-like steps (few rows per adapter) take the masked form; one adapter, or many rows
+    per adapter (prefill), the segment loop; the mask covers exactly the slots in use's range."""
+    decode = LoRABatch.build([s for s in range(4) for _ in range(8)])  # 32 rows, 4 adapters
+    assert decode.mask is not None and decode.first_slot == 0 and decode.mask.shape == (32, 4, 1)
+    assert LoRABatch.build([3] * 32).mask is None
+    assert LoRABatch.build([s for s in range(4) for _ in range(512)]).mask is None
+    gap = LoRABatch.build([5, -1, 7])
+    assert gap.first_slot == 5 and gap.mask[:, :, 0].tolist() == [[1, 0, 0], [0, 0, 0], [0, 0, 1]]

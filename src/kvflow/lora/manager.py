@@ -108,7 +108,7 @@ class LoRAManager:
         slot_of = {r.lora_int_id: self._activate(r, needed) for r in needed}
         row_slots = [slot_of[r.lora_int_id] if r is not None else -1
                      for r, n in zip(requests, num_rows) for _ in range(n)]
-        return LoRABatch.build(row_slots)
+        return LoRABatch.build(row_slots, self.dtype, self.device)
 
     def _activate(self, request: LoRARequest, needed: list[LoRARequest]) -> int:
         if request.lora_int_id in self._slots:
