@@ -21,6 +21,8 @@ class Hardware:
     memory_bytes: float
     memory_bandwidth: float  # bytes/s
     peak_flops: Mapping[str, float]  # dtype -> dense FLOP/s
+    # Device-to-device link, bytes/s each way (tensor parallelism's all-reduces); None: no link.
+    interconnect_bandwidth: float | None = None
 
     def peak(self, dtype: str) -> float:
         key = canonical_dtype(dtype)
@@ -39,6 +41,7 @@ class Hardware:
             "memory_bytes": self.memory_bytes,
             "memory_bandwidth": self.memory_bandwidth,
             "peak_flops": dict(self.peak_flops),
+            "interconnect_bandwidth": self.interconnect_bandwidth,
         }
 
 
@@ -49,26 +52,31 @@ def peaks(**flops: float) -> Mapping[str, float]:
 
 PRESETS: Mapping[str, Hardware] = MappingProxyType(
     {
-        # A100 80GB SXM datasheet (seed 000): 312 TFLOP/s bf16 dense, 2,039 GB/s.
+        # A100 80GB SXM datasheet (seed 000): 312 TFLOP/s bf16 dense, 2,039 GB/s; NVLink
+        # 600 GB/s in both directions together (seed 000:67), 300 GB/s each way.
         "A100-80GB": Hardware(
             "A100-80GB",
             80e9,
             2.039e12,
             peaks(bfloat16=312e12, float16=312e12, float32=19.5e12, int8=624e12),
+            300e9,
         ),
-        # H100 SXM datasheet (seeds 000, 002, 004): 989 TFLOP/s bf16 dense, 3.35 TB/s, 80 GB.
+        # H100 SXM datasheet (seeds 000, 002, 004): 989 TFLOP/s bf16 dense, 3.35 TB/s, 80 GB;
+        # NVLink 900 GB/s both ways (seed 000:91), 450 GB/s each way.
         "H100-SXM": Hardware(
             "H100-SXM",
             80e9,
             3.35e12,
             peaks(bfloat16=989e12, float16=989e12, float32=67e12, float8=1979e12, int8=1979e12),
+            450e9,
         ),
-        # H200: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
+        # H200: the H100's compute and NVLink with 141 GB of HBM3e at 4.8 TB/s.
         "H200": Hardware(
             "H200",
             141e9,
             4.8e12,
             peaks(bfloat16=989e12, float16=989e12, float32=67e12, float8=1979e12, int8=1979e12),
+            450e9,
         ),
     }
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from typing import Any
 
 from kvflow.analysis.hardware import Hardware, get_hardware
@@ -15,6 +16,11 @@ from kvflow.analysis.planner import (
     PlanResult,
     SpecParams,
     plan,
+)
+from kvflow.analysis.tensor_parallel import (
+    DEFAULT_ALLREDUCE_LATENCY_S,
+    TPEstimate,
+    tensor_parallel_estimate,
 )
 from kvflow.kv_cache_spec import QUANTIZED_KV_CACHE_DTYPES
 
@@ -62,6 +68,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: α, the fraction of proposed tokens accepted")
     parser.add_argument("--draft-cost", "--spec-cost-ratio", dest="spec_cost_ratio", type=float,
                         help="speculative decoding: r, a proposed token's cost over a target decode step's")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int,
+                        help="also estimate decode split over N devices joined by all-reduce")
+    parser.add_argument("--allreduce-latency-us", type=float, default=DEFAULT_ALLREDUCE_LATENCY_S * 1e6,
+                        help="with --tensor-parallel-size: fixed cost of one collective, in µs")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", metavar="PATH", help="also write a roofline PNG here")
     parser.add_argument(
@@ -108,6 +118,13 @@ def run_plan(args: argparse.Namespace) -> int:
             spec=_spec_params(args),
             kv_cache_dtype=args.kv_cache_dtype,
         )
+        tp = None
+        if args.tensor_parallel_size is not None:
+            tp = tensor_parallel_estimate(
+                model, hw, args.tensor_parallel_size, result.dtype, result.weight_bits,
+                tuple(args.batch_sizes), args.context_len, args.kv_cache_dtype,
+                args.allreduce_latency_us * 1e-6,
+            )
         if args.plot:
             from kvflow.analysis.roofline_plot import plot_roofline
 
@@ -115,7 +132,13 @@ def run_plan(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError) as err:
         print(f"kvflow plan: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_json(), indent=2) if args.json else format_plan(result))
+    if args.json:
+        out = result.to_json()
+        if tp is not None:
+            out["tensor_parallel"] = asdict(tp)
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(result) + (f"\n\n{format_tensor_parallel(tp)}" if tp else ""))
     return 0
 
 
@@ -228,6 +251,36 @@ def format_plan(r: PlanResult) -> str:
             f"{s.throughput_tok_s:,.0f} tok/s at batch 1"
         )
     return "\n\n".join(parts)
+
+
+def format_tensor_parallel(tp: TPEstimate) -> str:
+    head = (
+        f"tensor parallel over {tp.size} devices: {tp.allreduces_per_step} all-reduces + 1 logits "
+        f"all-gather per step, link {tp.link_bandwidth / 1e9:,.0f} GB/s each way, "
+        f"{tp.allreduce_latency_s * 1e6:g} µs per collective; each rank holds "
+        f"{tp.kv_fraction_per_rank:.3g} of the KV"
+    )
+    rows = _table(
+        ["batch", "GB/rank", "compute ms", "comm ms", "ms/token", "tok/s", "comm %", "vs 1 device", "fits"],
+        [
+            [
+                str(x.batch_size),
+                _gb(x.memory_per_rank),
+                f"{x.compute_ms:,.3f}",
+                f"{x.comm_ms:,.3f}",
+                f"{x.latency_ms:,.3f}",
+                f"{x.throughput_tok_s:,.0f}",
+                f"{100 * x.comm_share:.0f}",
+                f"{x.speedup:.2f}x",
+                "yes" if x.fits else "NO",
+            ]
+            for x in tp.rows
+        ],
+    )
+    p = tp.prefill
+    prefill = (f"prefill of {p.tokens} tokens: {p.compute_ms:,.2f} ms compute + {p.comm_ms:,.2f} ms "
+               f"collectives = TTFT {p.ttft_ms:,.2f} ms")
+    return "\n".join([head, rows, prefill])
 
 
 if __name__ == "__main__":
