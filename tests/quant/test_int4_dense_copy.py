@@ -86,3 +86,14 @@ def test_dense_weight_packs_bf16_only():
     assert torch.equal(bf16(x.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
     f32 = DenseWeight(weight)
     assert f32.packed_weight is None and torch.equal(f32(x), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_dtypes_the_kernel_does_not_vectorise_take_the_dense_copy_at_any_row_count(dtype):
+    """The int4 kernel is 40-100x slower outside bf16 (see KERNEL_MAX_ROWS): one row in float32
+    or float16 must be the dense copy's product, bit for bit."""
+    from kvflow.quant.packed_linear import linear
+
+    planes = _planes(64, 256, 32, 4, dtype)
+    x = torch.randn(1, 256).to(dtype)
+    assert torch.equal(planes(x), linear(x, planes.dense))
