@@ -84,10 +84,10 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def reference(model_dir, prompts) -> list:
+def reference(model_dir, prompts, params: SamplingParams = GREEDY) -> list:
     single = make_engine(model_dir, enable_prefix_caching=False)
     for i, prompt in enumerate(prompts):
-        single.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+        single.add_request(str(i), {"prompt_token_ids": prompt}, params)
     done = {}
     while single.has_unfinished_requests():
         done.update((o.request_id, o) for o in single.step() if o.finished)

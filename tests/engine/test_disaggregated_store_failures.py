@@ -13,6 +13,10 @@ from disagg_stores import make_store, model_dir  # noqa: F401  (fixtures)
 from kvflow.core.kv_connector import transfer_keys
 from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
 from kvflow.kv_store.tcp_server import KVStoreServer
+from kvflow.sampling_params import RequestOutputKind, SamplingParams
+
+SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True, logprobs=2,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +36,9 @@ def _prefill(pair, request_id: str, prompt: list[int]) -> None:
         pass
 
 
-def _decode(pair, prompts: dict[str, list[int]]) -> dict:
+def _decode(pair, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict:
     for request_id, prompt in prompts.items():
-        pair.add_decode(request_id, {"prompt_token_ids": prompt}, GREEDY)
+        pair.add_decode(request_id, {"prompt_token_ids": prompt}, params)
     done = {}
     while pair.decode.has_unfinished_requests():
         done.update((o.request_id, o) for o in pair.step_decode() if o.finished)
@@ -73,8 +77,10 @@ def test_a_block_lost_between_lookup_and_load_fails_that_load_and_the_request_co
     monkeypatch.setattr(connector, "update_state_after_alloc", lose_a_block)
     _prefill(pair, "lost", lost)
     _prefill(pair, "kept", kept)
-    done = _decode(pair, {"lost": lost, "kept": kept})  # both admitted, and loaded, in one step
-    refs = reference(model_dir, [lost, kept])
+    # Both admitted, and loaded, in one step. Seeded sampling: the failed step drew from `lost`'s
+    # generator, which must start again from its seed.
+    done = _decode(pair, {"lost": lost, "kept": kept}, SEEDED)
+    refs = reference(model_dir, [lost, kept], SEEDED)
     assert_same(done["lost"], refs[0])
     assert done["lost"].num_cached_tokens == 0 and done["lost"].metrics.kv_transfer_bytes == 0
     assert_same(done["kept"], refs[1])  # the other request of the step is untouched
@@ -82,7 +88,7 @@ def test_a_block_lost_between_lookup_and_load_fails_that_load_and_the_request_co
     assert store.contents() == []
     _assert_baseline(pair.prefill, pair.decode)
     # What the decode engine's prefix cache holds for `lost` is what it computed, not the half-load.
-    again = pair.generate([{"prompt_token_ids": lost}], GREEDY)[0]
+    again = pair.generate([{"prompt_token_ids": lost}], SEEDED)[0]
     assert_same(again, refs[0])
     assert again.num_cached_tokens == len(lost) - 1 and again.metrics.kv_transfer_bytes == 0
 

@@ -176,7 +176,7 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
 
     def start_thread(self) -> threading.Thread:
         """Serve on a daemon thread (tests, `kvflow bench disagg --kv-store tcp`)."""
-        thread = threading.Thread(target=self.serve_forever, name="kvflow-kv-store", daemon=True)
+        thread = threading.Thread(target=self.serve_forever, args=(0.05,), name="kvflow-kv-store", daemon=True)
         thread.start()
         return thread
 
