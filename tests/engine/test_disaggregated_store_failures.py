@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from disagg_stores import B, GREEDY, assert_same, make_engine, make_pair, random_tokens, reference
-from disagg_stores import make_store, model_dir  # noqa: F401  (fixtures)
+from disagg_stores import make_store, model_dir, store  # noqa: F401  (fixtures)
 from kvflow.core.kv_connector import transfer_keys
 from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
 from kvflow.kv_store.tcp_server import KVStoreServer
@@ -91,6 +91,19 @@ def test_a_block_lost_between_lookup_and_load_fails_that_load_and_the_request_co
     again = pair.generate([{"prompt_token_ids": lost}], SEEDED)[0]
     assert_same(again, refs[0])
     assert again.num_cached_tokens == len(lost) - 1 and again.metrics.kv_transfer_bytes == 0
+
+
+def test_a_block_of_the_wrong_size_is_not_loaded(model_dir, store):
+    """Another model or KV dtype wrote it under the same key: never copied into the pool."""
+    pair = make_pair(model_dir, store)
+    prompt = random_tokens(2 * B + 3, seed=8)
+    _prefill(pair, "r", prompt)
+    pair.decode.scheduler.kv_connector.store.put([(transfer_keys(prompt, B)[1][0], b"another model's block")])
+    done = _decode(pair, {"r": prompt})
+    assert_same(done["r"], reference(model_dir, [prompt])[0])
+    assert done["r"].num_cached_tokens == 0 and done["r"].metrics.kv_transfer_bytes == 0
+    assert store.contents() == []
+    _assert_baseline(pair.prefill, pair.decode)
 
 
 def _tcp_pair(model_dir, url: str, timeout_s: float) -> DisaggregatedPrefillDecode:
