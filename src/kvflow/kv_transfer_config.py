@@ -1,21 +1,36 @@
 """KV transfer between engines (disaggregated prefill/decode): vLLM's `kv_transfer_config`.
 
-`{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer", "kv_connector_extra_config":
-{"shared_storage_path": "/dev/shm/kvflow-kv"}}`: a prefill engine (kv_producer) saves each
-prompt's KV blocks under their block hashes in that directory, a decode engine (kv_consumer)
-loads them instead of computing them; kv_both does both. Engines that share a directory must run
-the same model with the same block size and KV dtype.
+A prefill engine (kv_role "kv_producer") saves each prompt's KV blocks to a store under their
+block hashes; a decode engine ("kv_consumer") loads them instead of computing them; "kv_both" does
+both. Engines that share a store must run the same model with the same block size and KV dtype.
+Two stores (`kv_connector`):
+
+- `{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer", "kv_connector_extra_config":
+  {"shared_storage_path": "/dev/shm/kvflow-kv", "max_store_bytes": 4294967296}}`: one file per
+  block in a directory the engines of one host share;
+- `{"kv_connector": "TCPStoreConnector", "kv_role": "kv_consumer", "kv_connector_extra_config":
+  {"kv_store_url": "tcp://10.0.0.5:8600", "kv_store_timeout_s": 5.0}}`: a `kvflow kv-store`
+  server's memory, for engines on different hosts (its size bound is the server's --max-bytes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvflow.json_config import config_dict
 
-CONNECTORS = ("SharedStorageConnector",)
+CONNECTORS = ("SharedStorageConnector", "TCPStoreConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_SHARED_STORAGE_PATH = "/dev/shm/kvflow-kv"  # memory on Linux: a transfer never touches a disk
+DEFAULT_MAX_STORE_BYTES = 4 << 30  # a few GiB: what a producer whose consumer never came can leave behind
+DEFAULT_KV_STORE_TIMEOUT_S = 5.0
+# kv_connector_extra_config's keys, per connector: (the types each may have, what it is)
+EXTRA_KEYS = {
+    "SharedStorageConnector": {"shared_storage_path": (str, "a directory path"),
+                               "max_store_bytes": (int, "a number of bytes")},
+    "TCPStoreConnector": {"kv_store_url": (str, "tcp://host:port"), "kv_store_timeout_s": ((int, float), "seconds")},
+}
 
 
 @dataclass(frozen=True)
@@ -28,6 +43,18 @@ class KVTransferConfig:
     def shared_storage_path(self) -> str:
         return self.kv_connector_extra_config.get("shared_storage_path", DEFAULT_SHARED_STORAGE_PATH)
 
+    @property
+    def max_store_bytes(self) -> int:
+        return self.kv_connector_extra_config.get("max_store_bytes", DEFAULT_MAX_STORE_BYTES)
+
+    @property
+    def kv_store_address(self) -> tuple[str, int]:
+        return parse_kv_store_url(self.kv_connector_extra_config["kv_store_url"])
+
+    @property
+    def kv_store_timeout_s(self) -> float:
+        return float(self.kv_connector_extra_config.get("kv_store_timeout_s", DEFAULT_KV_STORE_TIMEOUT_S))
+
     @classmethod
     def parse(cls, value: dict | str | None) -> KVTransferConfig | None:
         """From the user's dict or JSON text; a bad one raises ValueError naming the key."""
@@ -39,8 +66,39 @@ class KVTransferConfig:
                              f"got {config.kv_connector!r}")
         if config.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}; got {config.kv_role!r}")
-        extra = config.kv_connector_extra_config
-        if not isinstance(extra, dict) or not isinstance(extra.get("shared_storage_path", ""), str):
-            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a dict whose shared_storage_path "
-                             "is a directory path")
+        _check_extra(config.kv_connector, config.kv_connector_extra_config)
         return config
+
+
+def _check_extra(connector: str, extra: object) -> None:
+    name = "kv_transfer_config.kv_connector_extra_config"
+    if not isinstance(extra, dict):
+        raise ValueError(f"{name} must be a dict; got {type(extra).__name__}")
+    known = EXTRA_KEYS[connector]
+    for key, value in extra.items():
+        if key not in known:
+            raise ValueError(f"{name} has unknown key {key!r} for {connector}; known keys: {', '.join(known)}")
+        types, what = known[key]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ValueError(f"{name}.{key} must be {what}; got {value!r}")
+    if extra.get("max_store_bytes", 1) <= 0:
+        raise ValueError(f"{name}.max_store_bytes must be positive; got {extra['max_store_bytes']}")
+    if extra.get("kv_store_timeout_s", 1) <= 0:
+        raise ValueError(f"{name}.kv_store_timeout_s must be positive; got {extra['kv_store_timeout_s']}")
+    if connector == "TCPStoreConnector":
+        if "kv_store_url" not in extra:
+            raise ValueError(f"{name}.kv_store_url is required for TCPStoreConnector (e.g. tcp://10.0.0.5:8600, "
+                             "a `kvflow kv-store` server)")
+        parse_kv_store_url(extra["kv_store_url"])
+
+
+def parse_kv_store_url(url: str) -> tuple[str, int]:
+    """(host, port) of `tcp://host:port`; ValueError naming kv_store_url otherwise."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"kv_store_url {url!r} is not tcp://host:port: {e}") from None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ValueError(f"kv_store_url must be tcp://host:port (a `kvflow kv-store` server); got {url!r}")
+    return parts.hostname, port

@@ -1,10 +1,11 @@
-"""The scheduler half of the shared-storage KV connector: keys, matching, and what it deletes."""
+"""The scheduler half of the KV connector (over the directory store): keys, matching, and what it deletes."""
 
 from __future__ import annotations
 
 from kvflow.core.block_hash import extend_block_hashes
-from kvflow.core.kv_connector import SharedStorageConnector, transfer_keys
+from kvflow.core.kv_connector import KVStoreConnector, transfer_keys
 from kvflow.core.request import Request
+from kvflow.kv_store import DirectoryKVStore, KVBlockStore, KVStoreError
 from kvflow.sampling_params import SamplingParams
 
 B = 4
@@ -12,6 +13,10 @@ B = 4
 
 def _request(tokens, salt=None) -> Request:
     return Request("r", list(tokens), SamplingParams(), 4, frozenset(), cache_salt=salt)
+
+
+def _directory_connector(path, role: str) -> KVStoreConnector:
+    return KVStoreConnector(DirectoryKVStore(path), role, B)
 
 
 def test_keys_cover_the_prompt_but_its_last_token_and_chain_like_the_prefix_cache():
@@ -27,14 +32,14 @@ def test_keys_cover_the_prompt_but_its_last_token_and_chain_like_the_prefix_cach
 
 
 def test_matches_consecutive_stored_blocks_after_the_local_hit(tmp_path):
-    connector = SharedStorageConnector(tmp_path, "kv_consumer", B)
+    connector = _directory_connector(tmp_path, "kv_consumer")
     request = _request(range(11))
     keys = transfer_keys(request.prompt_token_ids, B)
     assert connector.get_num_matched_tokens(request, 0) == 0
     for key, _ in (keys[0], keys[2]):
-        connector.block_path(key).write_bytes(b"")
+        connector.store.block_path(key).write_bytes(b"")
     assert connector.get_num_matched_tokens(request, 0) == 4  # the second block is missing: stop there
-    connector.block_path(keys[1][0]).write_bytes(b"")
+    connector.store.block_path(keys[1][0]).write_bytes(b"")
     assert connector.get_num_matched_tokens(request, 0) == 10
     assert connector.get_num_matched_tokens(request, 8) == 2  # two blocks found locally
     connector.update_state_after_alloc(request, [7, 8, 9], 4, 6)
@@ -46,10 +51,37 @@ def test_matches_consecutive_stored_blocks_after_the_local_hit(tmp_path):
 
 
 def test_a_producer_loads_nothing_and_keeps_what_it_saved(tmp_path):
-    connector = SharedStorageConnector(tmp_path, "kv_producer", B)
+    connector = _directory_connector(tmp_path, "kv_producer")
     request = _request(range(6), salt="s")
     key = transfer_keys(request.prompt_token_ids, B, request.cache_extra_keys)[0][0]
-    connector.block_path(key).write_bytes(b"")
+    connector.store.block_path(key).write_bytes(b"")
     assert connector.get_num_matched_tokens(request, 0) == 0
     connector.request_finished(request)
-    assert connector.block_path(key).exists()
+    assert connector.store.block_path(key).exists()
+
+
+class _DownStore(KVBlockStore):
+    """A store that cannot be reached: every call fails."""
+
+    location = "nowhere"
+
+    def lookup(self, keys):
+        raise KVStoreError("unreachable")
+
+    put = get = delete = lookup
+
+
+def test_a_failed_load_is_not_retried_and_a_failing_store_matches_nothing(tmp_path):
+    connector = _directory_connector(tmp_path, "kv_consumer")
+    request = _request(range(11))
+    for key, _ in transfer_keys(request.prompt_token_ids, B):
+        connector.store.block_path(key).write_bytes(b"")
+    assert connector.get_num_matched_tokens(request, 0) == 10
+    connector.request_load_failed(request)  # the request computes its prompt from now on
+    assert connector.get_num_matched_tokens(request, 0) == 0
+    connector.request_finished(request)
+    assert list(tmp_path.iterdir()) == []
+    down = KVStoreConnector(_DownStore(), "kv_both", B)
+    assert down.get_num_matched_tokens(request, 0) == 0
+    down.request_finished(request)  # nothing to delete it from: no error
+    down.discard(request.prompt_token_ids)

@@ -11,6 +11,7 @@ import pytest
 
 from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from kvflow.entrypoints.router import build_router_app
+from disagg_stores import Store
 from live_server import parse_metrics, start_process, start_thread
 from tiny_models import make_tiny_model, write_tiny_tokenizer
 
@@ -25,18 +26,21 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def routed(model_dir, tmp_path_factory):
-    store = tmp_path_factory.mktemp("kv-store")
+@pytest.fixture(scope="module", params=["directory", "tcp"])
+def routed(request, model_dir, tmp_path_factory):
+    """A router, a prefill and a decode server (processes) and the store they share: a directory,
+    or a `kvflow kv-store` server (here a thread of the test process; to the engines, another host)."""
+    store = Store(request.param, tmp_path_factory.mktemp("kv-store"))
     common = ["--model", model_dir, "--dtype", "float32", "--block-size", "8", "--attention-backend", "torch_reference"]
-    servers = [start_process([*common, "--kv-transfer-config",
-                              json.dumps({"kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(store)}})])
+    servers = [start_process([*common, "--kv-transfer-config", json.dumps(store.config(role))])
                for role in ("kv_producer", "kv_consumer")]
     router = start_thread(build_router_app([servers[0].url], [servers[1].url]))
     yield router.url, store, [s.url for s in servers]
     router.stop()
     for server in servers:
         server.stop()
+    if store.server is not None:
+        store.server.stop()
 
 
 def _reference(model_dir) -> list[str]:
@@ -66,7 +70,7 @@ def test_routed_completions_equal_one_engine_and_leave_the_store_empty(routed, m
                           timeout=120)
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == texts[0]
-    assert list(store.iterdir()) == []
+    assert store.contents() == []
     # The decode server loaded every block the prefill server saved (no prefix was found locally
     # but the repeated prompt's, and the store is one-use: the second time, its own cache served it).
     moved = [parse_metrics(httpx.get(u + "/metrics", timeout=10).text)["kvflow:kv_transfer_bytes_total"]
@@ -79,4 +83,4 @@ def test_a_bad_request_is_answered_by_the_prefill_server_and_reaches_no_decode(r
     answer = httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": -1}, timeout=60)
     assert answer.status_code == 400 and "temperature" in answer.text
     assert httpx.post(url + "/v1/completions", content=b"not json", timeout=60).status_code == 400
-    assert list(store.iterdir()) == []
+    assert store.contents() == []

@@ -1,7 +1,9 @@
 """`kvflow bench disagg`: what disaggregated prefill/decode costs one request on one host.
 
 Three engines of one model: a single engine (the baseline), a prefill engine and a decode engine
-joined by the shared-storage KV connector. Each iteration times one fresh prompt (its own random
+joined by a KV store: a directory (`--kv-store DIR`, default a fresh one under /dev/shm), a
+`kvflow kv-store` server (`--kv-store tcp://HOST:PORT`), or one started on a thread of this
+process (`--kv-store tcp`: its socket work then shares this process's interpreter). Each iteration times one fresh prompt (its own random
 tokens, so no prefix cache helps) on the baseline and on the pair, interleaved so that a noisy
 machine slows both alike; the median of each is reported:
 
@@ -32,7 +34,8 @@ def add_disagg_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--num-iters", type=int, default=5, help="measured runs of each; medians are reported")
     p.add_argument("--kv-store", default=None,
-                   help="directory the two engines share (default: a fresh one under /dev/shm, removed after)")
+                   help="a directory the two engines share (default: a fresh one under /dev/shm, removed after), "
+                        "tcp://HOST:PORT (a `kvflow kv-store` server), or tcp (a server on a thread here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_disagg)
@@ -63,6 +66,7 @@ def _time_pair(pair, prompt: list[int]) -> tuple[float, float, object, object]:
 
 
 def measure_disagg(args: argparse.Namespace, store: str) -> dict:
+    """`store`: a directory or a tcp:// URL."""
     from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
     from kvflow.engine.llm_engine import LLMEngine
 
@@ -70,7 +74,7 @@ def measure_disagg(args: argparse.Namespace, store: str) -> dict:
     base_args.disable_log_stats = True
 
     def engine(role: str | None) -> LLMEngine:
-        config = None if role is None else {"kv_role": role, "kv_connector_extra_config": {"shared_storage_path": store}}
+        config = None if role is None else {"kv_role": role, **_store_config(store)}
         return LLMEngine(dataclasses.replace(base_args, kv_transfer_config=config))
 
     baseline = engine(None)
@@ -89,6 +93,7 @@ def measure_disagg(args: argparse.Namespace, store: str) -> dict:
     mb = statistics.median(m.kv_transfer_bytes for m in loaded) / 1e6
     return {
         "input_len": args.input_len,
+        "kv_store": "tcp" if store.startswith("tcp://") else "directory",
         "num_iters": args.num_iters,
         "dtype": str(baseline.config.model.dtype).removeprefix("torch."),
         "kv_mb_per_request": mb,
@@ -102,14 +107,29 @@ def measure_disagg(args: argparse.Namespace, store: str) -> dict:
     }
 
 
+def _store_config(store: str) -> dict:
+    if store.startswith("tcp://"):
+        return {"kv_connector": "TCPStoreConnector", "kv_connector_extra_config": {"kv_store_url": store}}
+    return {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": {"shared_storage_path": store}}
+
+
 def run_disagg(args: argparse.Namespace) -> int:
-    if args.kv_store is not None:
+    if args.kv_store == "tcp":
+        from kvflow.kv_store.tcp_server import KVStoreServer
+
+        server = KVStoreServer("127.0.0.1", 0)
+        server.start_thread()
+        try:
+            result = measure_disagg(args, server.url)
+        finally:
+            server.stop()
+    elif args.kv_store is not None:
         result = measure_disagg(args, args.kv_store)
     else:
         with tempfile.TemporaryDirectory(prefix="kvflow-kv-", dir="/dev/shm") as store:
             result = measure_disagg(args, store)
     print(json.dumps(result) if args.json else
-          f"prompt {result['input_len']} tokens, KV {result['kv_mb_per_request']:.2f} MB ({result['dtype']})   "
+          f"{result['kv_store']} store, prompt {result['input_len']} tokens, KV {result['kv_mb_per_request']:.2f} MB ({result['dtype']})   "
           f"TTFT single {result['ttft_ms_single_engine']:.1f} ms, disaggregated "
           f"{result['ttft_ms_disaggregated']:.1f} ms (+{result['added_ttft_ms']:.1f} ms)   "
           f"save {result['save_ms']:.2f} ms ({result['save_mb_s']:.0f} MB/s), "

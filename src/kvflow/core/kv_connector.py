@@ -8,6 +8,8 @@ halves. This one, in the scheduler, decides:
   computed (`get_num_matched_tokens`), and, once blocks are allocated for them, which blocks to
   load into (`update_state_after_alloc`);
 - when a step finishes a request's prompt, which of its blocks to save (`build_connector_meta`);
+- when the worker could not load a request's blocks, to load nothing more for it
+  (`request_load_failed`);
 - when a request ends, what to forget (`request_finished`).
 
 Each step it hands the worker half (`kvflow.worker.kv_connector`) a `KVConnectorMetadata`: the
@@ -19,21 +21,31 @@ token itself, because it needs its logits to sample the first output token; so i
 nothing it received. The keys are the hashes of the prompt's full blocks before that token and of
 the partial block that ends there (`transfer_keys`).
 
-`SharedStorageConnector` is the first implementation: one file per block in a directory that all
-engines on a host share (/dev/shm by default: memory, not disk). A prefill engine (kv_role
-"kv_producer") saves; a decode engine ("kv_consumer") loads and deletes what its requests used
-when they end; "kv_both" does both.
+`KVStoreConnector` is the implementation: its blocks wait in a `KVBlockStore`
+(`kvflow.kv_store`) — a directory the engines of one host share (kv_connector
+"SharedStorageConnector"), or a `kvflow kv-store` server's memory for engines on different hosts
+("TCPStoreConnector"). A prefill engine (kv_role "kv_producer") saves; a decode engine
+("kv_consumer") loads, and deletes what its requests used when they end; "kv_both" does both.
+
+The store may lose a block (a bounded store evicts the least recently used) or go away. A lookup
+stops at the first missing block, and a store that cannot answer matches nothing: the rest of
+the prompt is computed. A block lost between the lookup and the load (in the same step) fails
+that request's load: the worker reports it, the scheduler throws away what the step computed for
+it and sends it back to waiting (`Scheduler.recompute_failed_loads`), and it then computes its
+prompt here. Nothing waits on the store longer than its timeout.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvflow.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, hash_block
 from kvflow.core.request import Request
+from kvflow.kv_store.base import KVBlockStore, KVStoreError, StoreFailureLog
 from kvflow.kv_transfer_config import KV_ROLES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,11 +79,6 @@ class KVConnectorMetadata:
         return not (self.loads or self.saves)
 
 
-def block_path(root: Path, key: BlockHash) -> Path:
-    """Where a shared-storage connector keeps the block under `key`."""
-    return root / f"{key.hex()}.kv"
-
-
 def transfer_keys(prompt_token_ids: list[int], block_size: int, extra_keys: tuple = ()) -> list[tuple[BlockHash, int]]:
     """(key, tokens covered up to and including it) of each block of the prompt but its last
     token: the chained hashes of its full blocks, then of the partial block that ends there.
@@ -102,21 +109,25 @@ class KVConnectorScheduler:
         """This step's loads and saves; clears what was pending."""
         return KVConnectorMetadata()
 
+    def request_load_failed(self, request: Request) -> None:
+        """The worker could not load the request's blocks: load nothing more for it."""
+
     def request_finished(self, request: Request) -> None:
         """The request ended (finished, aborted): forget its pending transfers."""
 
 
-class SharedStorageConnector(KVConnectorScheduler):
-    """Blocks as files named by their key's hex digest under `path`, shared by the engines of one host."""
+class KVStoreConnector(KVConnectorScheduler):
+    """Blocks in a `KVBlockStore` (a directory on one host, a `kvflow kv-store` server across hosts)."""
 
-    def __init__(self, path: str | os.PathLike, kv_role: str, block_size: int) -> None:
+    def __init__(self, store: KVBlockStore, kv_role: str, block_size: int) -> None:
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}; got {kv_role!r}")
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.store = store
         self.kv_role = kv_role
         self.block_size = block_size
         self._loads: list[BlockTransfer] = []
+        self._load_failed: set[str] = set()  # requests that compute their prompts here, whatever the store holds
+        self._failures = StoreFailureLog(logger)
 
     @property
     def saves(self) -> bool:
@@ -126,21 +137,23 @@ class SharedStorageConnector(KVConnectorScheduler):
     def loads(self) -> bool:
         return self.kv_role != "kv_producer"
 
-    def block_path(self, key: BlockHash) -> Path:
-        return block_path(self.path, key)
-
     def _keys(self, request: Request) -> list[tuple[BlockHash, int]]:
         return transfer_keys(request.prompt_token_ids, self.block_size, request.cache_extra_keys)
 
     def get_num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if not self.loads or request.num_output_tokens:
+        """One lookup of every key after the local hit; it stops at the first missing block (one
+        evicted, or never saved): the tokens from there on are computed."""
+        if not self.loads or request.num_output_tokens or request.request_id in self._load_failed:
             return 0
-        end = num_computed_tokens
-        for key, covered in self._keys(request)[num_computed_tokens // self.block_size:]:
-            if not self.block_path(key).exists():
-                break
-            end = covered
-        return max(0, end - num_computed_tokens)
+        keys = self._keys(request)[num_computed_tokens // self.block_size:]
+        if not keys:
+            return 0
+        try:
+            found = self.store.lookup([key for key, _ in keys])
+        except KVStoreError as e:  # the store is down: the prompt is computed here
+            self._failures.report("looking up a prompt's KV blocks", e)
+            return 0
+        return max(0, keys[found - 1][1] - num_computed_tokens) if found else 0
 
     def update_state_after_alloc(self, request: Request, block_table: list[int], num_computed_tokens: int,
                                  num_external_tokens: int) -> None:
@@ -162,15 +175,24 @@ class SharedStorageConnector(KVConnectorScheduler):
                                       for i, (key, _) in enumerate(self._keys(request)))
         return meta
 
+    def request_load_failed(self, request: Request) -> None:
+        """Had it blocks once and not the next moment, the store may flap again: the request
+        computes its prompt rather than try a second load."""
+        self._load_failed.add(request.request_id)
+
     def request_finished(self, request: Request) -> None:
         """A consumer deletes its request's blocks from the store, loaded or not (its own prefix
         cache may have held some): a transfer serves one request. Another request of the same
         prefix still in flight then finds them in this engine's prefix cache, or computes them."""
         self._loads = [t for t in self._loads if t.request_id != request.request_id]
+        self._load_failed.discard(request.request_id)
         if self.kv_role == "kv_consumer":
             self.discard(request.prompt_token_ids, request.cache_extra_keys)
 
     def discard(self, prompt_token_ids: list[int], extra_keys: tuple = ()) -> None:
         """Delete whatever was saved for a prompt that no engine will load now (its request ended)."""
-        for key, _ in transfer_keys(prompt_token_ids, self.block_size, extra_keys):
-            self.block_path(key).unlink(missing_ok=True)
+        keys = [key for key, _ in transfer_keys(prompt_token_ids, self.block_size, extra_keys)]
+        try:
+            self.store.delete(keys)
+        except KVStoreError as e:  # a bounded store evicts them in time
+            self._failures.report("deleting a finished request's KV blocks", e)

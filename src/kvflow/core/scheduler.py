@@ -348,6 +348,23 @@ class Scheduler:
                 request.spec_token_ids = (draft_token_ids or {}).get(request.request_id, [])
         return produced
 
+    def recompute_failed_loads(self, out: SchedulerOutput, request_ids: set[str]) -> None:
+        """The worker could not load these requests' KV from the connector's store (a block was
+        evicted after the lookup, or the store went away): the step ran them on wrong KV, so none
+        of it counts. Their blocks (fresh, never made findable) go back, and they wait again, to
+        compute their prompts here: the connector loads nothing more for them."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            self.kv_cache.free(request)
+            self.kv_connector.request_load_failed(request)
+            request.num_computed_tokens = request.num_cached_tokens = 0
+            request.status = RequestStatus.WAITING
+            out.drop(request_id)
+            self._enqueue(request)
+
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         for request_id in request_ids:
             request = self.requests.get(request_id)

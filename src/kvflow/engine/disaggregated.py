@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode on one host: a prefill engine and a decode engine, one request path.
+"""Disaggregated prefill/decode: a prefill engine and a decode engine, one request path.
 
 A request first runs on the prefill engine with max_tokens=1: computing its prompt saves the
 prompt's KV blocks (all but the last token's) to the shared store under their block hashes
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from kvflow.core.kv_connector import SharedStorageConnector
+from kvflow.core.kv_connector import KVStoreConnector
 from kvflow.core.request import Request
 from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.outputs import RequestOutput
@@ -29,10 +29,11 @@ class DisaggregatedPrefillDecode:
             if connector is None or connector.kv_role == role:
                 raise ValueError(f"the {name} engine needs kv_transfer_config with kv_role "
                                  f"{'kv_producer' if name == 'prefill' else 'kv_consumer'} (or kv_both)")
-        if prefill.scheduler.kv_connector.path != decode.scheduler.kv_connector.path:
-            raise ValueError("the prefill and decode engines must share one shared_storage_path")
+        if prefill.scheduler.kv_connector.store.location != decode.scheduler.kv_connector.store.location:
+            raise ValueError("the prefill and decode engines must share one KV store (shared_storage_path or "
+                             "kv_store_url)")
         self.prefill, self.decode = prefill, decode
-        self._store: SharedStorageConnector = decode.scheduler.kv_connector
+        self._store: KVStoreConnector = decode.scheduler.kv_connector
         # Requests whose KV is in the store and that the decode engine has not ended: (prompt ids,
         # cache keys), to delete their blocks from the store if they are aborted before it loads them.
         self._prefilled: dict[str, tuple[list[int], tuple]] = {}

@@ -11,7 +11,7 @@ import time
 
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
-from kvflow.core.kv_connector import SharedStorageConnector
+from kvflow.core.kv_connector import KVStoreConnector
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
@@ -22,6 +22,7 @@ from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
 from kvflow.executor.base import create_executor
+from kvflow.kv_store import open_kv_block_store
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.tokenizer import Tokenizer
@@ -102,14 +103,14 @@ class LLMEngine:
         calibrate_and_quantize(self.runner.model, run, windows, self.config.model.seed)
         self.reset_prefix_cache()  # those blocks hold the float model's keys and values
 
-    def _make_kv_connector(self) -> SharedStorageConnector | None:
+    def _make_kv_connector(self) -> KVStoreConnector | None:
         kv_transfer = self.config.kv_transfer
         if kv_transfer is None:
             return None
         if self.arch.kv_layout.sliding_windows != (None,):
             raise ValueError(f"kv_transfer_config: {self.arch.architecture} has sliding-window or several KV "
                              "groups; KV transfer supports models whose layers all keep full attention for now")
-        return SharedStorageConnector(kv_transfer.shared_storage_path, kv_transfer.kv_role, self.config.cache.block_size)
+        return KVStoreConnector(open_kv_block_store(kv_transfer), kv_transfer.kv_role, self.config.cache.block_size)
 
     def _make_structured_output(self) -> StructuredOutputManager | None:
         """Grammar matchers need the vocabulary: none without a tokenizer."""
@@ -243,6 +244,8 @@ class LLMEngine:
             self._running_at_step.update(e.request_ids)  # abort_failed_step ends them too
             raise
         runner_out = self.model_executor.execute_model(sched)
+        if runner_out.kv_load_failed:  # before anything of theirs counts
+            self.scheduler.recompute_failed_loads(sched, runner_out.kv_load_failed)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled, runner_out.draft_token_ids)
         if runner_out.kv_transfer:
             self.output_processor.record_kv_transfers(runner_out)

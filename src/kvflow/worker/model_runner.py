@@ -22,7 +22,7 @@ from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, g
 from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import unique_caches
-from kvflow.worker.kv_connector import SharedStorageConnectorWorker
+from kvflow.worker.kv_connector import KVStoreConnectorWorker
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.worker.speculator import Speculator, VerifyRow
 
@@ -58,7 +58,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, for its whole life
         self.decode_graphs = decode_graphs
         self.speculator: Speculator | None = None  # set when speculative decoding is on
-        self.kv_connector: SharedStorageConnectorWorker | None = None  # set when KV moves between engines
+        self.kv_connector: KVStoreConnectorWorker | None = None  # set when KV moves between engines
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -78,7 +78,7 @@ class ModelRunner:
         out = ModelRunnerOutput()
         transfers = sched.kv_connector_metadata
         if transfers is not None and transfers.loads:
-            self.kv_connector.load_kv(transfers, out.kv_transfer)
+            out.kv_load_failed = self.kv_connector.load_kv(transfers, out.kv_transfer)
         started = time.perf_counter()
         batch = self.prepare(sched.chunks)
         # A plain step's masks are filled on a thread during the forward pass; a verifying step's,
@@ -87,7 +87,7 @@ class ModelRunner:
         grammar = None if verifying else self._grammar_bitmask(batch.sample_chunks)
         hidden = self._forward(batch)
         if transfers is not None and transfers.saves:  # the forward pass wrote the prompts' last KV
-            self.kv_connector.save_kv(transfers, out.kv_transfer)
+            self.kv_connector.save_kv(transfers, out.kv_transfer, skip=out.kv_load_failed)
         if batch.sample_rows:
             chunks = batch.sample_chunks
             if verifying:
@@ -108,7 +108,19 @@ class ModelRunner:
             self.speculator.propose(batch.sample_chunks, self._generator, out,
                                     grammars.valid_prefix if grammars is not None and grammars.active else None)
             out.target_seconds, out.proposer_seconds = proposing - started, time.perf_counter() - proposing
+        if out.kv_load_failed:
+            self._discard_failed_loads(out)
         return out
+
+    def _discard_failed_loads(self, out: ModelRunnerOutput) -> None:
+        """These requests ran on KV the connector could not load: nothing they produced counts, and
+        their sampling starts again from its seed (they had sampled nothing before)."""
+        for request_id in out.kv_load_failed:
+            for produced in (out.sampled, out.logprobs, out.prompt_logprobs, out.draft_token_ids):
+                produced.pop(request_id, None)
+            self.generators.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.drop(list(out.kv_load_failed))
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         graphs = self.decode_graphs

@@ -32,3 +32,5 @@ class ModelRunnerOutput:
     proposer_seconds: float = 0.0
     # request id → KV it loaded from or saved for another engine this step
     kv_transfer: dict[str, TransferStats] = field(default_factory=dict)
+    # requests whose KV the connector could not load this step: nothing above is theirs; they recompute
+    kv_load_failed: set[str] = field(default_factory=set)

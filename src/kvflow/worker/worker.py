@@ -30,7 +30,8 @@ from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import allocate_kv_caches, available_memory_bytes, pool_blocks
-from kvflow.worker.kv_connector import SharedStorageConnectorWorker
+from kvflow.kv_store import open_kv_block_store
+from kvflow.worker.kv_connector import KVStoreConnectorWorker
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.runner_output import ModelRunnerOutput
 
@@ -73,8 +74,7 @@ class Worker:
         self.model_runner = ModelRunner(self.model, kv_caches, cache.block_size, self.device, cfg.model.seed,
                                         host_caches, graphs)
         if cfg.kv_transfer is not None:
-            self.model_runner.kv_connector = SharedStorageConnectorWorker(cfg.kv_transfer.shared_storage_path,
-                                                                          kv_caches)
+            self.model_runner.kv_connector = KVStoreConnectorWorker(open_kv_block_store(cfg.kv_transfer), kv_caches)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(sched)

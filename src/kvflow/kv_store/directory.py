@@ -1,0 +1,126 @@
+"""`DirectoryKVStore`: one file per block in a directory that the engines of one host share.
+
+/dev/shm by default: memory, not disk. A file is named by its key's hex digest; a save writes a
+temporary file and renames it into place, so another process that sees the name sees the whole
+block. Several processes use one directory with no coordination but the file system's.
+
+The size bound (`max_bytes`) is kept with file times: a write, a lookup or a read sets a block's
+modification time to now (in nanoseconds), and eviction deletes the least recently used files
+first, then the batch being written from its end, as `MemoryKVStore` does. Counting the directory
+costs a scan of it, so a store scans only once its own writes since the last scan could have
+filled it, or every eighth of the bound it writes: with several writers the directory may briefly
+exceed the bound by about an eighth of it per writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvflow.kv_store.base import Blob, KVBlockStore, check_keys
+from kvflow.kv_transfer_config import DEFAULT_MAX_STORE_BYTES
+
+logger = logging.getLogger(__name__)
+SUFFIX = ".kv"
+
+
+class DirectoryKVStore(KVBlockStore):
+    def __init__(self, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_store_bytes must be positive; got {max_bytes}")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.location = str(self.path.resolve())
+        self.max_bytes = max_bytes
+        self._bytes_at_scan = 0  # the directory's size when this store last counted it
+        self._written_since_scan = 0
+
+    def block_path(self, key: bytes) -> Path:
+        return self.path / f"{key.hex()}{SUFFIX}"
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        check_keys(keys)
+        for found, key in enumerate(keys):
+            if not _touch(self.block_path(key)):  # a found block becomes the most recently used
+                return found
+        return len(keys)
+
+    def put(self, blocks: Sequence[tuple[bytes, Blob]]) -> int:
+        """Write every block, then evict if the bound may be passed: other blocks first, least
+        recently used first, then this batch's own from its end (its first blocks are a prefix,
+        useful without the rest; its last are useless without the first)."""
+        check_keys([key for key, _ in blocks])
+        written: list[str] = []
+        for key, data in blocks:
+            size = memoryview(data).nbytes
+            if size > self.max_bytes:
+                logger.warning("a KV block of %d bytes exceeds max_store_bytes=%d: not stored", size, self.max_bytes)
+                continue
+            path = self.block_path(key)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            _touch(path)  # a nanosecond time: the batch's blocks keep their order
+            self._written_since_scan += size
+            written.append(str(path))
+        if (self._bytes_at_scan + self._written_since_scan > self.max_bytes
+                or self._written_since_scan > self.max_bytes // 8):
+            return len(written) - self.evict_to(self.max_bytes, written)
+        return len(written)
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        check_keys(keys)
+        blocks: list[bytes | None] = []
+        for key in keys:
+            path = self.block_path(key)
+            try:
+                blocks.append(path.read_bytes())
+            except FileNotFoundError:  # evicted or deleted since the lookup
+                blocks.append(None)
+                continue
+            _touch(path)
+        return blocks
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        check_keys(keys)
+        for key in keys:
+            self.block_path(key).unlink(missing_ok=True)
+
+    def evict_to(self, max_bytes: int, batch: Sequence[str] = ()) -> int:
+        """Delete blocks until the directory holds at most `max_bytes`: the least recently used
+        first, then those of `batch` (paths just written) from its end. Returns how many of
+        `batch` were deleted."""
+        files = []
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(SUFFIX):
+                try:
+                    stat = entry.stat()
+                except FileNotFoundError:  # another engine deleted it mid-scan
+                    continue
+                files.append((stat.st_mtime_ns, stat.st_size, entry.path))
+        total = sum(size for _, size, _ in files)
+        mine = set(batch)
+        order = sorted(f for f in files if f[2] not in mine) + sorted((f for f in files if f[2] in mine), reverse=True)
+        evicted_mine = 0
+        for _, size, path in order:
+            if total <= max_bytes:
+                break
+            Path(path).unlink(missing_ok=True)
+            total -= size
+            evicted_mine += path in mine
+        self._bytes_at_scan, self._written_since_scan = total, 0
+        return evicted_mine
+
+
+def _touch(path: Path) -> bool:
+    """Mark a block just used (its modification time is its place in the LRU order); False if it is gone."""
+    try:
+        now = time.time_ns()
+        os.utime(path, ns=(now, now))  # finer than the kernel's own file times (a few ms)
+    except FileNotFoundError:
+        return False
+    return True

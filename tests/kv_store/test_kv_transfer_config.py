@@ -1,0 +1,51 @@
+"""`kv_transfer_config` for the two stores: good ones parse, bad ones name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.kv_store import DirectoryKVStore, TCPKVStore, open_kv_block_store
+from kvflow.kv_transfer_config import DEFAULT_MAX_STORE_BYTES, KVTransferConfig
+
+
+def test_each_connector_opens_its_store(tmp_path):
+    directory = KVTransferConfig.parse({"kv_role": "kv_producer", "kv_connector_extra_config": {
+        "shared_storage_path": str(tmp_path), "max_store_bytes": 1000}})
+    store = open_kv_block_store(directory)
+    assert isinstance(store, DirectoryKVStore) and store.max_bytes == 1000
+    assert KVTransferConfig.parse({}).max_store_bytes == DEFAULT_MAX_STORE_BYTES
+    tcp = KVTransferConfig.parse('{"kv_connector": "TCPStoreConnector", "kv_role": "kv_consumer", '
+                                 '"kv_connector_extra_config": {"kv_store_url": "tcp://10.1.2.3:8600", '
+                                 '"kv_store_timeout_s": 0.5}}')
+    store = open_kv_block_store(tcp)  # no connection yet: the store may start after the engines
+    assert isinstance(store, TCPKVStore) and (store.host, store.port, store.timeout_s) == ("10.1.2.3", 8600, 0.5)
+    assert store.location == "tcp://10.1.2.3:8600"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({}, "kv_store_url is required"),
+    ({"kv_store_url": "http://h:8600"}, "kv_store_url must be tcp://host:port"),
+    ({"kv_store_url": "tcp://h"}, "kv_store_url must be tcp://host:port"),
+    ({"kv_store_url": "tcp://h:99999"}, "kv_store_url 'tcp://h:99999' is not tcp://host:port"),
+    ({"kv_store_url": 8600}, "kv_store_url must be tcp://host:port; got 8600"),
+    ({"kv_store_url": "tcp://h:1", "kv_store_timeout_s": 0}, "kv_store_timeout_s must be positive"),
+    ({"kv_store_url": "tcp://h:1", "kv_store_timeout_s": "5"}, "kv_store_timeout_s must be seconds"),
+    ({"kv_store_url": "tcp://h:1", "shared_storage_path": "/x"}, "unknown key 'shared_storage_path' for TCPStoreConnector"),
+])
+def test_a_bad_tcp_store_config_names_the_field(extra, message):
+    with pytest.raises(ValueError, match=message):
+        KVTransferConfig.parse({"kv_connector": "TCPStoreConnector", "kv_connector_extra_config": extra})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"max_store_bytes": 0}, "max_store_bytes must be positive"),
+    ({"max_store_bytes": "4GiB"}, "max_store_bytes must be a number of bytes"),
+    ({"max_store_bytes": True}, "max_store_bytes must be a number of bytes"),
+    ({"shared_storage_path": 3}, "shared_storage_path must be a directory path"),
+    ({"kv_store_url": "tcp://h:1"}, "unknown key 'kv_store_url' for SharedStorageConnector"),
+])
+def test_a_bad_directory_store_config_names_the_field(extra, message):
+    with pytest.raises(ValueError, match=message):
+        KVTransferConfig.parse({"kv_connector_extra_config": extra})
+    with pytest.raises(ValueError, match="kv_connector_extra_config must be a dict"):
+        KVTransferConfig.parse({"kv_connector_extra_config": ["x"]})

@@ -1,0 +1,120 @@
+"""The `KVBlockStore` contract, kept alike by the directory store, the in-memory store and the TCP
+client of a `kvflow kv-store` server: prefix lookups, batched put / get / delete, and a size bound
+that evicts the least recently written or used blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+from kvflow.kv_store import DirectoryKVStore, TCPKVStore
+from kvflow.kv_store.tcp_server import KVStoreServer, MemoryKVStore
+
+BLOCK = 100  # bytes per block in these tests
+
+
+def _key(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+def _block(name: str) -> bytes:
+    return (name.encode() * BLOCK)[:BLOCK]
+
+
+@pytest.fixture(params=["directory", "memory", "tcp"])
+def make_store(request, tmp_path):
+    """A factory of an empty store of the kind, bounded to `max_bytes`."""
+    servers = []
+
+    def make(max_bytes: int = 1 << 20):
+        if request.param == "directory":
+            return DirectoryKVStore(tmp_path / f"store{len(servers)}", max_bytes)
+        if request.param == "memory":
+            return MemoryKVStore(max_bytes)
+        server = KVStoreServer("127.0.0.1", 0, max_bytes)
+        server.start_thread()
+        servers.append(server)
+        return TCPKVStore("127.0.0.1", server.port, timeout_s=5.0)
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def _settle() -> None:
+    """Directory stores order blocks by file time, which the kernel keeps at a few ms' grain."""
+    time.sleep(0.02)
+
+
+def test_lookup_counts_the_stored_prefix_and_get_returns_the_bytes(make_store):
+    store = make_store()
+    keys = [_key(n) for n in "abcd"]
+    assert store.lookup(keys) == 0
+    assert store.put([(_key("a"), _block("a")), (_key("b"), memoryview(_block("b"))), (_key("d"), _block("d"))]) == 3
+    assert store.lookup(keys) == 2  # c is missing: d after it is of no use
+    assert store.lookup(keys[3:]) == 1
+    assert store.lookup([]) == 0
+    got = store.get([_key("b"), _key("c"), _key("a")])
+    assert [None if g is None else bytes(g) for g in got] == [_block("b"), None, _block("a")]
+    store.put([(_key("b"), _block("B"))])  # a second put replaces
+    assert bytes(store.get([_key("b")])[0]) == _block("B")
+    store.delete([_key("a"), _key("c")])  # a missing key is no error
+    assert store.lookup(keys) == 0 and store.lookup(keys[1:2]) == 1
+    store.delete([_key("b"), _key("d")])
+    assert store.get(keys) == [None] * 4
+
+
+def test_the_bound_evicts_the_least_recently_written_or_used(make_store):
+    store = make_store(max_bytes=3 * BLOCK)
+    for name in "abc":
+        store.put([(_key(name), _block(name))])
+        _settle()
+    assert store.get([_key("a")])[0] is not None  # a is now the most recently used
+    _settle()
+    store.put([(_key("d"), _block("d"))])
+    _settle()
+    assert store.lookup([_key("b")]) == 0  # over the bound: b, the least recently used, went
+    assert store.lookup([_key("c")]) == 1  # a lookup is a use too: now a is the least recently used
+    _settle()
+    store.put([(_key("e"), _block("e"))])
+    assert [store.lookup([_key(n)]) for n in "acde"] == [0, 1, 1, 1]
+
+
+def test_a_block_bigger_than_the_bound_is_not_kept(make_store):
+    store = make_store(max_bytes=BLOCK)
+    assert store.put([(_key("big"), b"x" * (BLOCK + 1)), (_key("a"), _block("a"))]) == 1
+    assert store.lookup([_key("big")]) == 0 and store.lookup([_key("a")]) == 1
+
+
+def test_a_batch_bigger_than_the_bound_keeps_its_first_blocks(make_store):
+    """A prompt's blocks are a chain: its first ones are useful without the rest, not the reverse."""
+    store = make_store(max_bytes=3 * BLOCK)
+    store.put([(_key("old"), _block("old"))])
+    _settle()
+    batch = [(_key(n), _block(n)) for n in "abcde"]
+    assert store.put(batch) == 3
+    assert store.lookup([key for key, _ in batch]) == 3  # a, b, c
+    assert store.lookup([_key("old")]) == 0 and store.lookup([_key("d")]) == 0 and store.lookup([_key("e")]) == 0
+
+
+def test_keys_must_be_block_hashes(make_store):
+    store = make_store()
+    with pytest.raises(ValueError, match="32-byte block hash"):
+        store.lookup([b"short"])
+    with pytest.raises(ValueError, match="32-byte block hash"):
+        store.put([("a" * 32, b"x")])
+
+
+def test_engines_sharing_a_directory_share_its_blocks_and_its_bound(tmp_path):
+    """Two stores on one directory (a prefill and a decode engine): what one writes the other
+    finds; eviction by either keeps the directory within the bound, oldest first."""
+    writer, reader = DirectoryKVStore(tmp_path, 4 * BLOCK), DirectoryKVStore(tmp_path, 4 * BLOCK)
+    assert writer.location == reader.location
+    for name in "abcdef":
+        writer.put([(_key(name), _block(name))])
+        _settle()
+    assert [reader.lookup([_key(n)]) for n in "abcdef"] == [0, 0, 1, 1, 1, 1]
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) == 4 * BLOCK
+    assert all(p.suffix == ".kv" for p in tmp_path.iterdir())  # no temporary file left behind
