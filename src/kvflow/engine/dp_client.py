@@ -8,8 +8,7 @@ A replica that dies closes its end of the pipe, so the reader sees end-of-file a
 request in flight there ends with EngineDeadError naming the replica and its exit code, and the
 client refuses new requests; the other replicas are not touched. A replica that hangs (busy, yet
 finishing no engine iteration for `engine_iteration_timeout_s`: dp_watchdog.py) is treated the
-same way, by the reader's decision instead of the kernel's: its requests end first, then it is
-killed.
+same way, by the reader's decision instead of the kernel's: it is killed, then its requests end.
 """
 
 from __future__ import annotations
@@ -199,13 +198,14 @@ class ReplicaClient:
             _settle(loop, done, result, error)
 
     def _kill_hung(self, stalled: float) -> None:
-        """The replica is alive but stuck: end its requests now, then kill it (SIGKILL ends a
-        stopped process too, and a stuck step cannot be interrupted any other way)."""
-        self._die(f"data-parallel replica {self.index} (pid {self.process.pid}) hung: no engine step finished "
+        """The replica is alive but stuck: kill it (SIGKILL ends a stopped process too, and a stuck
+        step cannot be interrupted any other way), then end its requests, naming why."""
+        reason = (f"data-parallel replica {self.index} (pid {self.process.pid}) hung: no engine step finished "
                   f"for {stalled:.1f} s with {self.num_in_flight} request(s) in flight (engine_iteration_timeout_s="
                   f"{self._watchdog.timeout_s:g}); it was killed and its requests were lost")
         self.process.kill()
         self.process.join(5)
+        self._die(reason)
 
     def _die(self, reason: str) -> None:
         with self._lock:
