@@ -33,13 +33,16 @@ def servers(tmp_path_factory):
     roles = ("kv_producer", "kv_producer", "kv_consumer", "kv_consumer")
     args = [[*common, "--kv-transfer-config", json.dumps({"kv_role": role, "kv_connector_extra_config":
                                                          {"shared_storage_path": str(store)}})] for role in roles]
-    with ThreadPoolExecutor(len(args)) as pool:  # they load in parallel
-        started = list(pool.map(start_process, args))
+    # They load in parallel. The pool's threads must outlive the servers: each server dies with the
+    # thread that started it (PR_SET_PDEATHSIG is per thread), so the pool is shut down last.
+    pool = ThreadPoolExecutor(len(args))
+    started = list(pool.map(start_process, args))
     yield started
     for server in started:
         if server.proc.poll() is None:
             os.kill(server.proc.pid, signal.SIGCONT)  # a frozen server would not hear SIGTERM
         server.stop()
+    pool.shutdown()
 
 
 def body(prompt: str = "hello world " * 5, **extra) -> dict:
