@@ -1,7 +1,9 @@
 """Data-parallel replicas (DPAsyncLLM, `kvflow serve --data-parallel-size`): two replica processes
 serve a concurrent load with the outputs of one engine (greedy, float32), a shared prefix stays on
 one replica while unrelated prompts spread, a killed replica ends its requests with an error within
-seconds while the other keeps serving (and /health turns 503), and bad sizes are refused by name."""
+seconds while the other keeps serving (and /health turns 503), so does a frozen (SIGSTOPped) one
+once `engine_iteration_timeout_s` passes with its requests in flight (an idle one never), and bad
+sizes are refused by name."""
 
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ import torch
 from kvflow import LLM, EngineArgs, RequestOutputKind, SamplingParams
 from kvflow.engine.async_llm import EngineDeadError
 from kvflow.engine.dp_async_llm import DPAsyncLLM
+from kvflow.engine.dp_watchdog import ReplicaWatchdog
+from kvflow.engine.load_limits import LoadLimits
 from kvflow.entrypoints.cli import main as kvflow_main
 from kvflow.entrypoints.openai.api_server import build_app
+from kvflow.entrypoints.openai.limits import ServerLimits
 from live_server import start_thread, wait_until
 from tiny_models import make_tiny_model, write_tiny_tokenizer
 
@@ -56,6 +61,16 @@ async def collect(llm, p, params: SamplingParams, request_id: str) -> list[int]:
     async for out in llm.generate(p, params, request_id):
         tokens += out.outputs[0].token_ids
     return tokens
+
+
+async def outcome(stream, since: float) -> tuple[str, float]:
+    """How a request's stream ended ("finished" or the error) and how long after `since`."""
+    try:
+        async for _ in stream:
+            pass
+        return "finished", time.monotonic() - since
+    except EngineDeadError as e:
+        return str(e), time.monotonic() - since
 
 
 def idle(llm) -> bool:
@@ -155,16 +170,7 @@ def test_a_killed_replica_fails_its_requests_fast_and_the_other_serves(model_dir
             assert victim.num_in_flight == 2 and llm.replicas[1].num_in_flight == 2
             os.kill(victim.process.pid, signal.SIGKILL)
             killed_at = time.monotonic()
-
-            async def outcome(stream):
-                try:
-                    async for _ in stream:
-                        pass
-                    return "finished", time.monotonic() - killed_at
-                except EngineDeadError as e:
-                    return str(e), time.monotonic() - killed_at
-
-            results = await asyncio.gather(*(outcome(s) for s in streams))
+            results = await asyncio.gather(*(outcome(s, killed_at) for s in streams))
             after = await collect(llm, prompt(6, seed=9), GREEDY, "after-the-death")
             return results, after
 
@@ -181,3 +187,51 @@ def test_a_killed_replica_fails_its_requests_fast_and_the_other_serves(model_dir
     finally:
         server.stop()
         llm.shutdown(timeout=10)
+
+
+def test_a_frozen_replica_is_killed_after_the_iteration_timeout_and_an_idle_one_never_is(model_dir):
+    timeout = 2.0
+    llm = DPAsyncLLM(EngineArgs(model_dir, data_parallel_size=2, **ENGINE), LoadLimits(engine_iteration_timeout_s=timeout))
+    server = start_thread(build_app(llm, "tiny"))
+    try:
+        time.sleep(2.5 * timeout)  # idle, well past the timeout: heartbeats only, no progress
+        assert llm.is_alive() and httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+        long = GREEDY.clone(max_tokens=240)
+
+        async def main():
+            assert len(await collect(llm, prompt(6, seed=8), GREEDY, "after-idling")) == 8  # the timeout restarted
+            streams = [await llm.add_request(f"long-{i}", prompt(8, seed=i), long) for i in range(4)]
+            victim = llm.replicas[0]
+            assert victim.num_in_flight == 2 and llm.replicas[1].num_in_flight == 2
+            os.kill(victim.process.pid, signal.SIGSTOP)  # alive, pipe open, silent: only the watchdog can tell
+            stopped_at = time.monotonic()
+            results = await asyncio.gather(*(outcome(s, stopped_at) for s in streams))
+            return results, await collect(llm, prompt(6, seed=9), GREEDY, "after-the-hang")
+
+        results, after = run(main())
+        hung = [(why, t) for why, t in results if why != "finished"]
+        assert len(hung) == 2 and all("data-parallel replica 0" in why and "hung" in why for why, _ in hung), results
+        assert all(t < timeout + 10 for _, t in hung), hung  # the timeout, plus slack for a loaded machine
+        assert sum(why == "finished" for why, _ in results) == 2  # the other replica's requests ran to the end
+        assert len(after) == 8
+        assert llm.replicas[0].process.exitcode == -signal.SIGKILL  # killed, not left frozen
+        assert not llm.is_alive() and httpx.get(f"{server.url}/health", timeout=60).status_code == 503
+    finally:
+        server.stop()
+        llm.shutdown(timeout=10)
+
+
+def test_the_watchdog_counts_only_busy_time_without_progress():
+    dog = ReplicaWatchdog(timeout_s=10, now=0)
+    assert dog.observe(100, num_in_flight=0, progressed=False) is None  # idle for 100 s: never flagged
+    dog.restart(105)  # a request arrives: it gets the whole timeout
+    assert dog.observe(114, num_in_flight=1, progressed=False) is None
+    assert dog.observe(114.5, num_in_flight=1, progressed=True) is None  # a step finished
+    assert dog.observe(124, num_in_flight=1, progressed=False) is None  # heartbeats alone are no progress...
+    assert dog.observe(125, num_in_flight=1, progressed=False) == pytest.approx(10.5)  # ...past it: hung
+    assert dog.poll_s == 0.5 and ReplicaWatchdog(1.0, 0).poll_s == 0.25
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="engine_iteration_timeout_s must be a number > 0"):
+            LoadLimits(engine_iteration_timeout_s=bad)
+    with pytest.raises(ValueError, match="--engine-iteration-timeout-s must be a number > 0"):
+        ServerLimits(engine_iteration_timeout_s=0)

@@ -10,7 +10,9 @@ else the least loaded). Prompts are tokenized here, once, because the router key
 
 Health: `is_alive()` is true only while every replica is; after one dies the server's /health
 answers 503 (the deployment is degraded and should be restarted) while the surviving replicas go on
-serving new requests. The dead replica's requests end with EngineDeadError naming it.
+serving new requests. The dead replica's requests end with EngineDeadError naming it. A replica
+that hangs with requests in flight (no engine step for `limits.engine_iteration_timeout_s`) is
+killed and counts as dead from then on; an idle one is never suspected (dp_watchdog.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ so the server cannot tell the difference. The replica's stats arrive with every 
 
 A replica that dies closes its end of the pipe, so the reader sees end-of-file at once: every
 request in flight there ends with EngineDeadError naming the replica and its exit code, and the
-client refuses new requests; the other replicas are not touched.
+client refuses new requests; the other replicas are not touched. A replica that hangs (busy, yet
+finishing no engine iteration for `engine_iteration_timeout_s`: dp_watchdog.py) is treated the
+same way, by the reader's decision instead of the kernel's: it is killed, then its requests end.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from kvflow.config import EngineArgs
 from kvflow.engine.async_llm import RequestStream
 from kvflow.engine.dp_replica import run_replica
+from kvflow.engine.dp_watchdog import ReplicaWatchdog
 from kvflow.engine.engine_thread import EngineDeadError
 from kvflow.engine.load_limits import LoadLimits
 from kvflow.engine.request_timing import FinishedRequest
@@ -55,6 +58,7 @@ class ReplicaClient:
         self._live: dict[int, _Live] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._stopping: str | None = None
+        self._watchdog = ReplicaWatchdog(limits.engine_iteration_timeout_s, time.monotonic())
 
     def wait_ready(self) -> None:
         """Block until the replica has loaded its engine; ValueError with its message if it could not."""
@@ -91,6 +95,8 @@ class ReplicaClient:
         with self._lock:
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
+            if not self._live:
+                self._watchdog.restart(time.monotonic())
             self._live[key] = _Live(request_id, stream, loop, accepted)
             self._send(("add", key, request_id, prompt, params, time.monotonic(), priority, cache_salt, lora_request))
         try:
@@ -149,13 +155,19 @@ class ReplicaClient:
     # -- the reader thread -----------------------------------------------------------------
     def _read(self) -> None:
         while True:
-            try:
-                _, messages, stats = self._conn.recv()
+            try:  # a timed wait: silence, too, must reach the watchdog
+                batch = self._conn.recv() if self._conn.poll(self._watchdog.poll_s) else None
             except (EOFError, OSError):
                 break
-            self.stats = stats
-            for message in messages:
-                self._dispatch(message)
+            progressed = False
+            if batch is not None:
+                _, messages, self.stats, progressed = batch
+                for message in messages:
+                    self._dispatch(message)
+            stalled = self._watchdog.observe(time.monotonic(), self.num_in_flight, progressed)
+            if stalled is not None:
+                self._kill_hung(stalled)
+                return
         self.process.join(2)  # it closed the pipe by exiting: wait for its exit code
         self._die(self._stopping or f"data-parallel replica {self.index} (pid {self.process.pid}) died "
                                     f"(exit code {self.process.exitcode}); its requests were lost")
@@ -184,6 +196,16 @@ class ReplicaClient:
             _, call_id, result, error = message
             loop, done = self._calls.pop(call_id)
             _settle(loop, done, result, error)
+
+    def _kill_hung(self, stalled: float) -> None:
+        """The replica is alive but stuck: kill it (SIGKILL ends a stopped process too, and a stuck
+        step cannot be interrupted any other way), then end its requests, naming why."""
+        reason = (f"data-parallel replica {self.index} (pid {self.process.pid}) hung: no engine step finished "
+                  f"for {stalled:.1f} s with {self.num_in_flight} request(s) in flight (engine_iteration_timeout_s="
+                  f"{self._watchdog.timeout_s:g}); it was killed and its requests were lost")
+        self.process.kill()
+        self.process.join(5)
+        self._die(reason)
 
     def _die(self, reason: str) -> None:
         with self._lock:

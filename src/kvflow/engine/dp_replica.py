@@ -11,8 +11,10 @@ The wire, client → replica:
     ("abort", key)   ("call", call_id, method, argument)   ("stop", reason)
 replica → client: first ("ready", EngineStats) or ("failed", message), then batches
     ("batch", [("accepted", key, error | None) | ("item", key, outputs | error)
-               | ("finished", FinishedRequest) | ("called", call_id, result, error)], EngineStats)
-one per engine iteration (the stats double as a heartbeat every HEARTBEAT_SECONDS when idle).
+               | ("finished", FinishedRequest) | ("called", call_id, result, error)], EngineStats, progressed)
+one per engine iteration, and a heartbeat every HEARTBEAT_SECONDS besides. `progressed` says
+whether the engine finished an iteration since the previous batch: the server's watchdog
+(dp_watchdog.py) kills a replica that is busy and makes none, whose heartbeat alone would not tell.
 When the client's end closes (the server died), or the engine thread dies, the replica stops.
 """
 
@@ -65,6 +67,9 @@ class _Replica:
         self.thread = EngineThread(engine, self._on_finished, limits)
         self.handles: dict[int, _Handle] = {}  # requests the client may still abort
         self.outbox: list[tuple] = []
+        # The stats last sent. EngineThread replaces its stats object after every iteration, so a
+        # different object means the engine finished one since: progress, as the watchdog counts it.
+        self.sent_stats = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.done: asyncio.Future | None = None
         self.stopping = False
@@ -158,8 +163,10 @@ class _Replica:
 
     def _flush(self) -> None:
         messages, self.outbox = self.outbox, []
+        stats = self.thread.stats
+        progressed, self.sent_stats = stats is not self.sent_stats, stats
         try:
-            self.conn.send(("batch", messages, self.thread.stats))
+            self.conn.send(("batch", messages, stats, progressed))
         except (BrokenPipeError, OSError):
             self._stop("the server went away")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from kvflow.engine.load_limits import LoadLimits
 
 MIB = 1024 * 1024
+_POSITIVE = ("body_read_timeout", "engine_iteration_timeout_s")  # seconds that must be > 0 (not >= 1)
 
 
 @dataclass(frozen=True)
@@ -27,21 +28,23 @@ class ServerLimits:
     max_waiting_seqs: int = LoadLimits.max_waiting_seqs
     max_admissions_per_step: int = LoadLimits.max_admissions_per_step
     max_consecutive_step_failures: int = LoadLimits.max_consecutive_step_failures
+    engine_iteration_timeout_s: float = LoadLimits.engine_iteration_timeout_s  # data-parallel replicas
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             minimum = 0 if f.name in ("shutdown_timeout", "max_waiting_seqs") else 1
-            if f.name == "body_read_timeout":
+            if f.name in _POSITIVE:
                 ok = isinstance(value, (int, float)) and value > 0
             else:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= minimum
             if not ok:
-                allowed = "> 0" if f.name == "body_read_timeout" else f">= {minimum}"
+                allowed = "> 0" if f.name in _POSITIVE else f">= {minimum}"
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a number {allowed}; got {value!r}")
 
     def load_limits(self) -> LoadLimits:
-        return LoadLimits(self.max_waiting_seqs, self.max_admissions_per_step, self.max_consecutive_step_failures)
+        return LoadLimits(self.max_waiting_seqs, self.max_admissions_per_step, self.max_consecutive_step_failures,
+                          self.engine_iteration_timeout_s)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +66,9 @@ class ServerLimits:
         g.add_argument("--max-admissions-per-step", type=int, default=d.max_admissions_per_step)
         g.add_argument("--max-consecutive-step-failures", type=int, default=d.max_consecutive_step_failures,
                        help="failed engine steps in a row before the engine is declared dead")
+        g.add_argument("--engine-iteration-timeout-s", type=float, default=d.engine_iteration_timeout_s,
+                       help="with --data-parallel-size: seconds a replica with requests in flight may finish no "
+                            "engine step before it is killed and its requests fail")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerLimits:
