@@ -13,11 +13,15 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kvflow import EngineArgs, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from kvflow.lora import layers as lora_layers  # noqa: E402
 from kvflow.lora.batch import LoRABatch  # noqa: E402
 from kvflow.lora.layers import LoRAContext, LoRALinear  # noqa: E402
 from kvflow.lora.triton_ops import add_lora, lora_expand_launch, lora_shrink_launch  # noqa: E402
 from kvflow.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear  # noqa: E402
+from kvflow.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from peft_adapters import make_adapter  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MAX_LORAS, MAX_RANK = 3, 16
@@ -25,6 +29,7 @@ LAYERS = {
     "qkv": lambda: QKVParallelLinear(24, 8, 4, 2),  # slices of 32, 16 and 16 columns
     "gate_up": lambda: MergedColumnParallelLinear(24, [40, 40]),
     "down": lambda: RowParallelLinear(40, 24),
+    "wide": lambda: RowParallelLinear(600, 24),  # the shrink splits its 600 features 256, 256, 88
 }
 
 
@@ -85,15 +90,18 @@ def test_a_segment_without_an_adapter_adds_nothing():
 
 
 def test_launch_shapes_follow_the_segments():
-    """Decode segments take one 16-row tile; a long one tiles of 64; ranks pad to tl.dot's 16."""
-    x, a = torch.empty(70, 24, device="meta"), torch.empty(MAX_LORAS, 3 * 8, 24, device="meta")
-    decode = LoRABatch.build([0, 1, 1, 2], device="meta", masked=False)
-    shrink, t = lora_shrink_launch(x[:4], a, decode)
+    """Decode segments take one 16-row tile and split a wide input over programs; a long segment
+    takes tiles of 64 rows; ranks pad to tl.dot's 16."""
+    meta = dict(device="meta")
+    decode = LoRABatch.build([0, 1, 1, 2], **meta, masked=False)
+    shrink, part = lora_shrink_launch(torch.empty(4, 24, **meta), torch.empty(MAX_LORAS, 3 * 8, 24, **meta), decode)
     assert shrink.grid == (3, 1, 1) and shrink.constexprs["BLOCK_M"] == 16 and shrink.constexprs["BLOCK_R"] == 32
-    assert t.shape == (4, 24)
-    prefill = LoRABatch.build([0] * 70, device="meta", masked=False)
-    expand = lora_expand_launch(torch.empty(70, 100, device="meta"), torch.empty(70, 8, device="meta"),
-                                torch.empty(MAX_LORAS, 8, 100, device="meta"), prefill)
+    assert part.shape == (1, 4, 24) and part.dtype == torch.float32
+    shrink, part = lora_shrink_launch(torch.empty(4, 4096, **meta), torch.empty(MAX_LORAS, 16, 4096, **meta), decode)
+    assert shrink.grid == (3, 1, 16) and part.shape == (16, 4, 16)  # 16 slices of 256 features
+    prefill = LoRABatch.build([0] * 70, **meta, masked=False)
+    expand = lora_expand_launch(torch.empty(70, 100, **meta), torch.empty(2, 70, 8, **meta),
+                                torch.empty(MAX_LORAS, 8, 100, **meta), prefill)
     assert expand.grid == (1, 2, 2) and expand.constexprs["BLOCK_M"] == 64 and expand.constexprs["BLOCK_R"] == 16
 
 
@@ -127,3 +135,33 @@ def test_missing_triton_falls_back_to_torch(monkeypatch):
         assert lora_layers._load_kernels() is None
     finally:
         lora_layers._load_kernels.cache_clear()
+
+
+def test_lora_decode_steps_are_not_replayed_from_decode_graphs(tmp_path):
+    """A captured decode graph carries the adapters of its capture (none): a step with adapters
+    runs eagerly, so its tokens are those of an engine without graphs. On CPU DecodeGraphs runs
+    uncaptured (tests/worker/test_cuda_graphs.py), which drops the adapters the same way."""
+    hf = make_tiny_model("llama-gqa-llama3-rope", tmp_path / "base")
+    make_adapter(hf, tmp_path / "adapter", seed=1, r=8, lora_alpha=16)
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
+    outputs, replayed = [], []
+    for graphs in (False, True):
+        engine = LLMEngine(EngineArgs(str(tmp_path / "base"), attention_backend="triton", dtype="float32",
+                                      device=DEVICE.type, skip_tokenizer_init=True, num_kv_blocks=32,
+                                      disable_log_stats=True, enable_lora=True, max_lora_rank=8, enforce_eager=True))
+        if graphs:
+            runner = engine.runner
+            runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 2,
+                                                engine.config.model.max_model_len, runner.device,
+                                                len(engine.arch.kv_layout.groups))
+            run = runner.decode_graphs.run
+            runner.decode_graphs.run = lambda *a: (replayed.append(a[2][0].lora), run(*a))[1]
+        engine.add_request("base", [5, 17, 3, 88], params)
+        engine.add_request("lora", [5, 17, 3, 88], params, lora_request=lora)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        outputs.append(done)
+    assert outputs[0] == outputs[1] and outputs[0]["base"] != outputs[0]["lora"]
+    assert replayed == []  # every decode step here mixes in the adapter
