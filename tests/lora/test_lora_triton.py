@@ -14,6 +14,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvflow import EngineArgs, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
+from kvflow.bench.engine_shapes import Step, engine_shapes  # noqa: E402
+from kvflow.bench.gpu_kernels import LORA_ADAPTERS, lora_cases  # noqa: E402
+from kvflow.kernel_launch import KernelLaunch  # noqa: E402
 from kvflow.lora import layers as lora_layers  # noqa: E402
 from kvflow.lora.batch import LoRABatch  # noqa: E402
 from kvflow.lora.layers import LoRAContext, LoRALinear  # noqa: E402
@@ -165,3 +168,50 @@ def test_lora_decode_steps_are_not_replayed_from_decode_graphs(tmp_path):
         outputs.append(done)
     assert outputs[0] == outputs[1] and outputs[0]["base"] != outputs[0]["lora"]
     assert replayed == []  # every decode step here mixes in the adapter
+
+
+def test_engine_steps_launch_what_the_gpu_registry_compiles(tmp_path, monkeypatch):
+    """A LoRA engine with the kernels forced on (interpreted on CPU) generates what the torch
+    forms generate, and each step's launches equal, in all a compile sees, those that
+    `kvflow bench gpu-compile` builds from shapes for the same step (bench/gpu_kernels.py)."""
+    hf = make_tiny_model("llama-gqa-llama3-rope", tmp_path / "base")
+    make_adapter(hf, tmp_path / "adapter", seed=2, r=8, lora_alpha=16)
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    args = EngineArgs(str(tmp_path / "base"), dtype="float32", device=DEVICE.type, skip_tokenizer_init=True,
+                      num_kv_blocks=32, disable_log_stats=True, enable_lora=True, max_loras=LORA_ADAPTERS,
+                      enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=0, ignore_eos=True)
+    prompt = list(range(3, 23))
+    torch_form = LLMEngine(args)
+    torch_form.add_request("0", prompt, params, lora_request=lora)
+    expected = _run_to_end(torch_form)
+    monkeypatch.setattr(lora_layers, "lora_kernels_for", lambda x: add_lora)
+    recorded: list[KernelLaunch] = []
+    run = KernelLaunch.__call__
+    monkeypatch.setattr(KernelLaunch, "__call__", lambda launch: (recorded.append(launch), run(launch))[1])
+    engine = LLMEngine(args)
+    engine.add_request("0", prompt, params, lora_request=lora)
+    shapes = engine_shapes(str(tmp_path / "base"), args, torch.float32)
+    for step in (Step("prefill", (20,), (20,), graph=False), Step("decode", (1,), (21,), graph=False)):
+        recorded.clear()
+        engine.step()
+        built = lora_cases(shapes, step)
+        assert len(recorded) == len(built) * shapes.arch.num_layers
+        assert {_compiled_view(x) for x in recorded} == {_compiled_view(c.launch) for c in built}
+    got = _run_to_end(engine)
+    assert got.token_ids == expected.token_ids
+    torch.testing.assert_close([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)],
+                               [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids)],
+                               rtol=1e-4, atol=1e-4)
+
+
+def _run_to_end(engine: LLMEngine):
+    while engine.has_unfinished_requests():
+        finished = [o for o in engine.step() if o.finished]
+    return finished[0].outputs[0]
+
+
+def _compiled_view(launch: KernelLaunch) -> tuple:
+    """What an ahead-of-time compile of the launch depends on (plus its grid)."""
+    args = tuple((str(a.dtype), tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a for a in launch.args)
+    return launch.name, launch.grid, args, tuple(sorted(launch.constexprs.items())), launch.num_warps
