@@ -22,7 +22,6 @@ from kvflow.lora.batch import LoRABatch  # noqa: E402
 from kvflow.lora.layers import LoRAContext, LoRALinear  # noqa: E402
 from kvflow.lora.triton_ops import add_lora, lora_expand_launch, lora_shrink_launch  # noqa: E402
 from kvflow.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear  # noqa: E402
-from kvflow.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 from peft_adapters import make_adapter  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
@@ -138,36 +137,6 @@ def test_missing_triton_falls_back_to_torch(monkeypatch):
         assert lora_layers._load_kernels() is None
     finally:
         lora_layers._load_kernels.cache_clear()
-
-
-def test_lora_decode_steps_are_not_replayed_from_decode_graphs(tmp_path):
-    """A captured decode graph carries the adapters of its capture (none): a step with adapters
-    runs eagerly, so its tokens are those of an engine without graphs. On CPU DecodeGraphs runs
-    uncaptured (tests/worker/test_cuda_graphs.py), which drops the adapters the same way."""
-    hf = make_tiny_model("llama-gqa-llama3-rope", tmp_path / "base")
-    make_adapter(hf, tmp_path / "adapter", seed=1, r=8, lora_alpha=16)
-    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
-    params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
-    outputs, replayed = [], []
-    for graphs in (False, True):
-        engine = LLMEngine(EngineArgs(str(tmp_path / "base"), attention_backend="triton", dtype="float32",
-                                      device=DEVICE.type, skip_tokenizer_init=True, num_kv_blocks=32,
-                                      disable_log_stats=True, enable_lora=True, max_lora_rank=8, enforce_eager=True))
-        if graphs:
-            runner = engine.runner
-            runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 2,
-                                                engine.config.model.max_model_len, runner.device,
-                                                len(engine.arch.kv_layout.groups))
-            run = runner.decode_graphs.run
-            runner.decode_graphs.run = lambda *a: (replayed.append(a[2][0].lora), run(*a))[1]
-        engine.add_request("base", [5, 17, 3, 88], params)
-        engine.add_request("lora", [5, 17, 3, 88], params, lora_request=lora)
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        outputs.append(done)
-    assert outputs[0] == outputs[1] and outputs[0]["base"] != outputs[0]["lora"]
-    assert replayed == []  # every decode step here mixes in the adapter
 
 
 def test_engine_steps_launch_what_the_gpu_registry_compiles(tmp_path, monkeypatch):

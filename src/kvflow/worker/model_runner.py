@@ -112,8 +112,7 @@ class ModelRunner:
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         graphs = self.decode_graphs
-        # A graph replays the adapters of its capture (none): a LoRA step runs eagerly.
-        if graphs is not None and batch.attn[0].lora is None and graphs.can_replay(batch.attn[0].query_lens_cpu):
+        if graphs is not None and graphs.can_replay(batch.attn[0].query_lens_cpu):
             return graphs.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
