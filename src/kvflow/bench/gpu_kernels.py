@@ -171,8 +171,8 @@ def lora_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
         partials = shrink.grid[2] * n * ranks * F32  # written by the shrink, read by the expands
         traffic = (n * width_in + segs * ranks * width_in) * e + partials
         cases.append(KernelCase(step.name, f"{name} shrink", shrink, traffic, 2 * n * width_in * ranks, a.num_layers))
-        cases += [KernelCase(step.name, f"{part} expand", x, (segs * rank * w + 2 * n * w) * e + partials // len(widths),
-                             2 * n * rank * w, a.num_layers)
+        cases += [KernelCase(step.name, f"{part} expand", x,
+                             (segs * rank * w + 2 * n * w) * e + partials // len(widths), 2 * n * rank * w, a.num_layers)
                   for part, x, w in zip(names.get(name, (name,)), expands, widths)]
     return cases
 

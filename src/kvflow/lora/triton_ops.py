@@ -38,16 +38,20 @@ _TARGET_PROGRAMS = 128  # about one per SM of an H100 (132) or A100 (108)
 
 
 @triton.jit
+def _segment_tile(seg_ptr, BLOCK_M: tl.constexpr):
+    """This program's segment (grid axis 0) and row tile (axis 1): slot, first row, segment end."""
+    seg = tl.program_id(0)
+    first = tl.load(seg_ptr + seg * 3 + 1)
+    return tl.load(seg_ptr + seg * 3), first + tl.program_id(1) * BLOCK_M, tl.load(seg_ptr + seg * 3 + 2)
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, part_ptr, seg_ptr, in_features, ranks, split_len,
     stride_xt, stride_xk, stride_al, stride_ar, stride_ak, stride_ps, stride_pt, stride_pr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    slot = tl.load(seg_ptr + seg * 3)
-    first = tl.load(seg_ptr + seg * 3 + 1)
-    end = tl.load(seg_ptr + seg * 3 + 2)
-    row0 = first + tl.program_id(1) * BLOCK_M
+    slot, row0, end = _segment_tile(seg_ptr, BLOCK_M)
     if (slot >= 0) & (row0 < end):
         split = tl.program_id(2)
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -73,11 +77,7 @@ def _lora_expand_kernel(
     stride_ps, stride_pt, stride_pr, stride_bl, stride_br, stride_bn, stride_yt, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    slot = tl.load(seg_ptr + seg * 3)
-    first = tl.load(seg_ptr + seg * 3 + 1)
-    end = tl.load(seg_ptr + seg * 3 + 2)
-    row0 = first + tl.program_id(1) * BLOCK_M
+    slot, row0, end = _segment_tile(seg_ptr, BLOCK_M)
     if (slot >= 0) & (row0 < end):
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
