@@ -22,7 +22,10 @@ import torch
 from kvflow.attention.metadata import AttentionLayerSpec
 from kvflow.attention.triton_backend import TritonBackend
 from kvflow.bench.engine_shapes import EngineShapes, Step
+from kvflow.config import EngineArgs
 from kvflow.kernel_launch import KernelLaunch
+from kvflow.lora.batch import LoRABatch
+from kvflow.lora.triton_ops import lora_launches
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.triton_ops.activation import silu_and_mul_launch
 from kvflow.model.layers.triton_ops.norm import rms_norm_launch
@@ -143,9 +146,41 @@ def silu_and_mul_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
     return [KernelCase(step.name, "MLP", launch, 3 * n * width * s.dtype.itemsize, 5 * n * width, s.arch.num_layers)]
 
 
+LORA_ADAPTERS = 4  # adapters mixed in one step of a LoRA-enabled engine (requests round-robin over them)
+
+
+def lora_cases(s: EngineShapes, step: Step) -> list[KernelCase]:
+    """Each dense linear's LoRA delta at the engine's default max rank, the step's requests spread
+    over LORA_ADAPTERS adapters and sorted by adapter as the runner sorts them: one shrink and an
+    expand per output slice. (MoE and MLA layers' own linears are not modelled: a dense layer's.)"""
+    a, e, rank = s.arch, s.dtype.itemsize, EngineArgs.max_lora_rank
+    slots = sorted(i % LORA_ADAPTERS for i, n in enumerate(step.query_lens) for _ in range(n))
+    batch = LoRABatch.build(slots, s.dtype, "meta", masked=False)
+    n, segs = step.num_tokens, len(batch.segments)
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    linears = [("q/k/v", a.hidden_size, [q, kv, kv]), ("o", q, [a.hidden_size]),
+               ("gate/up", a.hidden_size, [a.intermediate_size] * 2), ("down", a.intermediate_size, [a.hidden_size])]
+    names = {"q/k/v": ("q", "k", "v"), "gate/up": ("gate", "up")}
+    cases = []
+    for name, width_in, widths in linears:
+        ranks = len(widths) * rank
+        out_slices = [(sum(widths[:i]), w) for i, w in enumerate(widths)]
+        shrink, *expands = lora_launches(
+            s.empty(n, sum(widths)), s.empty(n, width_in), s.empty(LORA_ADAPTERS, ranks, width_in),
+            s.empty(LORA_ADAPTERS, ranks, sum(widths)), batch, rank, out_slices)
+        partials = shrink.grid[2] * n * ranks * F32  # written by the shrink, read by the expands
+        traffic = (n * width_in + segs * ranks * width_in) * e + partials
+        cases.append(KernelCase(step.name, f"{name} shrink", shrink, traffic, 2 * n * width_in * ranks, a.num_layers))
+        cases += [KernelCase(step.name, f"{part} expand", x,
+                             (segs * rank * w + 2 * n * w) * e + partials // len(widths), 2 * n * rank * w, a.num_layers)
+                  for part, x, w in zip(names.get(name, (name,)), expands, widths)]
+    return cases
+
+
 REGISTRY: tuple[KernelEntry, ...] = (
     KernelEntry("attention: KV store, paged prefill, split-K decode", attention_cases),
     KernelEntry("rms_norm", rms_norm_cases),
     KernelEntry("rotary", rotary_cases),
     KernelEntry("silu_and_mul", silu_and_mul_cases),
+    KernelEntry("LoRA shrink and expand (SGMV)", lora_cases),
 )

@@ -20,6 +20,10 @@ masked form when the row·slot products it adds, rows × (hi-lo-1), cost less th
 it saves, 2K-3, at `MASKED_ROWS_PER_CALL` row·slot products per call (`benchmarks/lora_ops.py`
 measures both forms per shape). No row's weights are gathered, no adapter is merged into W, and
 rows without an adapter get exactly nothing added (a zero mask row, or no segment).
+
+On CUDA with triton, the layers launch `lora.triton_ops`' segmented kernels instead (one program
+per tile of a segment's rows, so the masked form's trade does not arise there): they read the
+segments from `segment_table`, a copy on the device made once per step.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvflow.config import triton_installed
 
 # Row·slot products of the masked form's extra arithmetic that cost about one small matmul call
 # (benchmarks/lora_ops.py, SmolLM2's layers in bf16: the forms cross near 128 rows with 4 adapters).
@@ -39,6 +45,7 @@ class LoRABatch:
     num_rows: int  # the step's rows (tokens): a layer sees exactly these, one per token
     first_slot: int  # masked form: the slots [first_slot, first_slot + mask.shape[1]) ...
     mask: torch.Tensor | None  # ... and each row's one-hot [rows, slots, 1]; None: per segment
+    segment_table: torch.Tensor  # the segments as int32 [segments, 3] on the device, for the kernels
 
     @classmethod
     def build(cls, row_slots: list[int], dtype: torch.dtype = torch.float32, device="cpu",
@@ -54,21 +61,31 @@ class LoRABatch:
         if not segments:
             return None
         lo, hi = min(s for s, _, _ in segments), max(s for s, _, _ in segments) + 1
+        if masked is None and torch.device(device).type == "cuda" and triton_installed():
+            masked = False  # the kernels take every segment in one launch
         if masked is None:
             masked = len(row_slots) * (hi - lo - 1) <= MASKED_ROWS_PER_CALL * (2 * len(segments) - 3)
         mask = None
         if masked:
             slots = torch.tensor(row_slots, device=device)
             mask = (slots[:, None] == torch.arange(lo, hi, device=device)).to(dtype)[:, :, None]
-        return cls(segments, len(row_slots), lo, mask)
+        table = torch.tensor(segments, dtype=torch.int32, device=device)
+        return cls(segments, len(row_slots), lo, mask, table)
 
-    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
-        """y [T, out] += each row's s·(x A^T) B, in place; lora_a [L, S·rank, in], lora_b [L, S·rank, out].
-        A layer called on other rows (a routed subset, a weight read through the identity) would
-        give them the wrong adapters: an error, never a silent mix-up."""
+    @property
+    def max_segment_rows(self) -> int:
+        return max(end - first for _, first, end in self.segments)
+
+    def check_rows(self, x: torch.Tensor) -> None:
+        """A layer called on other rows (a routed subset, a weight read through the identity)
+        would give them the wrong adapters: an error, never a silent mix-up."""
         if x.shape[0] != self.num_rows:
             raise RuntimeError(f"a LoRA layer got {x.shape[0]} rows in a step of {self.num_rows} tokens: "
                                "it must wrap only linears that see each token once")
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """y [T, out] += each row's s·(x A^T) B, in place; lora_a [L, S·rank, in], lora_b [L, S·rank, out]."""
+        self.check_rows(x)
         if self.mask is None:
             for slot, first, end in self.segments:
                 y[first:end].addmm_(x[first:end] @ lora_a[slot].t(), lora_b[slot])

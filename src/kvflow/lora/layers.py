@@ -14,19 +14,38 @@ fewer per run of rows, the faster trade on this CPU at every shape measured.
 
 Which slot each row uses is the step's `LoRABatch`, which the model never sees: a hook on the
 model reads it from the step's attention metadata into the layers' shared `LoRAContext` before
-each forward pass.
+each forward pass. On CUDA the deltas are `lora.triton_ops`' kernels, elsewhere the torch forms.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.config import triton_installed
 from kvflow.lora.batch import LoRABatch
 from kvflow.lora.peft_adapter import LoRATarget
 from kvflow.model.layers.embedding import VocabParallelEmbedding
 from kvflow.model.layers.linear import LinearBase
+
+
+def lora_kernels_for(x: torch.Tensor) -> Callable | None:
+    """The Triton form of the delta (`lora.triton_ops.add_lora`) when x is on CUDA and triton
+    is installed; None: the torch forms of `LoRABatch.add_lora`."""
+    return _load_kernels() if x.is_cuda else None
+
+
+@functools.cache
+def _load_kernels() -> Callable | None:
+    if not triton_installed():
+        return None
+    from kvflow.lora.triton_ops import add_lora
+
+    return add_lora
 
 
 class LoRAContext:
@@ -72,7 +91,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         batch = self.context.batch
-        if batch is not None:
+        if batch is None:
+            return y
+        kernels = lora_kernels_for(x)
+        if kernels is not None:
+            kernels(y, x, self.lora_a, self.lora_b, batch, self.max_rank, self.out_slices)
+        else:
             batch.add_lora(y, x, self.lora_a, self.lora_b)
         return y
 
