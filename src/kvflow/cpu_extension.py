@@ -12,6 +12,7 @@ a*b - c*d into fused multiply-adds, which round once where torch's elementwise o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
+@functools.cache  # once per process: a failed build is not retried by every engine or layer
 def load_library(prefix: str, source: Path, what: str, extra_cflags: tuple[str, ...] = ()) -> bool:
     """Load the library built from `source` (building it first if need be); False where it cannot
     be, with a warning naming `what` runs the torch path instead."""

@@ -9,7 +9,6 @@ KVFLOW_CPU_KV_WRITE=0 (for A/B), and write_kv keeps torch's index_put.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from pathlib import Path
@@ -25,14 +24,8 @@ DISABLE_ENV = "KVFLOW_CPU_KV_WRITE"
 def load_writer():
     """torch.ops.kvflow_cpu_kv.write_kv(key_cache, value_cache, key, value, slot_mapping), built
     if need be; None where it cannot be, or with KVFLOW_CPU_KV_WRITE=0 (read at every call)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    return _load()
-
-
-@functools.cache  # once per process: a failed build is not retried by every layer
-def _load():
-    if not cpu_extension.load_library("kvflow_cpu_kv_write", SOURCE, "the CPU KV-write kernel"):
+    if (os.environ.get(DISABLE_ENV, "1") == "0"
+            or not cpu_extension.load_library("kvflow_cpu_kv_write", SOURCE, "the CPU KV-write kernel")):
         return None
     return torch.ops.kvflow_cpu_kv.write_kv
 
@@ -53,4 +46,4 @@ def try_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_map
 
 if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("CPU KV-write kernel:", "ready" if _load() is not None else "unavailable (torch path)")
+    print("CPU KV-write kernel:", "ready" if load_writer() is not None else "unavailable (torch path)")

@@ -14,7 +14,6 @@ compiler) `load_kernel()` says why once and returns None, and the torch path run
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from pathlib import Path
@@ -35,14 +34,8 @@ _OP_NAMESPACE = "kvflow_cpu"
 def load_kernel():
     """torch.ops.kvflow_cpu.paged_attention, built if need be; None where it cannot be (or is
     switched off by KVFLOW_CPU_ATTENTION_KERNEL=0)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    return _load_or_build()
-
-
-@functools.cache  # once per process: a failed build is not retried by every engine
-def _load_or_build():
-    if not cpu_extension.load_library("kvflow_cpu_paged", SOURCE, "the CPU paged-attention kernel"):
+    if (os.environ.get(DISABLE_ENV, "1") == "0"
+            or not cpu_extension.load_library("kvflow_cpu_paged", SOURCE, "the CPU paged-attention kernel")):
         return None
     return torch.ops.kvflow_cpu.paged_attention
 

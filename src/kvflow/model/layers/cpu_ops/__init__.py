@@ -18,7 +18,6 @@ torch code too.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from pathlib import Path
@@ -38,7 +37,6 @@ def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
-@functools.cache  # once per process: a failed build is not retried by every layer
 def load() -> tuple | None:
     """(rms_norm, rotary, silu_and_mul), the library built if need be; None where it cannot be."""
     if not cpu_extension.load_library("kvflow_cpu_ops", SOURCE, "the fused CPU elementwise kernels",
