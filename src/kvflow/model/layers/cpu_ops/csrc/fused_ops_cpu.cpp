@@ -14,14 +14,31 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 namespace {
 
+// bfloat16 <-> float as bit arithmetic the compiler vectorises (c10's conversions branch on NaN).
 inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float widen(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;  // a bfloat16 is a float's top half
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
 
 template <typename scalar_t>
-inline scalar_t narrow(float v) { return static_cast<scalar_t>(v); }  // round to nearest even
+inline scalar_t narrow(float v);
+template <>
+inline float narrow<float>(float v) { return v; }
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float v) {  // round to nearest even, as torch; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(v != v ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
+}
 
 // Rows per task: enough that a task's work outweighs handing it to a thread.
 inline int64_t grain(int64_t row_width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_width, 1)); }
@@ -57,6 +74,30 @@ void rms_norm_rows(scalar_t* out, const scalar_t* x, int64_t x_stride, scalar_t*
   });
 }
 
+// e^x in plain arithmetic the compiler vectorises (std::exp is a scalar libm call per element,
+// which made SiLU·up slower than torch's vectorised kernel): x = n ln2 + r, e^r from a degree-6
+// polynomial on |r| <= ln2 / 2 (Cephes' expf coefficients, within 2 ulp), 2^n put into the
+// exponent bits. Past the float range: 0 below, infinity above, as expf gives.
+inline float vector_exp(float x) {
+  const float clamped = std::min(std::max(x, -87.3f), 88.7f);
+  // n = round(x / ln2) by the 1.5 * 2^23 trick: std::floor kept GCC from vectorising the loop.
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float er = p * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const float e = er * scale;
+  return x > 88.7f ? std::numeric_limits<float>::infinity() : (x < -87.3f ? 0.0f : e);
+}
+
 template <typename scalar_t>
 void silu_and_mul_rows(scalar_t* out, const scalar_t* gate_up, int64_t stride, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
@@ -64,9 +105,10 @@ void silu_and_mul_rows(scalar_t* out, const scalar_t* gate_up, int64_t stride, i
       const scalar_t* gate = gate_up + row * stride;
       const scalar_t* up = gate + width;
       scalar_t* orow = out + row * width;
+#pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
         const float g = widen(gate[i]);
-        const scalar_t act = narrow<scalar_t>(g / (1.0f + std::exp(-g)));  // F.silu's result, rounded
+        const scalar_t act = narrow<scalar_t>(g / (1.0f + vector_exp(-g)));  // F.silu's result, rounded
         orow[i] = narrow<scalar_t>(widen(act) * widen(up[i]));
       }
     }
