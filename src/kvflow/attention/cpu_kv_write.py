@@ -9,7 +9,6 @@ KVFLOW_CPU_KV_WRITE=0 (for A/B), and write_kv keeps torch's index_put.
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -43,7 +42,3 @@ def try_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_map
     writer(kv_cache[0], kv_cache[1], k, v, slot_mapping)
     return True
 
-
-if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("CPU KV-write kernel:", "ready" if load_writer() is not None else "unavailable (torch path)")

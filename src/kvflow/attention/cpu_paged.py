@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvflow import cpu_extension
+from kvflow.attention import cpu_kv_write
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
@@ -50,3 +51,4 @@ def attend_in_place(kernel, q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
 if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("CPU paged-attention kernel:", "ready" if load_kernel() is not None else "unavailable (torch path)")
+    print("CPU KV-write kernel:", "ready" if cpu_kv_write.load_writer() is not None else "unavailable (torch path)")

@@ -39,7 +39,7 @@ void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& 
   const int64_t token_strides[2] = {key.stride(0) * item, value.stride(0) * item};
   const int64_t head_strides[2] = {key.stride(1) * item, value.stride(1) * item};
   char* caches[2] = {static_cast<char*>(key_cache.data_ptr()), static_cast<char*>(value_cache.data_ptr())};
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(heads * dim, 1)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 32768 / std::max<int64_t>(heads * dim, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;
       const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;

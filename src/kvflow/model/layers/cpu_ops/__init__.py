@@ -18,7 +18,6 @@ torch code too.
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -82,7 +81,3 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     torch.ops.kvflow_cpu_ops.silu_and_mul(out, rows)
     return out.view(*gate_up.shape[:-1], width)
 
-
-if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("fused CPU elementwise kernels:", "ready" if load() is not None else "unavailable (torch path)")

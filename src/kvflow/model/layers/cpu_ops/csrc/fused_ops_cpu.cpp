@@ -40,8 +40,11 @@ inline c10::BFloat16 narrow<c10::BFloat16>(float v) {  // round to nearest even,
   return c10::BFloat16(static_cast<uint16_t>(v != v ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
 }
 
-// Rows per task: enough that a task's work outweighs handing it to a thread.
-inline int64_t grain(int64_t row_width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_width, 1)); }
+// Rows per task: torch's own grain (32768 elements), so that a kernel goes parallel only where
+// the torch ops it replaces would. A decode step's rows then run on the calling thread: a
+// parallel region per op, over 100 a step, cost milliseconds each on a loaded machine, where
+// the waiting thread loses its time slice.
+inline int64_t grain(int64_t row_width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_width, 1)); }
 
 template <typename scalar_t>
 void rms_norm_rows(scalar_t* out, const scalar_t* x, int64_t x_stride, scalar_t* residual, int64_t res_stride,
