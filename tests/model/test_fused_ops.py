@@ -93,7 +93,8 @@ def test_silu_and_mul_matches_torch(tokens, intermediate, dtype):
 
 
 # -- the layers' dispatch -----------------------------------------------------------------------------------
-def test_cpu_tensors_take_the_torch_code():
+def test_cpu_tensors_never_take_the_triton_kernels(monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_FUSED_OPS", "0")  # the C++ kernels: tests/model/test_cpu_ops.py
     assert triton_ops.kernels_for(torch.zeros(1)) is None
 
 

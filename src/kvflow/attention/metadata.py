@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvflow.attention import kv_quant
+from kvflow.attention import cpu_kv_write, kv_quant
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,10 @@ def slot_blocks_and_offsets(meta: AttentionMetadata) -> tuple[torch.Tensor, torc
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store the new tokens' K and V. kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim]
     (head-major inside a block, so a request's keys gather into contiguous [heads, len, dim]), or
-    a quantized cache (kvflow.attention.kv_quant), which stores codes and scales."""
+    a quantized cache (kvflow.attention.kv_quant), which stores codes and scales. On CPU one C++
+    op copies the rows into their blocks (cpu_kv_write), where it is built."""
+    if not kv_quant.is_quantized(kv_cache) and cpu_kv_write.try_write(k, v, kv_cache, meta.slot_mapping):
+        return
     blocks, offsets, rows = slot_blocks_and_offsets(meta)
     if rows is not None:
         k, v = k[rows], v[rows]

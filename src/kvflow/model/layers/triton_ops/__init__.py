@@ -6,8 +6,9 @@ Torch runs each of these chains as several kernels, every one a round trip throu
 inputs once and writes its outputs once, and rounds to the model dtype exactly where the torch
 code does, so both paths compute the same numbers.
 
-triton is an optional (GPU) dependency, so it is imported only when a CUDA tensor asks for it;
-CPU tensors always take the torch code.
+triton is an optional (GPU) dependency, so it is imported only when a CUDA tensor asks for it.
+CPU tensors in float32 or bfloat16 get the C++ kernels of `cpu_ops` (the same seam, the same
+contract), where that library loads and KVFLOW_CPU_FUSED_OPS is not 0; otherwise the torch code.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from kvflow.config import triton_installed
+from kvflow.model.layers import cpu_ops
 
 
 class Kernels(NamedTuple):
@@ -28,8 +30,19 @@ class Kernels(NamedTuple):
 
 
 def kernels_for(x: Tensor) -> Kernels | None:
-    """The kernels when x is on CUDA and triton is installed; None: use the torch code."""
-    return _load() if x.is_cuda else None
+    """The kernels for x's device and dtype: Triton's on CUDA (where triton is installed), the
+    C++ ones on CPU (where they build); None: use the torch code."""
+    if x.is_cuda:
+        return _load()
+    if x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and cpu_ops.enabled():
+        return _load_cpu()
+    return None
+
+
+@functools.cache
+def _load_cpu() -> Kernels | None:
+    kernels = cpu_ops.load()
+    return None if kernels is None else Kernels(*kernels)
 
 
 @functools.cache

@@ -1,0 +1,84 @@
+"""Build and load kvflow's C++ CPU kernels (torch operator libraries), once per machine.
+
+A library is compiled by torch.utils.cpp_extension into kvflow's cache directory, under a name
+that carries its source's hash, the CPU's instruction set (it is built with -march=native) and
+the torch version; later starts only load the shared object. Where it cannot be built (no
+compiler, no headers, a failed link) `load_library` says why once and returns False, and the
+caller runs its torch code.
+
+Kernels that must compute torch's numbers exactly pass -ffp-contract=off: without it GCC fuses
+a*b - c*d into fused multiply-adds, which round once where torch's elementwise ops round twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from kvflow.model.packaged_models import kvflow_cache_dir
+
+logger = logging.getLogger(__name__)
+
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+@functools.cache  # once per process: a failed build is not retried by every engine or layer
+def load_library(prefix: str, source: Path, what: str, extra_cflags: tuple[str, ...] = ()) -> bool:
+    """Load the library built from `source` (building it first if need be); False where it cannot
+    be, with a warning naming `what` runs the torch path instead."""
+    name = build_name(prefix, source, extra_cflags)
+    library = build_dir(name) / f"{name}.so"
+    try:
+        if not library.is_file():
+            _build(name, source, what, [*CFLAGS, *extra_cflags])
+        torch.ops.load_library(str(library))
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers, a failed link: all mean "use torch"
+        message = str(e).strip()
+        logger.warning("%s is unavailable (%s: %s); the torch path runs", what, type(e).__name__,
+                       message.splitlines()[-1] if message else "")
+        return False
+    return True
+
+
+def build_dir(name: str) -> Path:
+    return kvflow_cache_dir() / "kernels" / name
+
+
+def build_name(prefix: str, source: Path, extra_cflags: tuple[str, ...] = ()) -> str:
+    """Changes with the source, the extra build flags, the CPU's instruction set and torch."""
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (" ".join(extra_cflags), _cpu_flags(), torch.__version__):
+        digest.update(part.encode())
+    return f"{prefix}_{digest.hexdigest()[:16]}"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(name: str, source: Path, what: str, cflags: list[str]) -> None:
+    from torch.utils import cpp_extension  # imports setuptools: only when building
+
+    try:  # the ninja package's binary, where the environment is not activated (not on PATH)
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        pass
+    directory = build_dir(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    logger.info("building %s in %s (once per machine)", what, directory)
+    cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                       build_directory=str(directory), is_python_module=False, verbose=False)
