@@ -23,6 +23,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2-hybrid-window": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
                                                 use_sliding_window=True, sliding_window=10, max_window_layers=1,
                                                 tie_word_embeddings=True)),
+    # Wide enough (head_dim 64, 512-wide MLP) that bfloat16 kernels pick different paths by row count.
+    "llama-wide": ("LlamaConfig", dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                       num_key_value_heads=2, tie_word_embeddings=False, initializer_range=0.05)),
     "qwen3-qknorm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                          tie_word_embeddings=False)),
 }

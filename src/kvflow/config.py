@@ -92,6 +92,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None  # None: no KV moves between engines
+    batch_invariant: bool = False  # model.layers.batch_invariant
 
 
 @dataclass
@@ -115,6 +116,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # triton on CUDA, torch_sdpa on CPU
     device: str = "auto"  # cuda when a GPU is visible, else cpu
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs
+    batch_invariant: bool = False  # a request's logits bit for bit the same whatever its batch (CPU)
     speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
     max_logprobs: int = 20  # vLLM's name and default; -1: no cap
     enable_lora: bool = False  # vLLM's LoRA knobs, names and defaults
@@ -204,6 +206,8 @@ class EngineArgs:
         if self.kv_cache_dtype != "auto" and backend == "triton":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} is not implemented by the triton attention "
                              "backend yet; use kv_cache_dtype=auto or attention_backend=torch_sdpa")
+        if self.batch_invariant:
+            _check_batch_invariant(self, device, backend)
         return EngineConfig(
             model=ModelConfig(
                 model=self.model or "",
@@ -239,6 +243,7 @@ class EngineArgs:
                                     self.distributed_timeout_s, self.data_parallel_size),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             kv_transfer=kv_transfer,
+            batch_invariant=self.batch_invariant,
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -266,6 +271,9 @@ class EngineArgs:
                        choices=["auto", "torch_sdpa", "torch_reference", "triton"])
         g.add_argument("--device", default=d.device, help="auto (cuda when a GPU is visible), cpu, or cuda[:N]")
         g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
+        g.add_argument("--batch-invariant", action="store_true",
+                       help="every request's logits bit for bit the same whatever else runs beside it (bf16 too), "
+                            "at some speed (CPU, dense attention)")
         g.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                             '(methods: ngram, draft_model with "model", layer_skip with "num_draft_layers")')
@@ -321,6 +329,16 @@ def has_native_bf16(device: str) -> bool:
 def triton_installed() -> bool:
     """Whether triton can be imported, without importing it (that takes a second)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def _check_batch_invariant(args: EngineArgs, device: str, backend: str) -> None:
+    """What the batch-invariant mode covers today; the rest is refused by name, not run variant."""
+    if device != "cpu":
+        raise ValueError("batch_invariant runs on CPU only for now (the GPU kernels pick their tiling by batch)")
+    for name, value, allowed in (("attention_backend", backend, "torch_sdpa"), ("kv_cache_dtype", args.kv_cache_dtype, "auto"),
+                                 ("enable_lora", args.enable_lora, False), ("tensor_parallel_size", args.tensor_parallel_size, 1)):
+        if value != allowed:
+            raise ValueError(f"batch_invariant needs {name}={allowed} for now; got {value!r}")
 
 
 def _require(ok: bool, name: str, allowed: str) -> None:

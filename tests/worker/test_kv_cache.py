@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from kvflow.config import CacheConfig
 from kvflow.model.arch_config import ArchConfig
-from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks, zeros_untouched
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64.
 SMOLLM2 = ArchConfig.from_hf({
@@ -37,3 +39,16 @@ def test_allocated_tensors_have_the_paged_layout():
     assert len(caches) == 30
     assert caches[0].shape == (2, 5, 3, 16, 64) and caches[0].dtype == torch.bfloat16
     assert not caches[0].any()  # zeroed: masked-out padding must never inject NaN
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 16, 64 * 1024)])  # below and above a huge page
+def test_an_untouched_pool_reads_as_zeros_and_keeps_what_is_written(shape):
+    pool = zeros_untouched(shape, torch.bfloat16, "cpu")
+    assert pool.shape == shape and pool.dtype == torch.bfloat16 and pool.is_contiguous()
+    assert not pool.any()
+    gc.collect()  # the memory must live as long as the tensor, not as the allocating frame
+    pool[-1, -1].fill_(2.5)
+    gc.collect()
+    assert pool[-1, -1].eq(2.5).all() and not pool[0].any()
+    if pool.nbytes >= 2 << 20:
+        assert pool.data_ptr() % (2 << 20) == 0  # huge pages need aligned addresses

@@ -25,8 +25,10 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str, static_max_context_len: int | None = None) -> AttentionBackend:
-    """`static_max_context_len`: fix the triton decode grid for this bound (CUDA graph replay)."""
+def get_attention_backend(name: str, static_max_context_len: int | None = None,
+                          batch_invariant: bool = False) -> AttentionBackend:
+    """`static_max_context_len`: fix the triton decode grid for this bound (CUDA graph replay).
+    `batch_invariant`: every request through one per-row path (torch_sdpa only)."""
     from kvflow.attention.torch_reference import TorchReferenceBackend
     from kvflow.attention.torch_sdpa import TorchSDPABackend
 
@@ -35,6 +37,10 @@ def get_attention_backend(name: str, static_max_context_len: int | None = None) 
     backends = {b.name: b for b in (TorchReferenceBackend, TorchSDPABackend)}
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join([*backends, 'triton'])}")
+    if batch_invariant:
+        if name != TorchSDPABackend.name:
+            raise ValueError(f"batch_invariant needs attention backend {TorchSDPABackend.name}, not {name}")
+        return TorchSDPABackend(batch_invariant=True)
     return backends[name]()
 
 

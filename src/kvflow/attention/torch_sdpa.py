@@ -57,8 +57,14 @@ class _Plan:
 class TorchSDPABackend:
     name = "torch_sdpa"
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         self.kernel = cpu_paged.load_kernel()  # None: no compiler here, or switched off
+        # Batch-invariant (model.layers.batch_invariant): every request, whatever its query
+        # count, through the kernel, whose query rows never depend on each other.
+        self.batch_invariant = batch_invariant
+        if batch_invariant and self.kernel is None:
+            raise RuntimeError("batch_invariant needs the CPU paged-attention kernel, which could not be built here "
+                               f"(a C++ compiler is required; is {cpu_paged.DISABLE_ENV}=0 set?)")
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         if layer.writes_kv:
@@ -67,7 +73,8 @@ class TorchSDPABackend:
         plan = meta.plans.get(key)
         if plan is None:
             in_place = self.kernel is not None and q.device.type == "cpu" and kv_cache.dtype == q.dtype
-            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv, in_place)
+            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv, in_place,
+                                                self.batch_invariant)
         out = torch.empty_like(q)
         if plan.fresh_prompts and kv_quant.is_quantized(kv_cache):
             # A prompt sees its own keys as every later read will: quantized.
@@ -85,11 +92,17 @@ class TorchSDPABackend:
 
 
 def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer_writes: bool,
-               in_place: bool = False) -> _Plan:
+               in_place: bool = False, all_in_place: bool = False) -> _Plan:
     """A fresh prompt attends to its own new keys, unless the layer writes none (it reads a
     shared layer's cache) or has a window (the masked path keeps only the window's blocks).
     `in_place`: the other requests with few queries (decodes, speculative verifications) go to
-    the CPU kernel (`cpu_paged`); otherwise those of equal query length are batched together."""
+    the CPU kernel (`cpu_paged`); otherwise those of equal query length are batched together.
+    `all_in_place`: every request goes to the kernel (batch-invariant mode)."""
+    if all_in_place:
+        if not in_place:
+            raise ValueError("batch_invariant: the paged-attention kernel cannot read this cache "
+                             f"(device {meta.seq_lens.device.type}, a quantized or other-dtype KV cache)")
+        return _Plan([], [], torch.arange(len(meta.query_lens_cpu), device=meta.seq_lens.device))
     starts = meta.query_start_loc.tolist()
     fresh, groups, short, kernel = [], [], {}, []
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):

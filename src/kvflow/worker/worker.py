@@ -24,6 +24,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.distributed.parallel_state import SINGLE, TensorParallel, split_heads, tensor_parallel_scope
 from kvflow.model.arch_config import ArchConfig
+from kvflow.model.layers.batch_invariant import make_batch_invariant
 from kvflow.model.loader import Checkpoint
 from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.weights import process_weights_after_loading
@@ -87,13 +88,18 @@ def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint:
     # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
     static_len = config.model.max_model_len if config.use_cuda_graphs else None
     with tensor_parallel_scope(tp):
-        model = build_model(arch, get_attention_backend(config.attention_backend, static_len),
+        if config.batch_invariant and (arch.moe is not None or arch.mla is not None):
+            raise ValueError(f"batch_invariant: {arch.architecture} is not covered yet (expert routing and latent "
+                             "attention are batched by their own kernels); use a dense-attention model")
+        model = build_model(arch, get_attention_backend(config.attention_backend, static_len, config.batch_invariant),
                             config.model.dtype, config.device, quant_config)
     if config.model.load_format == "dummy":
         init_dummy_weights(model, config.model.seed)
     else:
         model.load_weights(checkpoint.weights)
     process_weights_after_loading(model)
+    if config.batch_invariant:
+        make_batch_invariant(model)
     return model
 
 

@@ -1,0 +1,84 @@
+"""`batch_invariant=True`: a bfloat16 request's tokens and logprobs are bit for bit the same alone,
+beside other requests, with its prompt cut into other chunks, and through speculative steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow import LLM, EngineArgs, SamplingParams
+from kvflow.model.layers.batch_invariant import ROW_TILE, RowTiledMethod
+from kvflow.quant.unquantized import UnquantizedMethod
+from tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama-wide")
+    make_tiny_model("llama-wide", path)
+    return str(path)
+
+
+def _llm(model_dir, **kw) -> LLM:
+    return LLM(model_dir, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512, num_kv_blocks=128,
+               batch_invariant=True, **kw)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _tokens_and_logprobs(output) -> list:
+    c = output.outputs[0]
+    return [(t, sorted((k, lp.logprob) for k, lp in step.items())) for t, step in zip(c.token_ids, c.logprobs)]
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])  # int4: its own kernel up to 4 rows, a dense copy above
+def test_a_request_is_bit_identical_alone_batched_and_chunked(model_dir, quantization):
+    target = _prompt(70, seed=1)
+    others = [_prompt(n, seed=n) for n in (3, 130, 17, 45)]
+    alone = _llm(model_dir, quantization=quantization).generate([target], GREEDY, use_tqdm=False)[0]
+    # Small token budget: the prompts are cut into different chunks and run beside other decodes.
+    chunked = _llm(model_dir, quantization=quantization, max_num_batched_tokens=24)
+    busy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    mixed = chunked.generate(others[:2] + [target] + others[2:], [busy, busy, GREEDY, busy, busy], use_tqdm=False)[2]
+    assert _tokens_and_logprobs(mixed) == _tokens_and_logprobs(alone)
+
+
+def test_speculative_steps_give_the_same_tokens_and_logprobs(model_dir):
+    # The target as its own draft: every proposal is accepted, so each token after the first is
+    # computed in a 6-query verification step instead of a 1-query decode (int4 weights: the
+    # two run different matmul kernels).
+    prompt = _prompt(40, seed=3)
+    plain = _llm(model_dir, quantization="int4").generate([prompt], GREEDY, use_tqdm=False)[0]
+    spec = _llm(model_dir, quantization="int4", speculative_config={
+        "method": "draft_model", "model": model_dir, "num_speculative_tokens": 5, "adaptive": False})
+    out = spec.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert spec.llm_engine.get_stats().spec_decoding.num_accepted_tokens > 0
+    assert _tokens_and_logprobs(out) == _tokens_and_logprobs(plain)
+
+
+def test_row_tiles_give_each_row_the_same_bits_whatever_the_batch():
+    layer = torch.nn.Linear(256, 300, bias=True).to(torch.bfloat16)
+    method = RowTiledMethod(UnquantizedMethod())
+    x = torch.randn(2 * ROW_TILE + 5, 256, dtype=torch.bfloat16)
+    full = method.apply(layer, x, layer.bias)
+    assert full.shape == (2 * ROW_TILE + 5, 300)
+    torch.testing.assert_close(full, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    for rows in (slice(0, 1), slice(7, 9), slice(ROW_TILE - 1, 2 * ROW_TILE + 5)):
+        assert torch.equal(method.apply(layer, x[rows], layer.bias), full[rows])
+
+
+@pytest.mark.parametrize("field, value", [("kv_cache_dtype", "fp8"), ("attention_backend", "torch_reference"),
+                                          ("enable_lora", True)])
+def test_what_the_mode_does_not_cover_is_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(batch_invariant=True, **{field: value}).create_config(512)
+
+
+def test_a_mixture_of_experts_is_refused(tmp_path):
+    make_tiny_model("mixtral", tmp_path)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        _llm(str(tmp_path))
