@@ -39,6 +39,8 @@ def _lora_layer(make_layer, dtype: torch.dtype, seed: int) -> LoRALinear:
     """Slot 0 rank 16, slot 1 rank 8 leaving slice 1 alone, slot 2 rank 8: random weights."""
     gen = torch.Generator().manual_seed(seed)
     base = make_layer().to(dtype)
+    for param in base.parameters():  # created empty: whatever bits the allocator left, NaN included
+        param.copy_(torch.randn(param.shape, generator=gen) / 4)
     lora = LoRALinear(base, MAX_LORAS, MAX_RANK, LoRAContext(), dtype, DEVICE)
     for slot, rank in enumerate((16, 8, 8)):
         lora.set_slot(slot, {i: (torch.randn(rank, base.input_size, generator=gen).to(dtype) / 4,
@@ -80,7 +82,7 @@ def test_kernels_match_the_torch_forms(layer, row_slots, dtype):
 def test_a_segment_without_an_adapter_adds_nothing():
     """A segment table may carry slot -1 runs: their programs write nothing, neither t nor y."""
     lora = _lora_layer(LAYERS["qkv"], torch.float32, seed=0)
-    x = torch.randn(5, lora.input_size, device=DEVICE)
+    x = torch.randn(5, lora.input_size, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     batch = LoRABatch.build([0, 0, 0, 1, 1], device=DEVICE, masked=False)
     with_gap = LoRABatch([(0, 0, 2), (-1, 2, 3), (1, 3, 5)], 5, 0, None,
                          torch.tensor([[0, 0, 2], [-1, 2, 3], [1, 3, 5]], dtype=torch.int32, device=DEVICE))
@@ -118,7 +120,7 @@ def test_layer_takes_the_kernels_only_on_cuda(monkeypatch):
     assert lora_layers.lora_kernels_for(torch.zeros(1)) is None
     lora = _lora_layer(LAYERS["gate_up"], torch.float32, seed=3)
     row_slots = [0, 0, 1, -1, 2]
-    x = torch.randn(5, lora.input_size, device=DEVICE)
+    x = torch.randn(5, lora.input_size, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     lora.context.batch = LoRABatch.build(row_slots, device=DEVICE, masked=False)
     expected = lora(x) if DEVICE.type == "cpu" else None
     calls = []
