@@ -221,6 +221,25 @@ def test_a_frozen_replica_is_killed_after_the_iteration_timeout_and_an_idle_one_
         llm.shutdown(timeout=10)
 
 
+def test_a_reply_the_server_cannot_read_kills_its_replica_instead_of_leaving_requests_waiting(model_dir):
+    llm = DPAsyncLLM(EngineArgs(model_dir, data_parallel_size=2, **ENGINE))
+    try:
+        def unreadable(message):
+            raise KeyError(message[0])
+
+        llm.replicas[0]._dispatch = unreadable  # the reader's own fault, at the request's acceptance
+
+        async def main():
+            with pytest.raises(EngineDeadError, match="data-parallel replica 0 .* could not read its messages"):
+                await llm.replicas[0].add_request("lost", prompt(6, seed=3), GREEDY, 0, None, None)
+            return await collect(llm, prompt(6, seed=4), GREEDY, "served")
+
+        assert len(run(main())) == 8  # the other replica goes on
+        assert llm.replicas[0].process.exitcode == -signal.SIGKILL and not llm.is_alive()
+    finally:
+        llm.shutdown(timeout=10)
+
+
 def test_the_watchdog_counts_only_busy_time_without_progress():
     dog = ReplicaWatchdog(timeout_s=10, now=0)
     assert dog.observe(100, num_in_flight=0, progressed=False) is None  # idle for 100 s: never flagged

@@ -154,11 +154,25 @@ class ReplicaClient:
 
     # -- the reader thread -----------------------------------------------------------------
     def _read(self) -> None:
+        try:
+            if not self._read_until_eof():
+                return
+        except Exception as e:  # a fault of ours here would leave every request of this replica waiting forever
+            logger.exception("data-parallel replica %d: reading its messages failed", self.index)
+            self._kill(f"data-parallel replica {self.index} (pid {self.process.pid}) was killed: the server could "
+                       f"not read its messages ({type(e).__name__}: {e}); its requests were lost")
+            return
+        self.process.join(2)  # it closed the pipe by exiting: wait for its exit code
+        self._die(self._stopping or f"data-parallel replica {self.index} (pid {self.process.pid}) died "
+                                    f"(exit code {self.process.exitcode}); its requests were lost")
+
+    def _read_until_eof(self) -> bool:
+        """Deliver the replica's batches; True once it closes the pipe, False when it was found hung."""
         while True:
             try:  # a timed wait: silence, too, must reach the watchdog
                 batch = self._conn.recv() if self._conn.poll(self._watchdog.poll_s) else None
             except (EOFError, OSError):
-                break
+                return True
             progressed = False
             if batch is not None:
                 _, messages, self.stats, progressed = batch
@@ -166,11 +180,11 @@ class ReplicaClient:
                     self._dispatch(message)
             stalled = self._watchdog.observe(time.monotonic(), self.num_in_flight, progressed)
             if stalled is not None:
-                self._kill_hung(stalled)
-                return
-        self.process.join(2)  # it closed the pipe by exiting: wait for its exit code
-        self._die(self._stopping or f"data-parallel replica {self.index} (pid {self.process.pid}) died "
-                                    f"(exit code {self.process.exitcode}); its requests were lost")
+                self._kill(f"data-parallel replica {self.index} (pid {self.process.pid}) hung: no engine step finished "
+                           f"for {stalled:.1f} s with {self.num_in_flight} request(s) in flight "
+                           f"(engine_iteration_timeout_s={self._watchdog.timeout_s:g}); it was killed and its "
+                           "requests were lost")
+                return False
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -197,12 +211,9 @@ class ReplicaClient:
             loop, done = self._calls.pop(call_id)
             _settle(loop, done, result, error)
 
-    def _kill_hung(self, stalled: float) -> None:
-        """The replica is alive but stuck: kill it (SIGKILL ends a stopped process too, and a stuck
-        step cannot be interrupted any other way), then end its requests, naming why."""
-        reason = (f"data-parallel replica {self.index} (pid {self.process.pid}) hung: no engine step finished "
-                  f"for {stalled:.1f} s with {self.num_in_flight} request(s) in flight (engine_iteration_timeout_s="
-                  f"{self._watchdog.timeout_s:g}); it was killed and its requests were lost")
+    def _kill(self, reason: str) -> None:
+        """The replica is alive but stuck (or unreadable): kill it (SIGKILL ends a stopped process
+        too, and a stuck step cannot be interrupted any other way), then end its requests."""
         self.process.kill()
         self.process.join(5)
         self._die(reason)
