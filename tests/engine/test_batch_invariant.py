@@ -8,6 +8,7 @@ import torch
 
 from kvflow import LLM, EngineArgs, SamplingParams
 from kvflow.model.layers.batch_invariant import ROW_TILE, RowTiledMethod
+from kvflow.quant.int4pack import Int4Planes, planes_from_affine
 from kvflow.quant.unquantized import UnquantizedMethod
 from tiny_models import make_tiny_model
 
@@ -69,6 +70,24 @@ def test_row_tiles_give_each_row_the_same_bits_whatever_the_batch():
     torch.testing.assert_close(full, torch.nn.functional.linear(x, layer.weight, layer.bias))
     for rows in (slice(0, 1), slice(7, 9), slice(ROW_TILE - 1, 2 * ROW_TILE + 5)):
         assert torch.equal(method.apply(layer, x[rows], layer.bias), full[rows])
+
+
+def test_int4_planes_give_each_row_the_same_bits_at_any_row_count():
+    # What the mode relies on to run int4 layers untiled: aten's int4 kernel never mixes rows, and
+    # the layer no longer switches to its dense copy above KERNEL_MAX_ROWS.
+    gen = torch.Generator().manual_seed(0)
+    n, k, group = 96, 128, 32
+    u = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=gen) / 8
+    planes = Int4Planes(planes_from_affine(u, scale, -8 * scale, 4), group, torch.bfloat16, "test")
+    planes.use_kernel_at_any_rows()
+    assert planes.dense is None
+    x = torch.randn(70, k, generator=gen).to(torch.bfloat16)
+    full = planes(x)
+    for rows in (slice(0, 1), slice(3, 5), slice(10, 70)):
+        assert torch.equal(planes(x[rows]), full[rows])
+    reference = x.float() @ planes.dequantize(torch.float32).t()
+    torch.testing.assert_close(full.float(), reference, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("field, value", [("kv_cache_dtype", "fp8"), ("attention_backend", "torch_reference"),

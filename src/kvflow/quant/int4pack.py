@@ -101,21 +101,27 @@ class Int4Planes(nn.Module):
         self.register_buffer("scale_zero", scale_zero)  # [P, K / group, N padded, 2]
         # An attribute, not a buffer: derived from the planes, so out of state_dict.
         self.dense = None
+        self.kernel_at_any_rows = False  # batch-invariant mode: one kernel, whatever the row count
         if os.environ.get(DENSE_COPY_ENV, "1") != "0":
             self.dense = prepack(dense if dense is not None else self.dequantize())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        kernel = x2.shape[0] <= KERNEL_MAX_ROWS and x2.dtype == torch.bfloat16
-        if not kernel and self.dense is not None and x2.dtype == self.scale_zero.dtype:
-            y = linear(x2, self.dense)
-        elif x2.shape[0] > KERNEL_MAX_ROWS_NO_COPY and _layout_known():
-            y = F.linear(x2, self.dequantize(x2.dtype))
-        else:
-            y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(x2, p, self.group, sz)
-                    for p, sz in zip(self.packed, self.scale_zero))
-            y = y[:, :self.out_features]
-        return y.reshape(*x.shape[:-1], self.out_features)
+        m, bf16 = x2.shape[0], x2.dtype == torch.bfloat16
+        if not (bf16 and (m <= KERNEL_MAX_ROWS or self.kernel_at_any_rows)):
+            if self.dense is not None and x2.dtype == self.scale_zero.dtype:
+                return linear(x2, self.dense).reshape(*x.shape[:-1], self.out_features)
+            if m > KERNEL_MAX_ROWS_NO_COPY and _layout_known():
+                return F.linear(x2, self.dequantize(x2.dtype)).reshape(*x.shape[:-1], self.out_features)
+        y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(x2, p, self.group, sz)
+                for p, sz in zip(self.packed, self.scale_zero))
+        return y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)
+
+    def use_kernel_at_any_rows(self) -> None:
+        """Every bfloat16 call through aten's int4 kernel, which computes each row on its own
+        whatever the row count (tests/engine/test_batch_invariant.py holds it to that), so a row's
+        result never depends on the batch; the dense copy is then dropped."""
+        self.kernel_at_any_rows, self.dense = True, None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [N, K] in `dtype` (the scales' dtype by default), computed in float32 and rounded once."""

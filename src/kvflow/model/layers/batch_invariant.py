@@ -11,7 +11,10 @@ bits differ and near-tie argmaxes flip.
 
 So in this mode every linear layer (the LM head included) runs on tiles of exactly `ROW_TILE`
 rows, the last one padded with zero rows: the same kernel with the same blocking for every row,
-whatever the batch. Rows of a matmul never mix, so a row's result depends only on itself. And
+whatever the batch. Rows of a matmul never mix, so a row's result depends only on itself. A layer
+whose weights are all int4 planes in bfloat16 needs no tiles: aten's int4 kernel computes each row
+on its own at any row count, so such layers take it at every row count (batch-1 decode then runs
+at its usual speed; large batches pay the kernel's cost per row instead of a dense GEMM's). And
 attention runs every request through the CPU paged kernel, whose query rows are independent
 (`TorchSDPABackend(batch_invariant=True)`). Normalisation, RoPE, activations and sampling are
 per row already. The cost is the padding of small batches to a tile and prefill attention in
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kvflow.quant.int4pack import Int4Planes
 
 ROW_TILE = 16
 
@@ -46,9 +51,25 @@ class RowTiledMethod:
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:
-    """Wrap every layer's quant method (linear layers, embeddings used as LM heads) in place."""
+    """In place: int4-plane layers take the int4 kernel at every row count; every other layer's
+    quant method (linear layers, embeddings used as LM heads) is wrapped in row tiles."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if method is not None and not isinstance(method, RowTiledMethod):
+        if method is None or isinstance(method, RowTiledMethod):
+            continue
+        planes = _int4_planes(module)
+        if planes:
+            for part in planes:
+                part.use_kernel_at_any_rows()
+        else:
             module.quant_method = RowTiledMethod(method)
     return model
+
+
+def _int4_planes(layer: nn.Module) -> list[Int4Planes]:
+    """The layer's weights when every one is bfloat16 int4 planes (GGUF parts, or an online
+    method's runtime); else []."""
+    parts = list(getattr(layer, "gguf_parts", None) or [getattr(layer, "quant_runtime", None)])
+    if all(isinstance(p, Int4Planes) and p.scale_zero.dtype == torch.bfloat16 for p in parts):
+        return parts
+    return []
