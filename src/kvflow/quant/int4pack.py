@@ -99,6 +99,7 @@ class Int4Planes(nn.Module):
         self.out_features, self.in_features, self.group = out_features, scale_zero.shape[1] * group, group
         self.register_buffer("packed", packed)  # [P, N padded, K / 2] uint8
         self.register_buffer("scale_zero", scale_zero)  # [P, K / group, N padded, 2]
+        self._padded = packed.shape[1] != out_features
         # An attribute, not a buffer: derived from the planes, so out of state_dict.
         self.dense = None
         self.kernel_at_any_rows = False  # batch-invariant mode: one kernel, whatever the row count
@@ -113,9 +114,24 @@ class Int4Planes(nn.Module):
                 return linear(x2, self.dense).reshape(*x.shape[:-1], self.out_features)
             if m > KERNEL_MAX_ROWS_NO_COPY and _layout_known():
                 return F.linear(x2, self.dequantize(x2.dtype)).reshape(*x.shape[:-1], self.out_features)
-        y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(x2, p, self.group, sz)
-                for p, sz in zip(self.packed, self.scale_zero))
-        return y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)
+        # Batch-1 decode makes ~120 of these calls a token: per-call Python and tensor views
+        # (iterating the stacked planes, sum()'s extra add, the padding slice) were ~20 µs each.
+        y = None
+        for p, sz in self._planes:
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, p, self.group, sz)
+            y = part if y is None else y.add_(part)
+        if self._padded:
+            y = y[:, :self.out_features]
+        return y.view(*x.shape[:-1], self.out_features) if y.is_contiguous() else y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def _planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(packed, scale_zero) per plane, as views made once (`.to()` or a buffer swap renews them)."""
+        key = (self.packed.data_ptr(), self.scale_zero.data_ptr())
+        if self.__dict__.get("_plane_key") != key:
+            self.__dict__["_plane_views"] = list(zip(self.packed.unbind(0), self.scale_zero.unbind(0)))
+            self.__dict__["_plane_key"] = key
+        return self.__dict__["_plane_views"]
 
     def use_kernel_at_any_rows(self) -> None:
         """Every bfloat16 call through aten's int4 kernel, which computes each row on its own
