@@ -42,6 +42,51 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// exp(x) for x <= 0 (a score minus the running max), vectorisable: 2^n · e^r with n = round(x / ln 2)
+// and |r| <= ln 2 / 2 (ln 2 in two parts, Cody and Waite), e^r by its Taylor polynomial to r^7
+// (relative error under 2^-23 there). Below -87 the result is clamped to e^-87 ~ 1.6e-38 instead of
+// a subnormal or 0: a weight no float32 sum of probabilities can see.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, vectorisably
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.42860682030941723212e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// ar[d] += Σ_t p[t] · v[t][d], 16 columns at a time: the 16 sums stay in a register over all the
+// keys (the plain loop over d loads and stores ar once per key).
+inline void accumulate_values(float* ar, const float* p, const float* values, int64_t t_lo, int64_t t_hi, int64_t head_dim) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= head_dim; d0 += 16) {
+    float a[16];
+#pragma omp simd
+    for (int dd = 0; dd < 16; ++dd) a[dd] = ar[d0 + dd];
+    for (int64_t t = t_lo; t < t_hi; ++t) {
+      const float pt = p[t];
+      const float* vt = values + t * head_dim + d0;
+#pragma omp simd
+      for (int dd = 0; dd < 16; ++dd) a[dd] += pt * vt[dd];
+    }
+#pragma omp simd
+    for (int dd = 0; dd < 16; ++dd) ar[d0 + dd] = a[dd];
+  }
+  for (int64_t t = t_lo; t < t_hi && d0 < head_dim; ++t)
+    for (int64_t d = d0; d < head_dim; ++d) ar[d] += p[t] * values[t * head_dim + d];
+}
+
 template <typename scalar_t>
 void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
                  const int64_t* table, int64_t table_width, int64_t num_blocks, int64_t seq_len, int64_t q_start, int64_t q_len, int64_t kv_head,
@@ -51,7 +96,7 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
   const int64_t n_rows = q_len * group;  // row r: query r / group, head kv_head * group + r % group
   const int64_t first_pos = seq_len - q_len;
   std::vector<float> q(n_rows * head_dim), acc(n_rows * head_dim, 0.f), keys(block_size * head_dim),
-      values(block_size * head_dim), scores(block_size);
+      values(block_size * head_dim), scores(block_size), probs(block_size);
   std::vector<float> run_max(n_rows, -std::numeric_limits<float>::infinity()), run_sum(n_rows, 0.f);
   for (int64_t r = 0; r < n_rows; ++r) {
     const scalar_t* src = query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
@@ -74,25 +119,26 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
       const int64_t pos = first_pos + r / group;
       const int64_t k_lo = window > 0 ? std::max(lo, pos - window + 1) : lo, k_hi = std::min(hi, pos + 1);
       if (k_lo >= k_hi) continue;
+      const int64_t t_lo = k_lo - start, t_hi = k_hi - start;
       const float* qr = q.data() + r * head_dim;
+      float* sc = scores.data();
+      float* pr = probs.data();
+      for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = dot(qr, keys.data() + t * head_dim, head_dim);
       float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = k_lo; t < k_hi; ++t) {
-        scores[t - start] = dot(qr, keys.data() + (t - start) * head_dim, head_dim);
-        block_max = std::max(block_max, scores[t - start]);
-      }
+      for (int64_t t = t_lo; t < t_hi; ++t) block_max = std::max(block_max, sc[t]);
       float* ar = acc.data() + r * head_dim;
       const float new_max = std::max(run_max[r], block_max);
       const float correction = std::exp(run_max[r] - new_max);  // exp(-inf) = 0 on the first block
-      run_sum[r] *= correction;
+      float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        pr[t] = exp_nonpositive(sc[t] - new_max);
+        block_sum += pr[t];
+      }
+      run_sum[r] = run_sum[r] * correction + block_sum;
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) ar[d] *= correction;
-      for (int64_t t = k_lo; t < k_hi; ++t) {
-        const float p = std::exp(scores[t - start] - new_max);
-        run_sum[r] += p;
-        const float* vt = values.data() + (t - start) * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * vt[d];
-      }
+      accumulate_values(ar, pr, values.data(), t_lo, t_hi, head_dim);
       run_max[r] = new_max;
     }
   }
@@ -140,6 +186,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query, out and cache share one dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0 && query.size(2) == key_cache.size(3), "head shapes disagree");
+  TORCH_CHECK(query.size(2) <= 1024, "paged_attention: head_dim ", query.size(2), " is over 1024");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc, &requests})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->stride(-1) == 1, "index tensors are contiguous int64");
   switch (query.scalar_type()) {
