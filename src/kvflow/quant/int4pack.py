@@ -100,6 +100,7 @@ class Int4Planes(nn.Module):
         self.register_buffer("packed", packed)  # [P, N padded, K / 2] uint8
         self.register_buffer("scale_zero", scale_zero)  # [P, K / group, N padded, 2]
         self._padded = packed.shape[1] != out_features
+        self._unbind_planes()
         # An attribute, not a buffer: derived from the planes, so out of state_dict.
         self.dense = None
         self.kernel_at_any_rows = False  # batch-invariant mode: one kernel, whatever the row count
@@ -110,7 +111,7 @@ class Int4Planes(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         m, bf16 = x2.shape[0], x2.dtype == torch.bfloat16
         if not (bf16 and (m <= KERNEL_MAX_ROWS or self.kernel_at_any_rows)):
-            if self.dense is not None and x2.dtype == self.scale_zero.dtype:
+            if self.dense is not None and x2.dtype == self._scale_dtype:
                 return linear(x2, self.dense).reshape(*x.shape[:-1], self.out_features)
             if m > KERNEL_MAX_ROWS_NO_COPY and _layout_known():
                 return F.linear(x2, self.dequantize(x2.dtype)).reshape(*x.shape[:-1], self.out_features)
@@ -124,14 +125,17 @@ class Int4Planes(nn.Module):
             y = y[:, :self.out_features]
         return y.view(*x.shape[:-1], self.out_features) if y.is_contiguous() else y.reshape(*x.shape[:-1], self.out_features)
 
-    @property
-    def _planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(packed, scale_zero) per plane, as views made once (`.to()` or a buffer swap renews them)."""
-        key = (self.packed.data_ptr(), self.scale_zero.data_ptr())
-        if self.__dict__.get("_plane_key") != key:
-            self.__dict__["_plane_views"] = list(zip(self.packed.unbind(0), self.scale_zero.unbind(0)))
-            self.__dict__["_plane_key"] = key
-        return self.__dict__["_plane_views"]
+    def _unbind_planes(self) -> None:
+        """(packed, scale_zero) per plane as plain attributes, made once, and the scales' dtype:
+        reading buffers goes through nn.Module.__getattr__, and unbinding at every call cost more
+        than batch-1 decode's small kernels."""
+        self._planes = list(zip(self.packed.unbind(0), self.scale_zero.unbind(0)))
+        self._scale_dtype = self.scale_zero.dtype
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: new buffers, new views
+        module = super()._apply(fn, recurse)
+        self._unbind_planes()
+        return module
 
     def use_kernel_at_any_rows(self) -> None:
         """Every bfloat16 call through aten's int4 kernel, which computes each row on its own
