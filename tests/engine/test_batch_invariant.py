@@ -36,7 +36,9 @@ def _tokens_and_logprobs(output) -> list:
     return [(t, sorted((k, lp.logprob) for k, lp in step.items())) for t, step in zip(c.token_ids, c.logprobs)]
 
 
-@pytest.mark.parametrize("quantization", [None, "int4"])  # int4: its own kernel up to 4 rows, a dense copy above
+# int4: without the mode, its own kernel up to 4 rows and a dense copy above (both tests fail with
+# the mode switched off in worker.load_model).
+@pytest.mark.parametrize("quantization", [None, "int4"])
 def test_a_request_is_bit_identical_alone_batched_and_chunked(model_dir, quantization):
     target = _prompt(70, seed=1)
     others = [_prompt(n, seed=n) for n in (3, 130, 17, 45)]

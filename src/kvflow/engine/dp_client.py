@@ -155,24 +155,26 @@ class ReplicaClient:
     # -- the reader thread -----------------------------------------------------------------
     def _read(self) -> None:
         try:
-            if not self._read_until_eof():
-                return
+            kill_reason = self._read_until_eof()
         except Exception as e:  # a fault of ours here would leave every request of this replica waiting forever
             logger.exception("data-parallel replica %d: reading its messages failed", self.index)
-            self._kill(f"data-parallel replica {self.index} (pid {self.process.pid}) was killed: the server could "
-                       f"not read its messages ({type(e).__name__}: {e}); its requests were lost")
+            kill_reason = (f"data-parallel replica {self.index} (pid {self.process.pid}) was killed: the server "
+                           f"could not read its messages ({type(e).__name__}: {e}); its requests were lost")
+        if kill_reason is not None:
+            self._kill(kill_reason)
             return
         self.process.join(2)  # it closed the pipe by exiting: wait for its exit code
         self._die(self._stopping or f"data-parallel replica {self.index} (pid {self.process.pid}) died "
                                     f"(exit code {self.process.exitcode}); its requests were lost")
 
-    def _read_until_eof(self) -> bool:
-        """Deliver the replica's batches; True once it closes the pipe, False when it was found hung."""
+    def _read_until_eof(self) -> str | None:
+        """Deliver the replica's batches until it closes the pipe (None), or until the watchdog
+        finds it hung (why, for `_kill`)."""
         while True:
             try:  # a timed wait: silence, too, must reach the watchdog
                 batch = self._conn.recv() if self._conn.poll(self._watchdog.poll_s) else None
             except (EOFError, OSError):
-                return True
+                return None
             progressed = False
             if batch is not None:
                 _, messages, self.stats, progressed = batch
@@ -180,11 +182,10 @@ class ReplicaClient:
                     self._dispatch(message)
             stalled = self._watchdog.observe(time.monotonic(), self.num_in_flight, progressed)
             if stalled is not None:
-                self._kill(f"data-parallel replica {self.index} (pid {self.process.pid}) hung: no engine step finished "
-                           f"for {stalled:.1f} s with {self.num_in_flight} request(s) in flight "
-                           f"(engine_iteration_timeout_s={self._watchdog.timeout_s:g}); it was killed and its "
-                           "requests were lost")
-                return False
+                return (f"data-parallel replica {self.index} (pid {self.process.pid}) hung: no engine step finished "
+                        f"for {stalled:.1f} s with {self.num_in_flight} request(s) in flight "
+                        f"(engine_iteration_timeout_s={self._watchdog.timeout_s:g}); it was killed and its requests "
+                        "were lost")
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]

@@ -123,7 +123,7 @@ class Int4Planes(nn.Module):
             y = part if y is None else y.add_(part)
         if self._padded:
             y = y[:, :self.out_features]
-        return y.view(*x.shape[:-1], self.out_features) if y.is_contiguous() else y.reshape(*x.shape[:-1], self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _unbind_planes(self) -> None:
         """(packed, scale_zero) per plane as plain attributes, made once, and the scales' dtype:

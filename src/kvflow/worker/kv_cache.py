@@ -111,10 +111,10 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     paid at every start). Attention never depends on the zeros (it masks what no one wrote,
     `attention.metadata`); they only keep garbage out.
 
-    The first write to each page still costs a fault; with 4 KiB pages that was 2.5 s of W1's KV
-    writes (a 2 GiB pool filling up). So the pool asks for transparent huge pages (2 MiB: 512x
-    fewer faults; measured 1.4-1.5 s -> 0.08 s to touch 2 GiB) where the kernel offers them on
-    request (`madvise` mode, the common default); elsewhere madvise is a no-op."""
+    The first write to each page still costs a fault, paid by the KV writes while the pool fills.
+    So the pool asks for transparent huge pages (2 MiB: 512x fewer faults; docs/performance.md
+    times touching 2 GiB both ways) where the kernel offers them on request (`madvise` mode, the
+    common default); elsewhere madvise is a no-op."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize

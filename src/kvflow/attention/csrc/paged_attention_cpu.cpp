@@ -186,7 +186,6 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query, out and cache share one dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0 && query.size(2) == key_cache.size(3), "head shapes disagree");
-  TORCH_CHECK(query.size(2) <= 1024, "paged_attention: head_dim ", query.size(2), " is over 1024");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc, &requests})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->stride(-1) == 1, "index tensors are contiguous int64");
   switch (query.scalar_type()) {

@@ -17,8 +17,8 @@ on its own at any row count, so such layers take it at every row count (batch-1 
 at its usual speed; large batches pay the kernel's cost per row instead of a dense GEMM's). And
 attention runs every request through the CPU paged kernel, whose query rows are independent
 (`TorchSDPABackend(batch_invariant=True)`). Normalisation, RoPE, activations and sampling are
-per row already. The cost is the padding of small batches to a tile and prefill attention in
-the decode kernel (docs/performance.md measures it).
+per row already. The cost: the int4 kernel's per-row price at large batches, small batches
+padded to a tile, and prefill attention in the decode kernel (docs/performance.md measures it).
 """
 
 from __future__ import annotations
