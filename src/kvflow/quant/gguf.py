@@ -119,14 +119,15 @@ class GGUFMethod(QuantMethod):
 def _part_state(part: nn.Module) -> dict:
     if isinstance(part, Int4Planes):
         return {"kind": "int4", "packed": part.packed, "scale_zero": part.scale_zero, "group": part.group,
-                "out_features": part.out_features, "dense": part.dequantize() if part.dense is not None else None}
+                "out_features": part.out_features, "dense": part.dequantize() if part.dense is not None else None,
+                "gemv": part.gemv.state() if part.gemv is not None else None}
     return {"kind": "dense", "weight": part.weight}
 
 
 def _part_from_state(state: dict) -> nn.Module:
     if state["kind"] == "int4":
         return Int4Planes.from_packed(state["packed"], state["scale_zero"], state["group"], state["out_features"],
-                                      state.get("dense"))
+                                      state.get("dense"), state.get("gemv"))
     return DenseWeight(state["weight"])
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.quant import int4_gemv
 from kvflow.quant.packed_linear import linear, prepack
 
 KERNEL_MAX_ROWS = 4  # above: the dense copy
@@ -86,16 +87,16 @@ class Int4Planes(nn.Module):
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
-                    dense: torch.Tensor | None = None) -> Int4Planes:
-        """The module again from its own buffers and, if given, its `dequantize()` (as `packed_cache`
-        stored them: dequantizing again at every start would cost seconds)."""
+                    dense: torch.Tensor | None = None, gemv: dict | None = None) -> Int4Planes:
+        """The module again from its own buffers and, if given, its `dequantize()` and its GEMV form's
+        state (as `packed_cache` stored them: rebuilding them at every start would cost seconds)."""
         planes = cls.__new__(cls)
         nn.Module.__init__(planes)
-        planes._hold(packed, scale_zero, group, out_features, dense)
+        planes._hold(packed, scale_zero, group, out_features, dense, gemv)
         return planes
 
     def _hold(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
-              dense: torch.Tensor | None = None) -> None:
+              dense: torch.Tensor | None = None, gemv: dict | None = None) -> None:
         self.out_features, self.in_features, self.group = out_features, scale_zero.shape[1] * group, group
         self.register_buffer("packed", packed)  # [P, N padded, K / 2] uint8
         self.register_buffer("scale_zero", scale_zero)  # [P, K / group, N padded, 2]
@@ -106,10 +107,19 @@ class Int4Planes(nn.Module):
         self.kernel_at_any_rows = False  # batch-invariant mode: one kernel, whatever the row count
         if os.environ.get(DENSE_COPY_ENV, "1") != "0":
             self.dense = prepack(dense if dense is not None else self.dequantize())
+        # The same weights for kvflow's GEMV (few bfloat16 rows), where the CPU has AVX-512 BF16:
+        # an attribute too, re-laid from the planes at every load.
+        self.gemv = None
+        if int4_gemv.enabled() and _layout_known() and int4_gemv.fast():
+            k = self.in_features
+            self.gemv = (int4_gemv.Int4Gemv.from_state(gemv) if gemv is not None else int4_gemv.Int4Gemv.from_planes(
+                [_unpack(p, k)[:out_features] for p in self.packed], self.scale_zero, group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         m, bf16 = x2.shape[0], x2.dtype == torch.bfloat16
+        if bf16 and m <= int4_gemv.MAX_ROWS and self.gemv is not None:
+            return self.gemv(x2).reshape(*x.shape[:-1], self.out_features)
         if not (bf16 and (m <= KERNEL_MAX_ROWS or self.kernel_at_any_rows)):
             if self.dense is not None and x2.dtype == self._scale_dtype:
                 return linear(x2, self.dense).reshape(*x.shape[:-1], self.out_features)
@@ -141,7 +151,7 @@ class Int4Planes(nn.Module):
         """Every bfloat16 call through aten's int4 kernel, which computes each row on its own
         whatever the row count (tests/engine/test_batch_invariant.py holds it to that), so a row's
         result never depends on the batch; the dense copy is then dropped."""
-        self.kernel_at_any_rows, self.dense = True, None
+        self.kernel_at_any_rows, self.dense, self.gemv = True, None, None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [N, K] in `dtype` (the scales' dtype by default), computed in float32 and rounded once."""

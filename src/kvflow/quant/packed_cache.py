@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kvflow.disk_cache import code_fingerprint
-from kvflow.quant import gguf_blocks, int4pack
+from kvflow.quant import gguf_blocks, int4_gemv, int4pack
 
 
 class PackedWeightsCache:
@@ -26,7 +26,7 @@ class PackedWeightsCache:
 
     def __init__(self, checkpoint_dir: Path, dtype: torch.dtype, packing_modules: tuple) -> None:
         layout = "avx512" if int4pack._layout_known() else "other"
-        code = code_fingerprint(*packing_modules, gguf_blocks, int4pack)
+        code = code_fingerprint(*packing_modules, gguf_blocks, int4pack, int4_gemv)
         dtype_name = str(dtype).removeprefix("torch.")
         self.path = checkpoint_dir / f"packed-{dtype_name}-torch{torch.__version__}-{layout}-{code}.pt"
         self.stored: dict | None = None

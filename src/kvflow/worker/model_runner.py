@@ -20,6 +20,7 @@ from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.lora.manager import LoRAManager
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvflow.structured_output.manager import StructuredOutputManager
+from kvflow.worker.cpu_decode import CpuDecodeLoop
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import unique_caches
 from kvflow.worker.kv_connector import KVStoreConnectorWorker
@@ -45,7 +46,7 @@ class FlatBatch:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int,
-                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | None = None) -> None:
+                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | CpuDecodeLoop | None = None) -> None:
         self.model = model
         # The engine's, set after the workers are built (rank 0's runner samples for every rank):
         self.lora: LoRAManager | None = None  # once the model's layers are final (after AWQ)

@@ -29,6 +29,7 @@ from kvflow.model.loader import Checkpoint
 from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
+from kvflow.worker.cpu_decode import CpuDecodeLoop
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import allocate_kv_caches, available_memory_bytes, pool_blocks
 from kvflow.kv_store import open_kv_block_store
@@ -72,6 +73,8 @@ class Worker:
             graphs = DecodeGraphs(self.model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
                                   cfg.model.max_model_len, self.device, len(layout.groups))
             graphs.capture()
+        elif self.device.type == "cpu" and cfg.lora is None:
+            graphs = CpuDecodeLoop.build(self.model, kv_caches)  # LoRA wraps the layers later: not with it
         self.model_runner = ModelRunner(self.model, kv_caches, cache.block_size, self.device, cfg.model.seed,
                                         host_caches, graphs)
         if cfg.kv_transfer is not None:

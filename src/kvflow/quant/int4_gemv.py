@@ -1,0 +1,126 @@
+"""Int4 and int8 weights times bfloat16 activations for the few-row products of decode, on CPU.
+
+At batch 1 every weight is read once per token, so decode runs at the speed the weights stream
+from memory. `csrc/int4_gemv_cpu.cpp` turns 32 codes into bfloat16 with one table lookup and
+multiplies them by 32 activations with one AVX-512 BF16 instruction. The activations are used as
+they are: products are exact in float and only the float sums and the bfloat16 output round, so
+it computes the dequantized product to float accuracy (tests/quant/test_int4_gemv.py). Rounding
+the activations to int8 first, as llama.cpp does, was tried and measured: +2.2% perplexity on
+the default model for no speed on this CPU, whose limit is memory, not arithmetic.
+
+`Int4Gemv.from_planes` re-lays an `Int4Planes` layer (Q4_0, Q4_1, Q4_K: one plane; Q5, Q8_0: two)
+as w = s·(u − c) + z per group of 32, with the planes' own bfloat16 s and z (c = 8 for 4-bit
+codes, 128 for 8-bit). For an 8-bit layer (the default model's Q8_0 head) it reads 1.125 bytes
+per weight where two planes read 1.25. Used for bfloat16 calls of up to `MAX_ROWS` rows where the
+CPU has AVX-512 BF16; `KVFLOW_INT4_GEMV=0` switches it off (A/B measurements).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from kvflow import cpu_extension
+
+SOURCE = Path(__file__).parent / "csrc" / "int4_gemv_cpu.cpp"
+DISABLE_ENV = "KVFLOW_INT4_GEMV"
+GROUP = 32
+MAX_ROWS = 4
+
+
+def enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def load() -> bool:
+    """Whether the operator library is loaded (built first if need be)."""
+    return cpu_extension.load_library("kvflow_int4_gemv", SOURCE, "the CPU int4 GEMV kernel")
+
+
+def fast() -> bool:
+    """The library is loaded and was built with AVX-512 BF16 (elsewhere it is a scalar loop)."""
+    return load() and torch.ops.kvflow_int4_gemv.fast()
+
+
+class Int4Gemv:
+    """W [N, K] as unsigned 4- or 8-bit codes u with w = s·(u − c) + z per group of 32 inputs
+    (the layout: csrc/int4_gemv_cpu.cpp's header)."""
+
+    def __init__(self, u: torch.Tensor, scale_zero: torch.Tensor, bits: int) -> None:
+        n, k = u.shape
+        if k % GROUP:
+            raise ValueError(f"input width {k} is not a multiple of {GROUP}")
+        if scale_zero.shape != (n, k // GROUP, 2) or scale_zero.dtype != torch.bfloat16:
+            raise ValueError(f"scale_zero must be bfloat16 [{n}, {k // GROUP}, 2], got {scale_zero.dtype} "
+                             f"{tuple(scale_zero.shape)}")
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, not {bits}")
+        # An odd group count is padded with a group of zero codes, scales and zeros: the kernel
+        # takes groups two at a time.
+        pad = (k // GROUP) % 2
+        u = torch.nn.functional.pad(u.to(torch.uint8), (0, pad * GROUP))
+        if bits == 4:  # byte j of a group: u[j] in the low nibble, u[16 + j] in the high one
+            halves = u.view(n, -1, 2, GROUP // 2)
+            self.weight = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1).contiguous()
+        else:
+            self.weight = u.contiguous()
+        self.scale_zero = torch.nn.functional.pad(scale_zero, (0, 0, 0, pad)).contiguous()
+        self.bits, self.out_features, self.in_features = bits, n, k
+
+    @classmethod
+    def from_planes(cls, q_per_plane: list[torch.Tensor], scale_zero: torch.Tensor, group: int) -> Int4Gemv | None:
+        """From Int4Planes' planes: q_p [N, K] in 0..15 and scale_zero [P, K / group, N, 2] with
+        w = Σ_p (q_p − 8)·s_p + z_p. None where they have no exact bfloat16 form here: not one
+        base-16 number (s_p ≠ 16^p·s_0), more than two planes, or a zero that rounds."""
+        planes = len(q_per_plane)
+        if planes > 2 or group % GROUP or scale_zero.dtype != torch.bfloat16:
+            return None
+        n = q_per_plane[0].shape[0]
+        sz = scale_zero[:, :, :n].float().transpose(1, 2)  # [P, N, K / group, 2]
+        s = sz[0, ..., 0]
+        if any(not torch.equal(sz[p, ..., 0], s * 16**p) for p in range(1, planes)):
+            return None
+        # Σ_p (q_p − 8)·s_p + z_p = s·(u − c) + z: z = Σ z_p − 8·Σ s_p + c·s.
+        bits, c = (4, 8) if planes == 1 else (8, 128)
+        z = sz[..., 1].sum(0) - 8 * sz[..., 0].sum(0) + c * s
+        if not torch.equal(z.bfloat16().float(), z):
+            return None
+        u = sum(q.to(torch.int32) * 16**p for p, q in enumerate(q_per_plane))
+        per = group // GROUP  # the kernel's groups are 32 wide: a wider group's pair repeats
+        pairs = torch.stack([s, z], -1).repeat_interleave(per, 1).bfloat16()
+        return cls(u, pairs, bits)
+
+    def state(self) -> dict:
+        """Its buffers, for packed_cache (re-laying every layer at each start cost half a second)."""
+        return {"weight": self.weight, "scale_zero": self.scale_zero, "bits": self.bits,
+                "out_features": self.out_features, "in_features": self.in_features}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Int4Gemv:
+        gemv = cls.__new__(cls)
+        gemv.weight, gemv.scale_zero, gemv.bits = state["weight"], state["scale_zero"], state["bits"]
+        gemv.out_features, gemv.in_features = state["out_features"], state["in_features"]
+        return gemv
+
+    def __call__(self, x: torch.Tensor, vectorised: bool = True) -> torch.Tensor:
+        """x [M ≤ 8, K] bfloat16 · Wᵀ → [M, N] bfloat16."""
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        torch.ops.kvflow_int4_gemv.int4_gemv(out, x.contiguous(), self.weight, self.scale_zero, self.bits, vectorised)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """W [N, K] in float32 (the reference the tests hold the kernel to)."""
+        n, k = self.out_features, self.in_features
+        if self.bits == 4:
+            b = self.weight.view(n, -1, GROUP // 2)
+            u = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, -1)
+        else:
+            u = self.weight
+        s, z = (self.scale_zero[..., i].float().repeat_interleave(GROUP, 1) for i in (0, 1))
+        return (s * (u.float() - (8 if self.bits == 4 else 128)) + z)[:, :k]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scale_zero.numel() * 2

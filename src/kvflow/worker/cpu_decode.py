@@ -1,0 +1,150 @@
+"""Decode steps of Llama-family models on CPU as one flat loop of kernel calls.
+
+At batch 1 a decode step of a 30-layer model is ~300 small operations. Run through the model's
+modules, each pays nn.Module dispatch, the backend's and the seams' checks (which kernel, which
+dtype, which plan), and new tensors for views: about half of a SmolLM2 token's time on a 2-core
+CPU, where the weights take 5 ms to read. This is the CPU's counterpart of the CUDA-graph decode
+(`cuda_graphs.py`): the checks run once, when the loop is built from the model, and a step calls
+the same kernels the modules would call, in the same order, on the same tensors, so its numbers
+are the model's (tests/worker/test_cpu_decode.py holds it to that, bit for bit).
+
+It takes steps whose every request decodes one token, of models built from `blocks.py`'s Llama
+parts (RopeAttention without q/k norms or biases, GatedMLP with SiLU) with the C++ CPU kernels
+loaded, one KV group, no window, no LoRA, one rank. Anything else runs through the modules.
+`KVFLOW_CPU_DECODE_LOOP=0` switches it off (A/B measurements).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kvflow.attention import cpu_kv_write
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.attention.torch_sdpa import TorchSDPABackend
+from kvflow.model.layers import activation, cpu_ops
+from kvflow.model.layers.linear import LinearBase
+from kvflow.model.layers.mlp import GatedMLP
+from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, RopeAttention
+from kvflow.quant.gguf import GGUFMethod
+
+DISABLE_ENV = "KVFLOW_CPU_DECODE_LOOP"
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+
+
+class CpuDecodeLoop:
+    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor]) -> None:
+        decoder = model.model
+        first = decoder.layers[0].self_attn
+        spec = first.attn.spec
+        self.embed = decoder.embed_tokens
+        self.rotary = decoder.rotary
+        self.final_norm, self.eps = decoder.norm.weight, decoder.norm.eps
+        self.heads, self.kv_heads, self.head_dim, self.scale = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale
+        self.sizes = first.sizes
+        self.width = sum(first.sizes)
+        self.layers = [
+            _Layer(layer.input_layernorm.weight, _linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
+                   layer.post_attention_layernorm.weight, _linear(layer.mlp.gate_up_proj),
+                   _linear(layer.mlp.down_proj), cache[0], cache[1])
+            for layer, cache in zip(decoder.layers, kv_caches)]
+        self.rms_norm = torch.ops.kvflow_cpu_ops.rms_norm
+        self.rotate = torch.ops.kvflow_cpu_ops.rotary
+        self.silu_and_mul = torch.ops.kvflow_cpu_ops.silu_and_mul
+        self.write_kv = torch.ops.kvflow_cpu_kv.write_kv
+        self.attend = torch.ops.kvflow_cpu.paged_attention
+
+    @classmethod
+    def build(cls, model: nn.Module, kv_caches: list[torch.Tensor]) -> CpuDecodeLoop | None:
+        """The loop for `model`, or None where it does not take this model (see the module's doc)."""
+        if os.environ.get(DISABLE_ENV, "1") == "0" or not _takes(model, kv_caches):
+            return None
+        return cls(model, kv_caches)
+
+    def can_replay(self, query_lens: list[int]) -> bool:
+        return all(n == 1 for n in query_lens)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: tuple[AttentionMetadata, ...]) -> torch.Tensor:
+        """As model(input_ids, positions, kv_caches, attn) for a step of one-token decodes."""
+        meta = attn[0]
+        if len(attn) != 1 or meta.lora is not None:
+            raise ValueError("the CPU decode loop takes one KV group and no LoRA rows")
+        hidden = self.embed(input_ids)
+        rows, dtype = hidden.shape[0], hidden.dtype
+        requests = torch.arange(rows)
+        cos, sin = self.rotary.cos, self.rotary.sin
+        q_size, k_size, _ = self.sizes
+        eps, heads, kv_heads, d = self.eps, self.heads, self.kv_heads, self.head_dim
+        normed = torch.empty_like(hidden)
+        attended = torch.empty(rows, heads, d, dtype=dtype)
+        mlp_width = None
+        residual = None
+        for layer in self.layers:
+            self.rms_norm(normed, hidden, residual, layer.input_norm, eps)
+            if residual is None:  # the first layer: the embeddings are the residual stream
+                residual = hidden
+            qkv = layer.qkv(normed)
+            q = qkv[:, :q_size].view(rows, heads, d)
+            k = qkv[:, q_size:q_size + k_size].view(rows, kv_heads, d)
+            v = qkv[:, q_size + k_size:].view(rows, kv_heads, d)
+            self.rotate(q, k, positions, cos, sin)
+            self.write_kv(layer.key_cache, layer.value_cache, k, v, meta.slot_mapping)
+            self.attend(attended, q, layer.key_cache, layer.value_cache, meta.block_tables, meta.seq_lens,
+                        meta.query_start_loc, requests, 0, self.scale)
+            self.rms_norm(normed, layer.o(attended.view(rows, heads * d)), residual, layer.post_norm, eps)
+            gate_up = layer.gate_up(normed)
+            if mlp_width is None:
+                mlp_width = gate_up.shape[1] // 2
+                act = torch.empty(rows, mlp_width, dtype=dtype)
+            self.silu_and_mul(act, gate_up)
+            hidden = layer.down(act)
+        out = torch.empty_like(hidden)
+        self.rms_norm(out, hidden, residual, self.final_norm, eps)
+        return out
+
+
+def _linear(layer: LinearBase) -> Linear:
+    """The layer as a callable: a GGUF layer of one part is that part's forward (what the layer's
+    call comes down to, without the two module calls and the quant method around it)."""
+    if isinstance(layer.quant_method, GGUFMethod) and layer.bias is None and len(layer.gguf_parts) == 1:
+        return layer.gguf_parts[0].forward
+    return layer
+
+
+def _takes(model: nn.Module, kv_caches: list[torch.Tensor]) -> bool:
+    decoder = getattr(model, "model", None)
+    if not isinstance(model, CausalLM) or type(decoder).forward is not DecoderModel.forward:
+        return False
+    for layer, cache in zip(decoder.layers, kv_caches):
+        if type(layer) is not DecoderLayer or type(layer.self_attn) is not RopeAttention or type(layer.mlp) is not GatedMLP:
+            return False
+        attn = layer.self_attn
+        spec = attn.attn.spec
+        backend = attn.attn.backend
+        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if (attn.qk_norm is not None or spec.sliding_window is not None or not spec.writes_kv or spec.kv_group != 0
+                or type(backend) is not TorchSDPABackend or backend.kernel is None
+                or layer.mlp.act_and_mul is not activation.silu_and_mul
+                or any(not isinstance(lin, LinearBase) or lin.bias is not None or lin.tp_size != 1 for lin in linears)
+                or cache.device.type != "cpu" or cache.dim() != 5 or not cache.is_contiguous()
+                or cache.dtype != layer.input_layernorm.weight.dtype):
+            return False
+    return (len(decoder.layers) == len(kv_caches) and decoder.embed_tokens.tp_size == 1
+            and cpu_ops.enabled() and cpu_ops.load() is not None and cpu_kv_write.load_writer() is not None
+            and decoder.layers[0].input_layernorm.weight.dtype in cpu_ops.DTYPES)

@@ -1,0 +1,133 @@
+"""kvflow's int4/int8 GEMV with bfloat16 activations (quant/int4_gemv.py): the AVX-512 BF16 kernel
+against its scalar loop and against the float product of the dequantized weights, the re-laying
+of Int4Planes (the default model's Q4_1 and Q8_0 tensors included), and the layer's choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.quant import int4_gemv
+from kvflow.quant.gguf_blocks import decode
+from kvflow.quant.int4_gemv import GROUP, Int4Gemv
+from kvflow.quant.int4pack import Int4Planes, _unpack, planes_from_affine
+from test_gguf_native import default_tensors, gguf_py_dequantize, random_blocks  # noqa: F401 - a fixture
+
+SHAPES = [(100, 96), (960, 576), (576, 1536), (33, 160)]  # 3 and 5 groups: an odd count is padded
+
+
+@pytest.fixture(autouse=True, scope="module")
+def library():
+    if not int4_gemv.load():
+        pytest.skip("the int4 GEMV library cannot be built here")
+
+
+def random_weights(n: int, k: int, bits: int, seed: int = 0) -> Int4Gemv:
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 2**bits, (n, k), generator=gen)
+    scale = torch.rand(n, k // GROUP, generator=gen) * 0.02
+    zero = (torch.rand(n, k // GROUP, generator=gen) - 0.5) * 0.1
+    return Int4Gemv(u, torch.stack([scale, zero], -1).bfloat16(), bits)
+
+
+def assert_close_to(out: torch.Tensor, reference: torch.Tensor) -> None:
+    """Float sums, one bfloat16 rounding of the output: half a bfloat16 step of the largest value
+    bounds the error (a last-place difference in the float sum may cross a rounding boundary)."""
+    assert out.dtype == torch.bfloat16 and out.shape == reference.shape
+    assert (out.float() - reference).abs().max() <= 2**-8 * reference.abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_kernel_computes_the_float_product(bits, n, k):
+    weights = random_weights(n, k, bits)
+    w = weights.dequantize()
+    for rows in (1, 2, 3, 4, 5, 8):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        reference = x.float() @ w.t()
+        assert_close_to(weights(x), reference)
+        assert_close_to(weights(x, vectorised=False), reference)
+
+
+def test_extreme_codes_and_scales():
+    """All-zero and all-maximum codes, negative scales: the biased bfloat16 codes stay exact."""
+    for bits in (4, 8):
+        u = torch.cat([torch.zeros(8, 64), torch.full((8, 64), 2**bits - 1)]).int()
+        sz = torch.stack([torch.tensor([-0.03, 0.07]).repeat(16, 1), torch.tensor([0.5, -2.0]).repeat(16, 1)], -1)
+        weights = Int4Gemv(u, sz.bfloat16(), bits)
+        x = torch.randn(3, 64).bfloat16()
+        assert_close_to(weights(x), x.float() @ weights.dequantize().t())
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"])
+def test_default_model_planes_re_laid(default_tensors, name):  # noqa: F811 - the fixture
+    """Q4_1 (one plane) and Q8_0 (two) planes become 4- and 8-bit weights equal to the planes."""
+    blocks = default_tensors[name]
+    form = decode(blocks)
+    planes = Int4Planes(planes_from_affine(form.u, form.scale, form.min, form.bits), form.group, torch.bfloat16, name)
+    n, k = blocks.shape
+    weights = Int4Gemv.from_planes([_unpack(p, k)[:n] for p in planes.packed], planes.scale_zero, form.group)
+    assert weights.bits == (8 if name == "token_embd.weight" else 4)
+    w = weights.dequantize()
+    torch.testing.assert_close(w, planes.dequantize(torch.float32), rtol=1e-6, atol=1e-7)
+    reference = gguf_py_dequantize(blocks)
+    assert (w - reference).abs().max() <= 2**-8 * reference.abs().max()  # the planes' bf16 scales
+    x = torch.randn(2, k).bfloat16()
+    assert_close_to(weights(x), x.float() @ w.t())
+
+
+def test_wider_groups_repeat_their_scales():
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randint(0, 16, (64, 256), generator=gen)
+    scale, minimum = torch.rand(64, 2, generator=gen) * 0.02, -torch.rand(64, 2, generator=gen) * 0.1
+    planes = Int4Planes(planes_from_affine(u, scale, minimum, 4), 128, torch.bfloat16, "wide")
+    weights = Int4Gemv.from_planes([_unpack(p, 256)[:64] for p in planes.packed], planes.scale_zero, 128)
+    torch.testing.assert_close(weights.dequantize(), planes.dequantize(torch.float32), rtol=1e-6, atol=1e-7)
+
+
+def test_planes_without_an_exact_form_are_left_to_aten():
+    planes = Int4Planes(planes_from_affine(torch.randint(0, 16, (64, 64)), torch.rand(64, 2), torch.rand(64, 2), 4),
+                        32, torch.float32, "f32")
+    assert Int4Gemv.from_planes([_unpack(p, 64)[:64] for p in planes.packed], planes.scale_zero, 32) is None
+
+
+def test_layer_uses_it_for_few_bfloat16_rows_only(monkeypatch):
+    monkeypatch.setenv(int4_gemv.DISABLE_ENV, "1")
+    form = decode(random_blocks("Q4_1", 128, 256))
+    layer = Int4Planes(planes_from_affine(form.u, form.scale, form.min, form.bits), form.group, torch.bfloat16, "l")
+    if not int4_gemv.fast():
+        assert layer.gemv is None  # no AVX-512 BF16: the scalar loop would be slower than aten's kernel
+        return
+    calls = []
+    call = Int4Gemv.__call__
+    monkeypatch.setattr(Int4Gemv, "__call__", lambda self, x, *a: calls.append(len(x)) or call(self, x, *a))
+    w = layer.dequantize(torch.float32)
+    for rows in (1, 4, 5):
+        x = torch.randn(rows, 256).bfloat16()
+        reference = x.float() @ w.t()
+        torch.testing.assert_close(layer(x).float(), reference, rtol=2**-7, atol=2**-7 * reference.abs().max())
+    assert calls == [1, 4]
+
+
+def test_switched_off_or_batch_invariant_it_is_not_used(monkeypatch):
+    form = decode(random_blocks("Q4_1", 64, 64))
+    monkeypatch.setenv(int4_gemv.DISABLE_ENV, "0")
+    assert Int4Planes(planes_from_affine(form.u, form.scale, form.min, 4), 32, torch.bfloat16, "l").gemv is None
+    monkeypatch.setenv(int4_gemv.DISABLE_ENV, "1")
+    layer = Int4Planes(planes_from_affine(form.u, form.scale, form.min, 4), 32, torch.bfloat16, "l")
+    layer.use_kernel_at_any_rows()
+    assert layer.gemv is None
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        Int4Gemv(torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, 1, 2).bfloat16(), 5)
+    with pytest.raises(ValueError, match="input width 48 is not a multiple of 32"):
+        Int4Gemv(torch.zeros(4, 48, dtype=torch.int32), torch.ones(4, 1, 2).bfloat16(), 4)
+    with pytest.raises(ValueError, match=r"scale_zero must be bfloat16 \[4, 1, 2\]"):
+        Int4Gemv(torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, 1, 2), 4)
+    weights = random_weights(8, 64, 4)
+    with pytest.raises(RuntimeError, match="1 to 8 rows, not 9"):
+        weights(torch.randn(9, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="x and out must be bfloat16"):
+        weights(torch.randn(1, 64))
