@@ -124,3 +124,4 @@ class Int4Gemv:
     @property
     def nbytes(self) -> int:
         return self.weight.numel() + self.scale_zero.numel() * 2
+
