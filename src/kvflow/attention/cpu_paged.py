@@ -36,7 +36,8 @@ def load_kernel():
     """torch.ops.kvflow_cpu.paged_attention, built if need be; None where it cannot be (or is
     switched off by KVFLOW_CPU_ATTENTION_KERNEL=0)."""
     if (os.environ.get(DISABLE_ENV, "1") == "0"
-            or not cpu_extension.load_library("kvflow_cpu_paged", SOURCE, "the CPU paged-attention kernel")):
+            or not cpu_extension.load_library("kvflow_cpu_paged", SOURCE, "the CPU paged-attention kernel",
+                                              extra_cflags=cpu_extension.WIDE_VECTORS)):
         return None
     return torch.ops.kvflow_cpu.paged_attention
 

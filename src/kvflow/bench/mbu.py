@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvflow.analysis.model_spec import ModelSpec
 from kvflow.bench.ceilings import Ceilings, measure_ceilings
 
@@ -52,12 +54,46 @@ class EngineShape:
     dtype: str  # "bfloat16", ...
     dtype_bytes: int
     device: str
+    # Bytes a step's weights take as the engine holds them (quantized: their packed form); None:
+    # the parameter count at dtype_bytes.
+    weight_bytes: int | None = None
 
     @classmethod
     def from_engine(cls, engine: Any) -> EngineShape:
         dtype = engine.config.model.dtype
         name = str(dtype).removeprefix("torch.")
-        return cls(ModelSpec.from_arch(engine.arch), name, dtype.itemsize, engine.config.device)
+        runner = getattr(engine, "runner", None)  # None where the model lives in worker processes
+        held = held_weight_bytes(runner.model) if runner is not None else None
+        return cls(ModelSpec.from_arch(engine.arch), name, dtype.itemsize, engine.config.device, held)
+
+
+def held_weight_bytes(model: Any) -> int | None:
+    """Bytes of the weights one forward pass reads, as `model` holds them, where it holds quantized
+    weights (None: it does not, and the parameter count says it): every linear layer's stored
+    form (for GGUF int4 planes, the form a few-row call reads: the GEMV layout where there is one),
+    the norms, and the LM head; an untied input embedding is left out (a step reads its tokens' rows)."""
+    from kvflow.model.layers.linear import LinearBase
+    from kvflow.model.layers.norm import RMSNorm
+    from kvflow.quant.int4pack import Int4Planes
+
+    def own(module) -> list[torch.Tensor]:
+        return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+    def layer_bytes(layer) -> int:
+        total = 0
+        for sub in layer.modules():
+            if isinstance(sub, Int4Planes) and sub.gemv is not None:
+                total += sub.gemv.nbytes
+            else:
+                total += sum(t.numel() * t.element_size() for t in own(sub))
+        return total
+
+    if not any(not t.is_floating_point() for m in model.modules() for t in own(m)):
+        return None
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    skip = embedding if embedding is not None and getattr(model, "lm_head", None) is not embedding else None
+    return sum(layer_bytes(m) if isinstance(m, LinearBase) else m.weight.numel() * m.weight.element_size()
+               for m in model.modules() if m is not skip and isinstance(m, (LinearBase, RMSNorm)))
 
 
 # ---- the formulas ---------------------------------------------------------------------------
@@ -83,8 +119,9 @@ def prefill_work(spec: ModelSpec, prompt_len: int, dtype_bytes: int) -> Work:
     return Work(spec.kv_bytes_for_context(prompt_len, 8 * dtype_bytes), spec.prefill_flops(prompt_len))
 
 
-def weights_work(spec: ModelSpec, dtype_bytes: int, steps: int) -> Work:
-    return Work(float(steps * step_weight_bytes(spec, dtype_bytes)), 0.0)
+def weights_work(spec: ModelSpec, dtype_bytes: int, steps: int, held_bytes: int | None = None) -> Work:
+    """`held_bytes`: a step's weight bytes as the engine holds them (EngineShape.weight_bytes)."""
+    return Work(float(steps * (step_weight_bytes(spec, dtype_bytes) if held_bytes is None else held_bytes)), 0.0)
 
 
 def request_decode_work(spec: ModelSpec, prompt_len: int, output_len: int, dtype_bytes: int) -> Work:
@@ -93,16 +130,18 @@ def request_decode_work(spec: ModelSpec, prompt_len: int, output_len: int, dtype
     return _sum(decode_token_work(spec, prompt_len + k, dtype_bytes) for k in range(1, output_len))
 
 
-def latency_decode_work(spec: ModelSpec, prompt_len: int, output_len: int, dtype_bytes: int) -> Work:
+def latency_decode_work(spec: ModelSpec, prompt_len: int, output_len: int, dtype_bytes: int,
+                        held_bytes: int | None = None) -> Work:
     """The decode phase of a lone request: output_len − 1 steps, each reading all weights."""
     steps = max(0, output_len - 1)
     return request_decode_work(spec, prompt_len, output_len, dtype_bytes) + weights_work(
-        spec, dtype_bytes, steps
+        spec, dtype_bytes, steps, held_bytes
     )
 
 
 def batch_work(
-    spec: ModelSpec, requests: Sequence[tuple[int, int]], num_steps: int, dtype_bytes: int
+    spec: ModelSpec, requests: Sequence[tuple[int, int]], num_steps: int, dtype_bytes: int,
+    held_bytes: int | None = None,
 ) -> Work:
     """A whole offline run of (prompt_len, output_len) requests that took `num_steps` steps.
 
@@ -113,7 +152,7 @@ def batch_work(
         prefill_work(spec, p, dtype_bytes) + request_decode_work(spec, p, n, dtype_bytes)
         for p, n in requests
     )
-    return per_request + weights_work(spec, dtype_bytes, num_steps)
+    return per_request + weights_work(spec, dtype_bytes, num_steps, held_bytes)
 
 
 def _sum(parts: Iterable[Work]) -> Work:

@@ -101,7 +101,7 @@ def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings)
     elapsed = time.perf_counter() - start
     shape = EngineShape.from_engine(engine)
     lengths = [(len(p), n) for p, n in zip(prompts, run.output_lens)]
-    util = utilization(batch_work(shape.spec, lengths, run.steps, shape.dtype_bytes), elapsed, ceilings)
+    util = utilization(batch_work(shape.spec, lengths, run.steps, shape.dtype_bytes, shape.weight_bytes), elapsed, ceilings)
     prompt_tokens, output_tokens = sum(len(p) for p in prompts), sum(run.output_lens)
     spec = engine.get_stats().spec_decoding  # includes the warm-up's few steps
     return {

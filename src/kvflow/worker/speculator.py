@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from kvflow.core.sched_output import ScheduledChunk
-from kvflow.model.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from kvflow.model.layers.sampler import Sampler, SamplingBatch, first_argmax, gather_logprobs
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.proposer import DraftRequest, Proposer
 from kvflow.spec_decode.rejection_sampler import pad_rows, rejection_sample, verify_greedy
@@ -70,7 +70,7 @@ class Speculator:
         if batch.all_greedy:  # argmax per row is all there is to compare
             for chunk in chunks:
                 self._draft_probs.pop(chunk.request_id, None)
-            result = verify_greedy(pad_rows(adjusted.argmax(dim=-1), counts, width), drafts, num_drafts)
+            result = verify_greedy(pad_rows(first_argmax(adjusted), counts, width), drafts, num_drafts)
         else:
             target = pad_rows(self.sampler.probs(adjusted, batch), counts, width)
             vocab = target.shape[-1]

