@@ -39,7 +39,7 @@ def enabled() -> bool:
 def load() -> tuple | None:
     """(rms_norm, rotary, silu_and_mul), the library built if need be; None where it cannot be."""
     if not cpu_extension.load_library("kvflow_cpu_ops", SOURCE, "the fused CPU elementwise kernels",
-                                      extra_cflags=("-ffp-contract=off",)):
+                                      extra_cflags=("-ffp-contract=off", *cpu_extension.WIDE_VECTORS)):
         return None
     return rms_norm, rotary, silu_and_mul
 
