@@ -34,6 +34,10 @@ if not torch.cuda.is_available():
 # The HF-oracle tests compare the float32 torch code, the reference every fast path is held to;
 # the fused CPU kernels are compared with it in tests/model/test_cpu_ops.py, which turns them on.
 os.environ.setdefault("KVFLOW_CPU_FUSED_OPS", "0")
+# A test engine's KV pool is mostly never used: mapping every page of each one in (the background
+# populate of worker/kv_cache.py) would cost CPU and memory for nothing. tests/worker/test_kv_cache.py
+# turns it on.
+os.environ.setdefault("KVFLOW_KV_POPULATE", "0")
 
 
 def _loop_bounds_work(triton, tl) -> bool:

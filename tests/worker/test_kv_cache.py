@@ -1,13 +1,16 @@
 from __future__ import annotations
 
+import ctypes
 import gc
+import os
+import time
 
 import pytest
 import torch
 
 from kvflow.config import CacheConfig
 from kvflow.model.arch_config import ArchConfig
-from kvflow.worker.kv_cache import allocate_kv_caches, num_kv_blocks, zeros_untouched
+from kvflow.worker.kv_cache import POPULATE_ENV, allocate_kv_caches, num_kv_blocks, zeros_untouched
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64.
 SMOLLM2 = ArchConfig.from_hf({
@@ -52,3 +55,33 @@ def test_an_untouched_pool_reads_as_zeros_and_keeps_what_is_written(shape):
     assert pool[-1, -1].eq(2.5).all() and not pool[0].any()
     if pool.nbytes >= 2 << 20:
         assert pool.data_ptr() % (2 << 20) == 0  # huge pages need aligned addresses
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """How many of t's pages are mapped in (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    pages = -(-(t.data_ptr() + t.nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+def test_the_pool_is_mapped_in_behind_the_writes(monkeypatch):
+    """The background populate maps every page in and changes no byte, even of writes racing it."""
+    monkeypatch.setenv(POPULATE_ENV, "1")
+    pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu")  # 128 MiB
+    pool[7].fill_(1.5)  # a KV write while the thread works
+    deadline = time.monotonic() + 60
+    while _resident_pages(pool) * os.sysconf("SC_PAGE_SIZE") < pool.nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _resident_pages(pool) * os.sysconf("SC_PAGE_SIZE") >= pool.nbytes
+    assert pool[7].eq(1.5).all() and not pool[:7].any() and not pool[8:].any()
+
+
+def test_without_populate_pages_wait_for_their_first_write(monkeypatch):
+    monkeypatch.setenv(POPULATE_ENV, "0")
+    pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu")
+    time.sleep(0.2)
+    assert _resident_pages(pool) == 0
