@@ -22,7 +22,7 @@ DIM = 32
 
 
 def nan_pool_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype, window: int | None,
-                   max_new: int = 20):
+                   max_new: int = 20, dim: int = DIM):
     """A mixed batch (decodes, few-query and longer chunks after a cached prefix, fresh prompts)
     over shuffled blocks of a NaN pool: only the cached positions of each context hold numbers.
     With a window, the blocks that no query of a request can see are released (table entry 0)."""
@@ -34,12 +34,12 @@ def nan_pool_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype,
     total_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in cases)
     physical = list(range(1, total_blocks))  # block 0: padding only, never written
     rng.shuffle(physical)
-    cache = torch.full((2, total_blocks, kv_heads, block_size, DIM), float("nan"), dtype=dtype)
+    cache = torch.full((2, total_blocks, kv_heads, block_size, dim), float("nan"), dtype=dtype)
     tables, slots = [], []
     for cached, new in cases:
         table = [physical.pop() for _ in range(-(-(cached + new) // block_size))]
         for p in range(cached):  # the context written by earlier steps
-            cache[:, table[p // block_size], :, p % block_size] = torch.randn(2, kv_heads, DIM, generator=gen).to(dtype)
+            cache[:, table[p // block_size], :, p % block_size] = torch.randn(2, kv_heads, dim, generator=gen).to(dtype)
         if window is not None:  # released: no query of this step sees any key of the block
             first_seen = max(0, cached - window + 1)
             table = [0 if (b + 1) * block_size <= first_seen else t for b, t in enumerate(table)]
@@ -54,8 +54,8 @@ def nan_pool_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype,
         query_lens_cpu=query_lens, seq_lens_cpu=[c + n for c, n in cases],
     )
     tokens = sum(query_lens)
-    q, k, v = (torch.randn(tokens, h, DIM, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
-    return q, k, v, cache, meta, AttentionLayerSpec(heads, kv_heads, DIM, DIM**-0.5, window)
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    return q, k, v, cache, meta, AttentionLayerSpec(heads, kv_heads, dim, dim**-0.5, window)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,9 @@ def test_kernel_matches_reference_fp32(kernel, seed, block_size, heads, kv_heads
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("window", [None, 5])
-def test_kernel_matches_reference_bf16(kernel, seed, window):
-    q, k, v, cache, meta, layer = nan_pool_batch(seed, 16, 8, 2, torch.bfloat16, window)
+@pytest.mark.parametrize("block_size, dim", [(16, 32), (32, 64), (16, 128)])  # the bf16 paths: 16-key scores, pairs
+def test_kernel_matches_reference_bf16(kernel, seed, window, block_size, dim):
+    q, k, v, cache, meta, layer = nan_pool_batch(seed, block_size, 8, 2, torch.bfloat16, window, dim=dim)
     expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
     got = _kernel_attention(kernel, q, k, v, cache, meta, layer).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # the output is rounded to bf16 once

@@ -32,6 +32,7 @@
 namespace {
 
 constexpr int64_t kPrefetchBlocks = 1;  // how far ahead a request's blocks are requested
+constexpr int64_t kMaxBlock = 128;  // the largest block size (config.py)
 
 inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
@@ -207,6 +208,53 @@ inline float exp16(const float* sc, float* pr, int64_t t_lo, int64_t t_hi, float
   }
   return _mm512_reduce_add_ps(sum);
 }
+
+// A block's value rows [lo, hi) (offsets in the block) as pairs of consecutive keys, the way
+// `vdpbf16ps` takes them: pairs[tp][d] holds v[2tp][d] in its low half and v[2tp+1][d] in its
+// high half, 16 dimensions at a time; rows outside [lo, hi) (unwritten) are zero.
+inline void value_pairs(uint32_t* pairs, const c10::BFloat16* values, int64_t pos_stride, int64_t lo, int64_t hi,
+                        int64_t head_dim) {
+  for (int64_t tp = lo / 2; tp < (hi + 1) / 2; ++tp) {
+    const int64_t t = 2 * tp;
+    const bool first = t >= lo, second = t + 1 < hi;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+      const __m256i a = first ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + t * pos_stride + d0)) : _mm256_setzero_si256();
+      const __m256i b = second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (t + 1) * pos_stride + d0)) : _mm256_setzero_si256();
+      const __m512i both = _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      _mm512_storeu_si512(pairs + tp * head_dim + d0, both);
+    }
+  }
+}
+
+// ar[d] += Σ_t p[t] · v[t][d] over the key pairs [tp_lo, tp_hi), with p rounded to bfloat16 (as
+// the torch path rounds its probabilities before multiplying by V) and the products summed in
+// float: one `vdpbf16ps` takes two keys for 16 dimensions. p must be zero wherever a pair holds
+// a key the row may not see.
+inline void accumulate_value_pairs(float* ar, const float* p, const uint32_t* pairs, int64_t tp_lo, int64_t tp_hi,
+                                   int64_t head_dim) {
+  alignas(64) uint16_t p16[kMaxBlock];
+  for (int64_t t0 = 2 * tp_lo / 16 * 16; t0 < 2 * tp_hi; t0 += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + t0), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(p + t0))));
+  const uint32_t* p_pairs = reinterpret_cast<const uint32_t*>(p16);
+  int64_t d0 = 0;
+  for (; d0 + 64 <= head_dim; d0 += 64) {  // four independent sums, as accumulate_values
+    __m512 a[4];
+    for (int c = 0; c < 4; ++c) a[c] = _mm512_loadu_ps(ar + d0 + 16 * c);
+    for (int64_t tp = tp_lo; tp < tp_hi; ++tp) {
+      const __m512bh pp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(p_pairs[tp])));
+      for (int c = 0; c < 4; ++c)
+        a[c] = _mm512_dpbf16_ps(a[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + tp * head_dim + d0 + 16 * c)), pp);
+    }
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(ar + d0 + 16 * c, a[c]);
+  }
+  for (; d0 < head_dim; d0 += 16) {
+    __m512 a = _mm512_loadu_ps(ar + d0);
+    for (int64_t tp = tp_lo; tp < tp_hi; ++tp)
+      a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + tp * head_dim + d0)),
+                           reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(p_pairs[tp]))));
+    _mm512_storeu_ps(ar + d0, a);
+  }
+}
 #endif
 
 template <typename scalar_t>
@@ -231,10 +279,11 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
 #else
   constexpr bool bf16 = false;
 #endif
-  const bool in_sixteens = bf16 && block_size % 16 == 0 && head_dim % 32 == 0;
-  std::vector<uint32_t> q_pairs;
+  const bool in_sixteens = bf16 && block_size % 16 == 0 && block_size <= kMaxBlock && head_dim % 32 == 0;
+  std::vector<uint32_t> q_pairs, v_pairs;
   std::vector<float> block_scores;
   if (in_sixteens) {
+    v_pairs.resize(block_size / 2 * head_dim);
     q_pairs.resize(n_rows * head_dim / 2);
     block_scores.resize(n_rows * block_size);
     for (int64_t r = 0; r < n_rows; ++r)
@@ -262,12 +311,13 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
         __builtin_prefetch(reinterpret_cast<const char*>(value_cache + next_offset) + b, 0, 2);
       }
     }
-    for (int64_t t = lo; t < hi; ++t) {
-      if (!in_sixteens) widen(key_cache + offset + (t - start) * c_pos_stride, keys.data() + (t - start) * head_dim, head_dim);
+    for (int64_t t = lo; t < hi && !in_sixteens; ++t) {
+      widen(key_cache + offset + (t - start) * c_pos_stride, keys.data() + (t - start) * head_dim, head_dim);
       widen(value_cache + offset + (t - start) * c_pos_stride, values.data() + (t - start) * head_dim, head_dim);
     }
 #ifdef KVFLOW_BF16_SCORES
     if constexpr (bf16) {
+      if (in_sixteens) value_pairs(v_pairs.data(), value_cache + offset, c_pos_stride, lo - start, hi - start, head_dim);
       // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
       // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
       if (in_sixteens)
@@ -312,7 +362,11 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) ar[d] *= correction;
       }
-      accumulate_values(ar, pr, values.data(), t_lo, t_hi, head_dim);
+#ifdef KVFLOW_BF16_SCORES
+      if (in_sixteens) accumulate_value_pairs(ar, pr, v_pairs.data(), t_lo / 2, (t_hi + 1) / 2, head_dim);
+      else
+#endif
+        accumulate_values(ar, pr, values.data(), t_lo, t_hi, head_dim);
       run_max[r] = new_max;
     }
   }
