@@ -6,8 +6,10 @@
 // keys at a time for bfloat16 caches (`scores16`: bfloat16 dot products on keys transposed in
 // registers) and one key at a time from keys widened to float otherwise; each query's scores
 // over the keys it may see (causal, and its sliding window) get an online softmax (running max
-// and sum, rescaled once per block), and the probability-weighted values, widened to float,
-// accumulate in float. Values and scores of keys no query sees are never used: a block's
+// and sum, rescaled once per block), and the probability-weighted values accumulate in float
+// (bfloat16 caches: two keys per dot-product instruction, `accumulate_value_pairs`, with the
+// probabilities rounded to bfloat16 as torch's path rounds them; others: values widened to
+// float). Values and scores of keys no query sees are never used: a block's
 // unwritten tail, padding entries of the block table and blocks a window released hold whatever
 // bits the pool had (`scores16` reads a visible block's whole sixteens of keys, but a score of
 // an unwritten key is never read), and using them would let 0 x NaN into the sum.
