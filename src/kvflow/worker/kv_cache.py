@@ -137,26 +137,23 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
 
 
 def populate_in_background(pool: torch.Tensor) -> threading.Thread | None:
-    """Map every page of `pool` (contiguous, page-aligned) on a low-priority daemon thread, a few
-    MiB at a time, with madvise(MADV_POPULATE_WRITE): the pages fault in as a write would fault
-    them, and their contents are left as they are, so KV writes racing with it are safe. None
-    where the kernel has no MADV_POPULATE_WRITE (Linux < 5.14): pages then fault on first write."""
+    """Map every page of `pool` (contiguous, page-aligned) on a low-priority daemon thread with
+    madvise(MADV_POPULATE_WRITE): the pages fault in as a write would fault them, and their
+    contents are left as they are, so KV writes racing with it are safe. One call for the whole
+    pool: ctypes releases the GIL around it, and a thread that took the GIL back between chunks
+    could stall the engine's thread while waiting, at low priority, for a core. None where the
+    kernel has no MADV_POPULATE_WRITE (Linux < 5.14): pages then fault on first write."""
     libc = _libc()
     if libc is None or os.environ.get(POPULATE_ENV, "1") == "0":
         return None
     address, nbytes = pool.data_ptr(), pool.numel() * pool.element_size()
 
-    def populate() -> None:
+    def populate(keep_alive: torch.Tensor) -> None:  # the mapping stays while the thread works on it
         with contextlib.suppress(OSError):  # a thread's nice value is a hint
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for offset in range(0, nbytes, _POPULATE_CHUNK):  # ctypes releases the GIL around the call
-            if libc.madvise(ctypes.c_void_p(address + offset), min(_POPULATE_CHUNK, nbytes - offset),
-                            _MADV_POPULATE_WRITE) != 0:
-                return  # an older kernel (EINVAL), or the pool is gone: first writes fault instead
-        del keep_alive[:]
+        libc.madvise(ctypes.c_void_p(address), nbytes, _MADV_POPULATE_WRITE)  # fails harmlessly on old kernels
 
-    keep_alive = [pool]  # the mapping stays while the thread works on it
-    thread = threading.Thread(target=populate, name="kv-pool-populate", daemon=True)
+    thread = threading.Thread(target=populate, args=(pool,), name="kv-pool-populate", daemon=True)
     thread.start()
     return thread
 
@@ -173,7 +170,6 @@ def _libc():
 HUGE_PAGES_ENV = "KVFLOW_KV_HUGE_PAGES"  # =0: 4 KiB pages (A/B)
 POPULATE_ENV = "KVFLOW_KV_POPULATE"  # =0: pages fault on first write (A/B)
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14
-_POPULATE_CHUNK = 32 << 20
 _HUGE_PAGE = 2 << 20
 
 
