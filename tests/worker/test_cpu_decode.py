@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow import SamplingParams
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.model.layers import cpu_ops
 from kvflow.worker import cpu_decode
 from kvflow.worker.cpu_decode import CpuDecodeLoop
+from test_cuda_graphs import _generate
 from tiny_models import make_tiny_model
 
 PROMPTS = [[5, 17, 3, 88, 40, 2, 9, 61, 33, 12, 7, 70, 1, 4], [44, 45], [90, 3, 3, 3, 8, 11], [7] * 21, [60, 61, 62]]
@@ -40,19 +40,6 @@ def _engine(model: str, dtype: str, loop: bool, monkeypatch, **kw) -> LLMEngine:
     return engine
 
 
-def _generate(engine: LLMEngine, prompts, max_tokens: int = 7) -> dict[str, tuple[list[int], list[float]]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                results[out.request_id] = (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-    return results
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_prompts", [1, 5])
 def test_loop_matches_the_modules(llama_dir, dtype, num_prompts, monkeypatch):
@@ -70,8 +57,8 @@ def test_loop_matches_the_modules(llama_dir, dtype, num_prompts, monkeypatch):
 def test_default_gguf_model_matches_the_modules(monkeypatch):
     """The default model (Q4_1 int4 planes, bfloat16): the loop calls the planes directly."""
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300]]
-    with_loop = _generate(_engine(None, "bfloat16", True, monkeypatch, kv_cache_memory_gb=0.05), prompts, 12)
-    without = _generate(_engine(None, "bfloat16", False, monkeypatch, kv_cache_memory_gb=0.05), prompts, 12)
+    with_loop = _generate(_engine(None, "bfloat16", True, monkeypatch, kv_cache_memory_gb=0.05), prompts)
+    without = _generate(_engine(None, "bfloat16", False, monkeypatch, kv_cache_memory_gb=0.05), prompts)
     assert with_loop == without
 
 

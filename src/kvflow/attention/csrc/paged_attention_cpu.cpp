@@ -81,38 +81,32 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// ar[d] += Σ_t p[t] · v[t][d]. The sums stay in registers over all the keys, 64 columns at a time:
-// four independent 16-wide multiply-adds per key, where one 16-wide column at a time made each
-// key's multiply-add wait for the previous one's (it was 40% of a decode step's attention). Each
-// sum still adds the keys in order, so the numbers do not change.
+// ar[d] += Σ_t p[t] · v[t][d] from values widened to float (float and half caches; bfloat16 ones
+// take accumulate_value_pairs). The sums stay in registers over all the keys, W columns at a
+// time, 64 first: four independent 16-wide multiply-adds per key, where one 16-wide column at a
+// time made each key's multiply-add wait for the previous one's. Each sum adds the keys in order.
+template <int W>
+inline int64_t accumulate_columns(float* ar, const float* p, const float* values, int64_t t_lo, int64_t t_hi,
+                                  int64_t head_dim, int64_t d0) {
+  for (; d0 + W <= head_dim; d0 += W) {
+    float a[W];
+#pragma omp simd
+    for (int dd = 0; dd < W; ++dd) a[dd] = ar[d0 + dd];
+    for (int64_t t = t_lo; t < t_hi; ++t) {
+      const float pt = p[t];
+      const float* vt = values + t * head_dim + d0;
+#pragma omp simd
+      for (int dd = 0; dd < W; ++dd) a[dd] += pt * vt[dd];
+    }
+#pragma omp simd
+    for (int dd = 0; dd < W; ++dd) ar[d0 + dd] = a[dd];
+  }
+  return d0;
+}
+
 inline void accumulate_values(float* ar, const float* p, const float* values, int64_t t_lo, int64_t t_hi, int64_t head_dim) {
-  int64_t d0 = 0;
-  for (; d0 + 64 <= head_dim; d0 += 64) {
-    float a[64];
-#pragma omp simd
-    for (int dd = 0; dd < 64; ++dd) a[dd] = ar[d0 + dd];
-    for (int64_t t = t_lo; t < t_hi; ++t) {
-      const float pt = p[t];
-      const float* vt = values + t * head_dim + d0;
-#pragma omp simd
-      for (int dd = 0; dd < 64; ++dd) a[dd] += pt * vt[dd];
-    }
-#pragma omp simd
-    for (int dd = 0; dd < 64; ++dd) ar[d0 + dd] = a[dd];
-  }
-  for (; d0 + 16 <= head_dim; d0 += 16) {
-    float a[16];
-#pragma omp simd
-    for (int dd = 0; dd < 16; ++dd) a[dd] = ar[d0 + dd];
-    for (int64_t t = t_lo; t < t_hi; ++t) {
-      const float pt = p[t];
-      const float* vt = values + t * head_dim + d0;
-#pragma omp simd
-      for (int dd = 0; dd < 16; ++dd) a[dd] += pt * vt[dd];
-    }
-#pragma omp simd
-    for (int dd = 0; dd < 16; ++dd) ar[d0 + dd] = a[dd];
-  }
+  int64_t d0 = accumulate_columns<64>(ar, p, values, t_lo, t_hi, head_dim, 0);
+  d0 = accumulate_columns<16>(ar, p, values, t_lo, t_hi, head_dim, d0);
   for (int64_t t = t_lo; t < t_hi && d0 < head_dim; ++t)
     for (int64_t d = d0; d < head_dim; ++d) ar[d] += p[t] * values[t * head_dim + d];
 }
