@@ -58,7 +58,6 @@ class CpuDecodeLoop:
         self.final_norm, self.eps = decoder.norm.weight, decoder.norm.eps
         self.heads, self.kv_heads, self.head_dim, self.scale = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale
         self.sizes = first.sizes
-        self.width = sum(first.sizes)
         self.layers = [
             _Layer(layer.input_layernorm.weight, _linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
                    layer.post_attention_layernorm.weight, _linear(layer.mlp.gate_up_proj),
