@@ -28,7 +28,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#define KVFLOW_BF16_SCORES 1
+#define KVFLOW_AVX512_BF16 1
 #endif
 
 namespace {
@@ -111,7 +111,7 @@ inline void accumulate_values(float* ar, const float* p, const float* values, in
     for (int64_t d = d0; d < head_dim; ++d) ar[d] += p[t] * values[t * head_dim + d];
 }
 
-#ifdef KVFLOW_BF16_SCORES
+#ifdef KVFLOW_AVX512_BF16
 // r[i] = row i of a 16 x 16 matrix of 32-bit elements, transposed in place.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16], u[16], v[16];
@@ -163,9 +163,7 @@ inline void scores16(float* scores, int64_t scores_stride, const c10::BFloat16* 
   for (int64_t r = 0; r < n_rows; ++r)
     _mm512_storeu_ps(scores + r * scores_stride, _mm512_mul_ps(_mm512_loadu_ps(scores + r * scores_stride), _mm512_set1_ps(scale)));
 }
-#endif
 
-#ifdef KVFLOW_BF16_SCORES
 // exp_nonpositive on 16 lanes, the same steps.
 inline __m512 exp_nonpositive16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -261,31 +259,37 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
                  int64_t c_block_stride, int64_t c_head_stride, int64_t c_pos_stride) {
   const int64_t n_rows = q_len * group;  // row r: query r / group, head kv_head * group + r % group
   const int64_t first_pos = seq_len - q_len;
-  std::vector<float> q(n_rows * head_dim), acc(n_rows * head_dim, 0.f), keys(block_size * head_dim),
-      values(block_size * head_dim), scores(block_size), probs(block_size);
-  std::vector<float> run_max(n_rows, -std::numeric_limits<float>::infinity()), run_sum(n_rows, 0.f);
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const scalar_t* src = query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
-    widen(src, q.data() + r * head_dim, head_dim);
-    for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
-  }
-  // bfloat16 caches take the scores of 16 keys at a time from the keys where they lie (scores16).
-#ifdef KVFLOW_BF16_SCORES
+  // bfloat16 caches are read where they lie, 16 keys at a time for the scores (scores16) and two
+  // keys per instruction for the values (value_pairs); other dtypes widen keys and values to float.
+#ifdef KVFLOW_AVX512_BF16
   constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
 #else
   constexpr bool bf16 = false;
 #endif
   const bool in_sixteens = bf16 && block_size % 16 == 0 && block_size <= kMaxBlock && head_dim % 32 == 0;
-  std::vector<uint32_t> q_pairs, v_pairs;
+  std::vector<float> acc(n_rows * head_dim, 0.f), probs(block_size);
+  std::vector<float> run_max(n_rows, -std::numeric_limits<float>::infinity()), run_sum(n_rows, 0.f);
+  std::vector<float> q, keys, values, scores;  // the widening path's
+  std::vector<uint32_t> q_pairs, v_pairs;  // the bfloat16 path's
   std::vector<float> block_scores;
+  const auto query_row = [&](int64_t r) {
+    return query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
+  };
   if (in_sixteens) {
     v_pairs.resize(block_size / 2 * head_dim);
     q_pairs.resize(n_rows * head_dim / 2);
     block_scores.resize(n_rows * block_size);
     for (int64_t r = 0; r < n_rows; ++r)
-      std::memcpy(q_pairs.data() + r * head_dim / 2,
-                  query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride,
-                  head_dim * sizeof(scalar_t));
+      std::memcpy(q_pairs.data() + r * head_dim / 2, query_row(r), head_dim * sizeof(scalar_t));
+  } else {
+    q.resize(n_rows * head_dim);
+    keys.resize(block_size * head_dim);
+    values.resize(block_size * head_dim);
+    scores.resize(block_size);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      widen(query_row(r), q.data() + r * head_dim, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
+    }
   }
   // Keys any query of this request sees: [lowest, seq_len).
   const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
@@ -311,15 +315,16 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
       widen(key_cache + offset + (t - start) * c_pos_stride, keys.data() + (t - start) * head_dim, head_dim);
       widen(value_cache + offset + (t - start) * c_pos_stride, values.data() + (t - start) * head_dim, head_dim);
     }
-#ifdef KVFLOW_BF16_SCORES
+#ifdef KVFLOW_AVX512_BF16
     if constexpr (bf16) {
-      if (in_sixteens) value_pairs(v_pairs.data(), value_cache + offset, c_pos_stride, lo - start, hi - start, head_dim);
-      // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
-      // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
-      if (in_sixteens)
+      if (in_sixteens) {
+        value_pairs(v_pairs.data(), value_cache + offset, c_pos_stride, lo - start, hi - start, head_dim);
+        // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
+        // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
         for (int64_t t0 = (lo - start) / 16 * 16; t0 < hi - start; t0 += 16)
           scores16(block_scores.data() + t0, block_size, key_cache + offset + t0 * c_pos_stride, c_pos_stride,
                    q_pairs.data(), n_rows, head_dim, scale);
+      }
     }
 #endif
     for (int64_t r = 0; r < n_rows; ++r) {
@@ -327,13 +332,12 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
       const int64_t k_lo = window > 0 ? std::max(lo, pos - window + 1) : lo, k_hi = std::min(hi, pos + 1);
       if (k_lo >= k_hi) continue;
       const int64_t t_lo = k_lo - start, t_hi = k_hi - start;
-      const float* qr = q.data() + r * head_dim;
       float* sc = in_sixteens ? block_scores.data() + r * block_size : scores.data();
       float* pr = probs.data();
       if (!in_sixteens)
-        for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = dot(qr, keys.data() + t * head_dim, head_dim);
+        for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = dot(q.data() + r * head_dim, keys.data() + t * head_dim, head_dim);
       float block_max = -std::numeric_limits<float>::infinity();
-#ifdef KVFLOW_BF16_SCORES
+#ifdef KVFLOW_AVX512_BF16
       if (in_sixteens) block_max = max16(sc, t_lo, t_hi);
       else
 #endif
@@ -342,7 +346,7 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
       const float new_max = std::max(run_max[r], block_max);
       const float correction = std::exp(run_max[r] - new_max);  // exp(-inf) = 0 on the first block
       float block_sum = 0.f;
-#ifdef KVFLOW_BF16_SCORES
+#ifdef KVFLOW_AVX512_BF16
       if (in_sixteens) block_sum = exp16(sc, pr, t_lo, t_hi, new_max);
       else
 #endif
@@ -358,7 +362,7 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) ar[d] *= correction;
       }
-#ifdef KVFLOW_BF16_SCORES
+#ifdef KVFLOW_AVX512_BF16
       if (in_sixteens) accumulate_value_pairs(ar, pr, v_pairs.data(), t_lo / 2, (t_hi + 1) / 2, head_dim);
       else
 #endif
