@@ -139,3 +139,27 @@ def test_bench_json_reports_mbu_and_mfu(bench, tiny_dir, ceilings_json, capsys):
     assert result["ceilings"]["memory_bandwidth_gb_s"] == 10.0
     if bench[0] == "throughput":
         assert result["num_steps"] >= 4 and result["output_tokens"] == 20
+
+
+def test_weights_count_as_the_engine_holds_them(tiny_dir):
+    """A float model: the parameter count says it (None). The default GGUF: what a decode step
+    reads, counted by hand from SmolLM2's shapes: Q4_1 layers at 16 bytes of codes and 4 of
+    (scale, zero) per group of 32 (the GEMV's layout; aten's planes where there is none), the
+    tied Q8_0 head at 32 + 4, the norms in bf16."""
+    from kvflow.bench.mbu import held_weight_bytes
+    from kvflow.config import EngineArgs
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.quant import int4_gemv
+
+    small = dict(skip_tokenizer_init=True, disable_log_stats=True, num_kv_blocks=16)
+    assert held_weight_bytes(LLMEngine(EngineArgs(tiny_dir, dtype="float32", **small)).runner.model) is None
+    gguf = LLMEngine(EngineArgs(dtype="bfloat16", **small)).runner.model
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down
+    if int4_gemv.fast():
+        layers = 30 * sum(n * (k // 32) * (16 + 4) for n, k in shapes)
+        head = 49152 * (576 // 32) * (32 + 4)
+    else:  # int4 planes: K / 2 bytes a row and a bf16 (scale, zero) per group, per plane
+        layers = 30 * sum(n * k // 2 + n * (k // 32) * 4 for n, k in shapes)
+        head = 2 * (49152 * 576 // 2 + 49152 * (576 // 32) * 4)
+    norms = (30 * 2 + 1) * 576 * 2
+    assert held_weight_bytes(gguf) == layers + head + norms

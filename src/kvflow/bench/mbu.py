@@ -70,8 +70,8 @@ class EngineShape:
 def held_weight_bytes(model: Any) -> int | None:
     """Bytes of the weights one forward pass reads, as `model` holds them, where it holds quantized
     weights (None: it does not, and the parameter count says it): every linear layer's stored
-    form (for GGUF int4 planes, the form a few-row call reads: the GEMV layout where there is one),
-    the norms, and the LM head; an untied input embedding is left out (a step reads its tokens' rows)."""
+    form (int4 planes: what a few-row call reads, `Int4Planes.nbytes`), the norms, and the LM
+    head; an untied input embedding is left out (a step reads its tokens' rows)."""
     from kvflow.model.layers.linear import LinearBase
     from kvflow.model.layers.norm import RMSNorm
     from kvflow.quant.int4pack import Int4Planes
@@ -80,13 +80,8 @@ def held_weight_bytes(model: Any) -> int | None:
         return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
     def layer_bytes(layer) -> int:
-        total = 0
-        for sub in layer.modules():
-            if isinstance(sub, Int4Planes) and sub.gemv is not None:
-                total += sub.gemv.nbytes
-            else:
-                total += sum(t.numel() * t.element_size() for t in own(sub))
-        return total
+        return sum(sub.nbytes if isinstance(sub, Int4Planes) else sum(t.numel() * t.element_size() for t in own(sub))
+                   for sub in layer.modules())
 
     if not any(not t.is_floating_point() for m in model.modules() for t in own(m)):
         return None

@@ -108,7 +108,7 @@ class Int4Planes(nn.Module):
         if os.environ.get(DENSE_COPY_ENV, "1") != "0":
             self.dense = prepack(dense if dense is not None else self.dequantize())
         # The same weights for kvflow's GEMV (few bfloat16 rows), where the CPU has AVX-512 BF16:
-        # an attribute too, re-laid from the planes at every load.
+        # an attribute too (derived from the planes; packed_cache keeps it beside them).
         self.gemv = None
         if int4_gemv.enabled() and _layout_known() and int4_gemv.fast():
             k = self.in_features
@@ -190,6 +190,9 @@ class Int4Planes(nn.Module):
 
     @property
     def nbytes(self) -> int:
+        """Bytes a few-row call reads: the GEMV's layout where there is one, else the planes."""
+        if self.gemv is not None:
+            return self.gemv.nbytes
         return self.packed.numel() + self.scale_zero.numel() * self.scale_zero.element_size()
 
 
