@@ -1,7 +1,7 @@
 """Int4 and int8 weights times bfloat16 activations for the few-row products of decode, on CPU.
 
 At batch 1 every weight is read once per token, so decode runs at the speed the weights stream
-from memory. `csrc/int4_gemv_cpu.cpp` turns 32 codes into bfloat16 with one table lookup and
+from memory. `csrc/int4_gemv_cpu.cpp` turns 32 codes into bfloat16s with one bitwise OR and
 multiplies them by 32 activations with one AVX-512 BF16 instruction. The activations are used as
 they are: products are exact in float and only the float sums and the bfloat16 output round, so
 it computes the dequantized product to float accuracy (tests/quant/test_int4_gemv.py). Rounding

@@ -80,10 +80,9 @@ class CpuDecodeLoop:
         return all(n == 1 for n in query_lens)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: tuple[AttentionMetadata, ...]) -> torch.Tensor:
-        """As model(input_ids, positions, kv_caches, attn) for a step of one-token decodes."""
+        """As model(input_ids, positions, kv_caches, attn) for a step of one-token decodes (one KV
+        group and no LoRA rows: `build` takes no model that could have others)."""
         meta = attn[0]
-        if len(attn) != 1 or meta.lora is not None:
-            raise ValueError("the CPU decode loop takes one KV group and no LoRA rows")
         hidden = self.embed(input_ids)
         rows, dtype = hidden.shape[0], hidden.dtype
         requests = torch.arange(rows)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -115,9 +116,10 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     paid at every start). Attention never depends on the zeros (it masks what no one wrote,
     `attention.metadata`); they only keep garbage out.
 
-    A first write to a page still costs a fault, and in a KV write that is on the step's path:
-    on a VM a fault costs far more than the copy (W1's prompts wrote 1.2 GB of KV and spent ~3 s
-    in faults). So a background thread maps the pool's pages in after the start
+    A first write to a page still costs a fault, and in a KV write that is on the step's path: on
+    the 2026-11-26 VM a first write to a 2 MiB page cost 6-10 ms, and W1 (1.2 GB of KV written)
+    took 31.4 s faulting in its writes, 28.9 s with the pages mapped beforehand (docs/performance.md).
+    So a background thread maps the pool's pages in after the start
     (`populate_in_background`), and the pool asks for transparent huge pages (2 MiB: 512x fewer
     faults and TLB entries) where the kernel offers them on request (`madvise` mode, the common
     default); elsewhere madvise is a no-op."""
@@ -158,6 +160,7 @@ def populate_in_background(pool: torch.Tensor) -> threading.Thread | None:
     return thread
 
 
+@functools.cache
 def _libc():
     try:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -2,16 +2,16 @@
 //
 // At batch 1 every weight is read once per token, so decode runs at the speed weights stream
 // from memory. The kernel turns 32 codes into bfloat16s with one bitwise instruction (see
-// kLowBias), and `vdpbf16ps` multiplies 32 codes by 32 activations
-// and sums them in pairs into float lanes. A code times a bfloat16 activation is exact in float,
-// so the only roundings are float accumulation and the output's: the activations are used as
-// they are (llama.cpp rounds them to int8 first, which here cost 2% perplexity on SmolLM2).
+// kLowBias), and `vdpbf16ps` multiplies 32 codes by 32 activations and sums them in pairs into
+// float lanes. A code times a bfloat16 activation is exact in float, so the only roundings are
+// float accumulation and the output's: the activations are used as they are (llama.cpp rounds
+// them to int8 first, which here cost 2% perplexity on SmolLM2).
 //
 // Weights are affine per group of 32 input channels, w = s·(u − c) + z with c = 8 for 4-bit codes
 // and 128 for 8-bit ones (int4pack's form: s and z are the planes' bfloat16 scale and zero); a
 // group's share of a dot product is
 //     s·Σ u·x + (z − c·s)·Σ x.
-// An 8-bit code is two nibbles, u = lo + 16·hi: the high nibble looks up 16× values (exact).
+// An 8-bit code is two nibbles, u = lo + 16·hi, the high one made a bfloat16 of 16× its value (exact).
 //
 // Layouts (row n of W contiguous; G = K / 32 groups, padded to an even count Ĝ with zero codes,
 // scales and zeros, so that the loop takes two whole groups at a time):
