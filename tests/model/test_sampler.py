@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvflow.model.layers.sampler import Sampler, SamplingBatch, apply_penalties, filter_logits
+from kvflow.model.layers.sampler import Sampler, SamplingBatch, apply_penalties, filter_logits, first_argmax
 from kvflow.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -121,3 +121,13 @@ def test_invalid_sampling_params_name_the_field(field, value):
 def test_min_tokens_above_max_tokens_is_refused():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)
+
+
+def test_first_argmax_is_argmax_and_takes_the_first_of_equals():
+    """Greedy tokens come from max()'s indices (faster on CPU); they must be argmax's, ties
+    included: speculative verification compares them with the non-speculative tokens."""
+    ties = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [NEG_INF, NEG_INF, -1.0, -1.0]])
+    assert first_argmax(ties).tolist() == [1, 0, 2]
+    wide = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
+    wide[3, [7, 900, 40000]] = wide[3].max() + 1  # a three-way tie past the first vector
+    assert torch.equal(first_argmax(wide), wide.argmax(dim=-1)) and first_argmax(wide)[3] == 7

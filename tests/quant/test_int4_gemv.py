@@ -86,9 +86,18 @@ def test_wider_groups_repeat_their_scales():
 
 
 def test_planes_without_an_exact_form_are_left_to_aten():
-    planes = Int4Planes(planes_from_affine(torch.randint(0, 16, (64, 64)), torch.rand(64, 2), torch.rand(64, 2), 4),
-                        32, torch.float32, "f32")
+    """No GEMV form for: float32 scales; two planes that are not one base-16 number; a combined
+    zero that bfloat16 cannot hold; three planes. Two planes that are one number have one."""
+    q = [torch.randint(0, 16, (64, 64))] * 3
+    planes = Int4Planes(planes_from_affine(q[0], torch.rand(64, 2), torch.rand(64, 2), 4), 32, torch.float32, "f32")
     assert Int4Gemv.from_planes([_unpack(p, 64)[:64] for p in planes.packed], planes.scale_zero, 32) is None
+    sz = torch.rand(2, 2, 64, 2).bfloat16()  # [P, K / group, N, 2]: (scale, zero) per plane
+    assert Int4Gemv.from_planes(q[:2], sz, 32) is None  # s_1 is not 16·s_0
+    sz[1, ..., 0] = sz[0, ..., 0] * 16
+    assert Int4Gemv.from_planes(q[:2], sz, 32) is None  # z = z_0 + z_1 − 8·s_0 rounds in bf16
+    sz[0, ..., 1], sz[1, ..., 1] = sz[0, ..., 0] * 8, 0  # Q8_0's planes: z = 0
+    assert Int4Gemv.from_planes(q[:2], sz, 32).bits == 8
+    assert Int4Gemv.from_planes(q, torch.cat([sz, sz[:1]]), 32) is None
 
 
 def test_layer_uses_it_for_few_bfloat16_rows_only(monkeypatch):
