@@ -8,7 +8,11 @@ gather + matmul path, KVFLOW_CPU_ATTENTION_KERNEL=0); `int4-dense` (int4 layers'
 for calls of more than a few rows, quant/int4pack.py; B: the int4 kernel up to 64 rows, per-call
 dequantization above, KVFLOW_INT4_DENSE=0); `fused-ops` (RMSNorm, RoPE and SiLU·up as one C++
 kernel each, model/layers/cpu_ops; B: the torch ops, KVFLOW_CPU_FUSED_OPS=0); `kv-write` (the
-KV write as one C++ copy, attention/cpu_kv_write.py; B: index_put, KVFLOW_CPU_KV_WRITE=0).
+KV write as one C++ copy, attention/cpu_kv_write.py; B: index_put, KVFLOW_CPU_KV_WRITE=0);
+`decode-loop` (decode steps as one loop of kernel calls, worker/cpu_decode.py; B: through the
+modules); `int4-gemv` (kvflow's few-row int4 GEMV, quant/int4_gemv.py; B: aten's int4 kernel).
+The KV pool's background populate (KVFLOW_KV_POPULATE=0) is no lever here: after B's first round
+its pages are mapped too; compare it in separate processes (docs/performance.md).
 Engine A (lever on) and engine B (off) are built once, each under its environment (which also holds while it runs:
 some levers read it at every call), then each round runs W1 (`kvflow bench throughput`'s
 workload; --quick: 32 prompts) and W2 (`kvflow bench latency`'s) on A, then on B: on a shared
@@ -32,10 +36,13 @@ from kvflow.bench.throughput import ThroughputWorkload, measure_throughput
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.model.layers import cpu_ops
-from kvflow.quant import int4pack
+from kvflow.quant import int4_gemv, int4pack
+from kvflow.worker import cpu_decode
 
 LEVERS = {"attention-kernel": {cpu_paged.DISABLE_ENV: "0"}, "int4-dense": {int4pack.DENSE_COPY_ENV: "0"},
-          "fused-ops": {cpu_ops.DISABLE_ENV: "0"}, "kv-write": {cpu_kv_write.DISABLE_ENV: "0"}}  # lever → its off switch
+          "fused-ops": {cpu_ops.DISABLE_ENV: "0"}, "kv-write": {cpu_kv_write.DISABLE_ENV: "0"},
+          "decode-loop": {cpu_decode.DISABLE_ENV: "0"},
+          "int4-gemv": {int4_gemv.DISABLE_ENV: "0"}}  # lever → its off switch
 
 
 def build(off_env: dict[str, str], model: str | None) -> LLMEngine:
