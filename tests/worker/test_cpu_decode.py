@@ -10,6 +10,7 @@ import torch
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.model.layers import cpu_ops
+from kvflow.quant import int4_gemv
 from kvflow.worker import cpu_decode
 from kvflow.worker.cpu_decode import CpuDecodeLoop
 from test_cuda_graphs import _generate
@@ -32,11 +33,19 @@ def llama_dir(tmp_path_factory):
     return str(path)
 
 
-def _engine(model: str, dtype: str, loop: bool, monkeypatch, **kw) -> LLMEngine:
+def _engine(model: str, dtype: str, loop: bool, monkeypatch, native: bool = True, **kw) -> LLMEngine:
     monkeypatch.setenv(cpu_decode.DISABLE_ENV, "1" if loop else "0")
+    monkeypatch.setenv(cpu_decode.NATIVE_DISABLE_ENV, "1" if native else "0")
     engine = LLMEngine(EngineArgs(model, dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=64,
                                   disable_log_stats=True, **kw))
     assert isinstance(engine.runner.decode_graphs, CpuDecodeLoop) == loop
+    return engine
+
+
+def _count_steps(engine: LLMEngine, steps: list[int]) -> LLMEngine:
+    """Records the rows of each step the C++ step ran."""
+    run = engine.runner.decode_graphs._run_native
+    engine.runner.decode_graphs._run_native = lambda hidden, *a: steps.append(hidden.shape[0]) or run(hidden, *a)
     return engine
 
 
@@ -46,6 +55,7 @@ def test_loop_matches_the_modules(llama_dir, dtype, num_prompts, monkeypatch):
     replayed = []
     loop_engine = _engine(llama_dir, dtype, True, monkeypatch)
     loop = loop_engine.runner.decode_graphs
+    assert loop.native is None  # float projections: no few-row int4 GEMV to call from C++
     run = loop.run
     loop.run = lambda *a: replayed.append(a[2][0].num_requests) or run(*a)
     with_loop = _generate(loop_engine, PROMPTS[:num_prompts])
@@ -54,12 +64,34 @@ def test_loop_matches_the_modules(llama_dir, dtype, num_prompts, monkeypatch):
     assert with_loop == without  # tokens and logprobs, bit for bit
 
 
+@pytest.mark.parametrize("num_prompts", [1, 3, 5])
+def test_cpp_step_matches_the_python_loop_and_the_modules(llama_dir, num_prompts, monkeypatch):
+    """int4 projections in bfloat16 run as one C++ call per step up to int4_gemv.MAX_ROWS rows
+    (steps of five run the Python loop)."""
+    if not int4_gemv.fast():
+        pytest.skip("no AVX-512 BF16 here: the few-row GEMV the C++ step calls is not used")
+    steps = []
+    kw = dict(quantization="int4")
+    native = _generate(_count_steps(_engine(llama_dir, "bfloat16", True, monkeypatch, **kw), steps),
+                       PROMPTS[:num_prompts])
+    python_loop = _generate(_engine(llama_dir, "bfloat16", True, monkeypatch, native=False, **kw), PROMPTS[:num_prompts])
+    modules = _generate(_engine(llama_dir, "bfloat16", False, monkeypatch, **kw), PROMPTS[:num_prompts])
+    assert steps == ([num_prompts] * len(steps) if num_prompts <= int4_gemv.MAX_ROWS else [])
+    assert bool(steps) == (num_prompts <= int4_gemv.MAX_ROWS)
+    assert native == python_loop == modules
+
+
 def test_default_gguf_model_matches_the_modules(monkeypatch):
-    """The default model (Q4_1 int4 planes, bfloat16): the loop calls the planes directly."""
+    """The default model (Q4_1 int4 planes, bfloat16): the loop calls the planes directly, and its
+    steps run as one C++ call."""
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300]]
-    with_loop = _generate(_engine(None, "bfloat16", True, monkeypatch, kv_cache_memory_gb=0.05), prompts)
-    without = _generate(_engine(None, "bfloat16", False, monkeypatch, kv_cache_memory_gb=0.05), prompts)
-    assert with_loop == without
+    steps = []
+    engine = _count_steps(_engine(None, "bfloat16", True, monkeypatch, kv_cache_memory_gb=0.05), steps)
+    native = _generate(engine, prompts)
+    python_loop = _generate(_engine(None, "bfloat16", True, monkeypatch, native=False, kv_cache_memory_gb=0.05), prompts)
+    modules = _generate(_engine(None, "bfloat16", False, monkeypatch, kv_cache_memory_gb=0.05), prompts)
+    assert steps == [2] * len(steps) and steps
+    assert native == python_loop == modules
 
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen2-bias", "qwen3-qknorm"])

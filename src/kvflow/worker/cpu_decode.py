@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from kvflow import cpu_extension
 from kvflow.attention import cpu_kv_write
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.attention.torch_sdpa import TorchSDPABackend
@@ -30,9 +32,14 @@ from kvflow.model.layers import activation, cpu_ops
 from kvflow.model.layers.linear import LinearBase
 from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, RopeAttention
+from kvflow.quant import int4_gemv
 from kvflow.quant.gguf import GGUFMethod
+from kvflow.quant.int4pack import Int4Planes
+from kvflow.quant.online import OnlineQuantMethod
 
 DISABLE_ENV = "KVFLOW_CPU_DECODE_LOOP"
+NATIVE_DISABLE_ENV = "KVFLOW_CPU_DECODE_STEP"
+NATIVE_SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_step.cpp"
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -68,6 +75,7 @@ class CpuDecodeLoop:
         self.silu_and_mul = torch.ops.kvflow_cpu_ops.silu_and_mul
         self.write_kv = torch.ops.kvflow_cpu_kv.write_kv
         self.attend = torch.ops.kvflow_cpu.paged_attention
+        self.native = _native_step(decoder, self.layers)
 
     @classmethod
     def build(cls, model: nn.Module, kv_caches: list[torch.Tensor]) -> CpuDecodeLoop | None:
@@ -85,6 +93,8 @@ class CpuDecodeLoop:
         meta = attn[0]
         hidden = self.embed(input_ids)
         rows, dtype = hidden.shape[0], hidden.dtype
+        if self.native is not None and rows <= int4_gemv.MAX_ROWS:
+            return self._run_native(hidden, positions, meta)
         requests = torch.arange(rows)
         cos, sin = self.rotary.cos, self.rotary.sin
         q_size, k_size, _ = self.sizes
@@ -115,6 +125,54 @@ class CpuDecodeLoop:
         out = torch.empty_like(hidden)
         self.rms_norm(out, hidden, residual, self.final_norm, eps)
         return out
+
+
+    def _run_native(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The Python loop above as one C++ call (csrc/cpu_decode_step.cpp): the same kernels on
+        the same buffers, without the interpreter between them."""
+        tensors, bits, gate_up_width = self.native
+        out = torch.empty_like(hidden)
+        torch.ops.kvflow_cpu_decode.llama_step(
+            out, hidden, positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
+            meta.seq_lens, meta.query_start_loc, torch.arange(hidden.shape[0]), tensors, bits, self.final_norm,
+            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width)
+        return out
+
+
+def _native_step(decoder: DecoderModel, layers: list[_Layer]) -> tuple[list[torch.Tensor], list[int], int] | None:
+    """The C++ step's per-layer tensors and code widths, or None where it cannot run: a projection
+    without the few-row GEMV form (not a one-part GGUF layer, not bfloat16) or no library."""
+    if os.environ.get(NATIVE_DISABLE_ENV, "1") == "0":
+        return None
+    tensors, bits = [], []
+    for module, layer in zip(decoder.layers, layers):
+        attn, mlp = module.self_attn, module.mlp
+        gemvs = [_gemv(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(g is None for g in gemvs):
+            return None
+        qkv, o, gate_up, down = gemvs
+        tensors += [layer.input_norm, qkv.weight, qkv.scale_zero, o.weight, o.scale_zero, layer.post_norm,
+                    gate_up.weight, gate_up.scale_zero, down.weight, down.scale_zero, layer.key_cache,
+                    layer.value_cache]
+        bits += [g.bits for g in gemvs]
+    if decoder.norm.weight.dtype != torch.bfloat16 or not cpu_extension.load_library(
+            "kvflow_cpu_decode", NATIVE_SOURCE, "the C++ decode step"):
+        return None
+    return tensors, bits, gemvs[2].out_features
+
+
+def _gemv(layer: LinearBase) -> int4_gemv.Int4Gemv | None:
+    """The few-row GEMV form of the layer's weights: held by int4 planes, what a GGUF layer of one
+    part or an online-quantized layer (int4) runs."""
+    if layer.bias is not None:
+        return None
+    if isinstance(layer.quant_method, GGUFMethod) and len(layer.gguf_parts) == 1:
+        planes = layer.gguf_parts[0]
+    elif isinstance(layer.quant_method, OnlineQuantMethod):
+        planes = layer.quant_runtime
+    else:
+        return None
+    return planes.gemv if isinstance(planes, Int4Planes) else None
 
 
 def _linear(layer: LinearBase) -> Linear:
