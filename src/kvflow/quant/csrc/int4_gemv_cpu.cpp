@@ -33,8 +33,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define KVFLOW_BF16_DOT 1
 #endif
 
@@ -65,7 +67,16 @@ inline int code(const uint8_t* w, int64_t k, int bits, int64_t n, int64_t c) {
 // Each activation row's per-group sums, in float: [M, G].
 std::vector<float> group_sums(const c10::BFloat16* x, int64_t m, int64_t k) {
   std::vector<float> sums(m * (k / kGroup), 0.0f);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (int64_t g = 0; g < m * (k / kGroup); ++g) {  // a bfloat16 widens to float by a 16-bit shift
+    const __m512i bits = _mm512_loadu_si512(x + g * kGroup);
+    const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    const __m512 high = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+    sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
+  }
+#else
   for (int64_t c = 0; c < m * k; ++c) sums[c / kGroup] += widen(x[c]);
+#endif
   return sums;
 }
 
@@ -166,10 +177,136 @@ void rows_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const 
   }
 }
 
+// One activation row, four weight rows at a time: the activations are loaded once for the four,
+// and four independent chains of multiply-adds keep the vector units busy where one row's chain
+// (each pair's scaled add waits for the previous one) left them waiting on latency.
+template <int BITS>
+void rows4_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const uint8_t* w,
+                const c10::BFloat16* sz, int64_t n0, int64_t n1, int64_t k) {
+  constexpr int R = 4;
+  const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, BITS);
+  const __m512i low4 = _mm512_set1_epi16(0x0F), low_bias = _mm512_set1_epi16(0x4300),
+                high_bias = _mm512_set1_epi16(0x4500);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const float offset_per_s = (BITS == 4 ? 8.0f + kLowBias : 128.0f + kLowBias + kHighBias);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* wr = w + n * w_stride;
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
+    for (int64_t ahead = 0; ahead < R * w_stride; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
+    for (int64_t ahead = 0; ahead < R * pairs * 8; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4) + ahead, _MM_HINT_T0);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh x_lo = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + p * 64));
+      const __m512bh x_hi = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + p * 64 + 32));
+      for (int r = 0; r < R; ++r) {
+        const int32_t* pair_sz = reinterpret_cast<const int32_t*>(szr + (r * pairs + p) * 4);
+        const __m512i both = _mm512_mask_set1_epi32(_mm512_set1_epi32(pair_sz[0]), 0xFF00, pair_sz[1]);
+        const __m512 s16 = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+        __m512 dot;
+        if constexpr (BITS == 4) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + r * w_stride + p * 32));
+          const __m512i b16 = _mm512_cvtepu8_epi16(bytes);
+          const __m512i c0 = _mm512_ternarylogic_epi32(b16, low4, low_bias, 0xEA);
+          const __m512i c1 = _mm512_or_si512(_mm512_srli_epi16(b16, 4), low_bias);
+          dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<__m512bh>(c0), x_lo);
+          dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(c1), x_hi);
+        } else {
+          const uint8_t* wp = wr + r * w_stride + p * 64;
+          const __m256i g0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+          const __m256i g1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32));
+          const __m512i a = _mm512_cvtepu8_epi16(_mm256_permute2x128_si256(g0, g1, 0x20));
+          const __m512i b = _mm512_cvtepu8_epi16(_mm256_permute2x128_si256(g0, g1, 0x31));
+          dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(a, low4, low_bias, 0xEA)), x_lo);
+          dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(b, low4, low_bias, 0xEA)), x_hi);
+          dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(_mm512_or_si512(_mm512_srli_epi16(a, 4), high_bias)), x_lo);
+          dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(_mm512_or_si512(_mm512_srli_epi16(b, 4), high_bias)), x_hi);
+        }
+        acc[r] = _mm512_fmadd_ps(dot, s16, acc[r]);
+      }
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
+      const __m512 x_sums = _mm512_maskz_loadu_ps(live, sums + g0);
+      for (int r = 0; r < R; ++r) {
+        const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + r * pairs * 4 + 2 * g0);
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z), x_sums, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
+  }
+  if (n < n1) rows_bf16<1, BITS>(out, xr, sums, w, sz, n, n1, 0, k);
+}
+
+// One activation row of 8-bit codes, four weight rows at a time, in float: a code becomes a float
+// by widening and converting (exact), and products are float multiply-adds. vdpbf16ps, which
+// takes over two cycles here, would need four per 64 codes (an 8-bit code is two bfloat16
+// nibbles); this needs four multiply-adds, which issue two a cycle. xf: x in float, K values.
+void rows4_u8_f32(c10::BFloat16* out, const float* xf, const float* sums, const uint8_t* w, const c10::BFloat16* sz,
+                  int64_t n0, int64_t n1, int64_t k) {
+  constexpr int R = 4;
+  const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 8);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* wr = w + n * w_stride;
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
+    for (int64_t ahead = 0; ahead < R * w_stride; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
+    for (int64_t ahead = 0; ahead < R * pairs * 8; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4) + ahead, _MM_HINT_T0);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 x0 = _mm512_loadu_ps(xf + g * kGroup), x1 = _mm512_loadu_ps(xf + g * kGroup + 16);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* codes = wr + r * w_stride + g * kGroup;
+        const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+        const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
+        const int32_t pair = *reinterpret_cast<const int32_t*>(szr + r * pairs * 4 + 2 * g);
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi32(pair), 16));
+        acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(c1, x1, _mm512_mul_ps(c0, x0)), s, acc[r]);
+      }
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // Σ_g (z − 128·s)·Σx
+      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
+      const __m512 x_sums = _mm512_maskz_loadu_ps(live, sums + g0);
+      for (int r = 0; r < R; ++r) {
+        const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + r * pairs * 4 + 2 * g0);
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, z), x_sums, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
+  }
+  for (; n < n1; ++n) {  // the last rows, one at a time
+    const uint8_t* wr = w + n * w_stride;
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * kGroup))));
+      const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * kGroup + 16))));
+      const float dot = _mm512_reduce_add_ps(_mm512_fmadd_ps(c1, _mm512_loadu_ps(xf + g * kGroup + 16),
+                                                             _mm512_mul_ps(c0, _mm512_loadu_ps(xf + g * kGroup))));
+      const float s = widen(c10::BFloat16(szr[2 * g], c10::BFloat16::from_bits()));
+      const float z = widen(c10::BFloat16(szr[2 * g + 1], c10::BFloat16::from_bits()));
+      acc += s * dot + (z - 128.0f * s) * sums[g];
+    }
+    out[n] = static_cast<c10::BFloat16>(acc);
+  }
+}
+
 template <int BITS>
 void rows_bf16_any(int64_t m, c10::BFloat16* out, const uint16_t* xr, int64_t x_stride,
                    const float* sums, const uint8_t* w, const c10::BFloat16* sz,
                    int64_t n0, int64_t n1, int64_t n_out, int64_t k) {
+  if (m == 1) return rows4_bf16<BITS>(out, xr, sums, w, sz, n0, n1, k);
   for (int64_t r0 = 0; r0 < m; r0 += 4) {  // four rows per pass over the weights
     const float* part = sums + r0 * (k / kGroup);
     const uint16_t* x = xr + r0 * x_stride;
@@ -216,12 +353,22 @@ void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const a
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(k, 1));
 #ifdef KVFLOW_BF16_DOT
   if (vectorised) {
+    if (m == 1 && bits == 8) {
+      std::vector<float> xf(k);
+      for (int64_t c = 0; c < k; ++c) xf[c] = widen(xp[c]);
+      at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+        rows4_u8_f32(o, xf.data(), sums.data(), wp, szp, n0, n1, k);
+      });
+      return;
+    }
     const int64_t groups = k / kGroup, x_stride = padded_groups(k) * 32;
-    std::vector<uint16_t> xr(m * x_stride, 0);  // rearranged: per pair, [g0 0..15, g1 0..15], [g0 16..31, g1 16..31]
+    // Rearranged: per pair of groups, [g0 0..15, g1 0..15], [g0 16..31, g1 16..31] (a missing g1: zeros).
+    std::vector<uint16_t> xr(m * x_stride, 0);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t g = 0; g < groups; ++g)
-        for (int64_t i = 0; i < kGroup; ++i)
-          xr[r * x_stride + (g / 2) * 64 + (i < 16 ? 0 : 32) + (g % 2) * 16 + i % 16] = xp[r * k + g * kGroup + i].x;
+        for (int64_t half = 0; half < 2; ++half)
+          std::memcpy(&xr[r * x_stride + (g / 2) * 64 + half * 32 + (g % 2) * 16], xp + r * k + g * kGroup + half * 16,
+                      16 * sizeof(uint16_t));
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
       if (bits == 4) rows_bf16_any<4>(m, o, xr.data(), x_stride, sums.data(), wp, szp, n0, n1, n, k);
       else rows_bf16_any<8>(m, o, xr.data(), x_stride, sums.data(), wp, szp, n0, n1, n, k);
