@@ -46,7 +46,43 @@ def test_kernel_computes_the_float_product(bits, n, k):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         reference = x.float() @ w.t()
         assert_close_to(weights(x), reference)
-        assert_close_to(weights(x, vectorised=False), reference)
+        for path in (int4_gemv.SCALAR, int4_gemv.BF16_PRODUCTS, int4_gemv.INT8_LEVELS):
+            assert_close_to(weights(x, path), reference)
+
+
+def test_int8_levels_miss_the_product_by_their_stated_bound():
+    """One row of 4-bit codes through the two int8 levels: off the float product of the exact
+    bfloat16 activations by at most the output's bfloat16 rounding plus, per group, max|x| / 65,000
+    times the group's Σ|w| (float sums add a little slack). Groups of zeros, one outlier among tiny
+    values, and an odd group count (the kernel's masked last chunk) included."""
+    if not torch.ops.kvflow_int4_gemv.has_int8_levels():
+        pytest.skip("no AVX-512 VNNI here: the int8 levels are not built")
+    for n, k in SHAPES:
+        weights = random_weights(n, k, 4, seed=n)
+        w = weights.dequantize()
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randn(1, k, generator=gen) * torch.logspace(-3, 2, k // GROUP).repeat_interleave(GROUP)
+        x[0, :GROUP] = 0  # a group of zeros
+        x[0, GROUP + 5] = 300.0  # an outlier among small values
+        x = x.bfloat16()
+        reference = x.float() @ w.t()
+        got = weights(x, int4_gemv.INT8_LEVELS).float()
+        group_max = x.float().abs().view(k // GROUP, GROUP).amax(1)  # [G]
+        w_abs = w.abs().view(n, k // GROUP, GROUP).sum(2)  # [N, G]
+        bound = 2**-8 * reference.abs() + (w_abs * group_max).sum(1) / 65_000 + 1e-4 * (w.abs() @ x.float().abs().t()).t()
+        assert ((got - reference).abs() <= bound).all()
+
+    # Where one weight alone is 1, the output is that activation as the levels hold it: 0.30078125
+    # beside a group maximum of 127 is 76/254 (a = 1): off by 0.0016 ≤ a / 508, visibly.
+    u = torch.full((16, 64), 8)
+    u[0, 1] = 9
+    sz = torch.stack([torch.ones(16, 2), torch.zeros(16, 2)], -1)  # s = 1, z = 0: w = u − 8
+    one = Int4Gemv(u, sz.bfloat16(), 4)
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1] = 127.0, 0.30078125
+    exact = one(x.bfloat16(), int4_gemv.BF16_PRODUCTS).float()[0, 0]
+    levels = one(x.bfloat16(), int4_gemv.INT8_LEVELS).float()[0, 0]
+    assert exact == 0.30078125 and levels != exact and abs(levels - 0.30078125) <= 1 / 508
 
 
 def test_extreme_codes_and_scales():

@@ -135,7 +135,7 @@ class CpuDecodeLoop:
         torch.ops.kvflow_cpu_decode.llama_step(
             out, hidden, positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
             meta.seq_lens, meta.query_start_loc, torch.arange(hidden.shape[0]), tensors, bits, self.final_norm,
-            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width)
+            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width, int4_gemv.default_path())
         return out
 
 

@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cmath>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -44,6 +45,9 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define KVFLOW_BF16_DOT 1
+#if defined(__AVX512VNNI__)
+#define KVFLOW_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -233,6 +237,150 @@ void rows4_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const
   if (n < n1) rows_bf16<1, 4>(out, xr, sums, w, sz, n, n1, 0, k);
 }
 
+#ifdef KVFLOW_VNNI
+// One activation row of 4-bit codes, four weight rows at a time, with integer dot products.
+// vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds them in fours into 32-bit lanes
+// for the issue cost of a third of one vdpbf16ps, which multiplies 32. The codes are bytes as
+// they are (nibbles masked out, no widening); the activations of each group of 32 become two
+// int8 levels, x ≈ a·q1 + (a/254)·q2 with a = max|x| / 127, whose sum misses x by at most
+// max|x| / 65,000 (the bfloat16 activations themselves hold 1 part in 256): both levels' integer
+// dot products are exact, and they meet in float, scaled by a and the weights' s.
+// Layout per call (xq): per pair of pairs (4 groups: a chunk of 64 code bytes), for each level,
+// the partners of the low nibbles [g0 x0..15, g1 x0..15, g2 x0..15, g3 x0..15] then those of the
+// high ones (x16..31 of each); a_lanes: per chunk, 16 floats (lane i: a of group i / 4) for each
+// level. A missing group (an odd pair count) has zero activations and is never loaded.
+struct Int8Levels {
+  std::vector<int8_t> xq;    // [chunks][level 2][half 2][64]
+  std::vector<float> a;      // [chunks][level 2][16]
+  std::vector<float> sums;   // [groups]: Σ of the levels' x, for the zeros' term (the product is
+                             // then exactly the dequantized weights' with the levels' x)
+};
+
+Int8Levels int8_levels(const c10::BFloat16* x, int64_t k) {
+  const int64_t groups = k / kGroup, chunks = (groups + 3) / 4;
+  Int8Levels out{std::vector<int8_t>(chunks * 256, 0), std::vector<float>(chunks * 32, 0.0f),
+                 std::vector<float>(groups, 0.0f)};
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i bits = _mm512_loadu_si512(x + g * kGroup);  // x0..31 as bfloat16 pairs
+    // x0..15 and x16..31 in float: a pair's low half holds the even element, its high half the odd.
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(bits, high_half));
+    const __m512i order_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i order_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512 v[2] = {_mm512_permutex2var_ps(even, order_lo, odd), _mm512_permutex2var_ps(even, order_hi, odd)};
+    const float biggest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    if (biggest == 0.0f) continue;  // codes of zero, a of zero: the group adds nothing
+    const float a = biggest / 127.0f, a2 = a / 254.0f;
+    const int64_t chunk = g / 4, slot = g % 4;
+    int32_t sum1 = 0, sum2 = 0;
+    for (int half = 0; half < 2; ++half) {
+      const __m512 q1 = _mm512_roundscale_ps(_mm512_div_ps(v[half], _mm512_set1_ps(a)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 rest = _mm512_fnmadd_ps(q1, _mm512_set1_ps(a), v[half]);
+      const __m512i q2 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(rest, _mm512_set1_ps(a2))),
+                                                           _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+      const __m512i q1i = _mm512_cvtps_epi32(q1);
+      int8_t* at = out.xq.data() + chunk * 256 + half * 64 + slot * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtsepi32_epi8(q1i));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 128), _mm512_cvtsepi32_epi8(q2));
+      sum1 += _mm512_reduce_add_epi32(q1i);
+      sum2 += _mm512_reduce_add_epi32(q2);
+    }
+    out.sums[g] = a * static_cast<float>(sum1) + a2 * static_cast<float>(sum2);
+    for (int64_t lane = 0; lane < 4; ++lane) {
+      out.a[chunk * 32 + slot * 4 + lane] = a;
+      out.a[chunk * 32 + 16 + slot * 4 + lane] = a2;
+    }
+  }
+  return out;
+}
+
+void rows4_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* w, const c10::BFloat16* sz, int64_t n0,
+                   int64_t n1, int64_t k) {
+  const float* sums = levels.sums.data();
+  constexpr int R = 4;
+  const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 4);
+  const int64_t chunks = (groups + 3) / 4;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane i: group i / 4
+  const float offset_per_s = 8.0f;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* wr = w + n * w_stride;
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
+    for (int64_t ahead = 0; ahead < R * w_stride; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
+    for (int64_t ahead = 0; ahead < R * pairs * 8; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4) + ahead, _MM_HINT_T0);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* xq = levels.xq.data() + c * 256;
+      const __m512i x1_lo = _mm512_loadu_si512(xq), x1_hi = _mm512_loadu_si512(xq + 64);
+      const __m512i x2_lo = _mm512_loadu_si512(xq + 128), x2_hi = _mm512_loadu_si512(xq + 192);
+      const __m512 a1 = _mm512_loadu_ps(levels.a.data() + c * 32), a2 = _mm512_loadu_ps(levels.a.data() + c * 32 + 16);
+      const int64_t live_groups = std::min<int64_t>(4, groups - 4 * c);
+      const __mmask64 live = live_groups == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * live_groups)) - 1;
+      for (int r = 0; r < R; ++r) {
+        const __m512i bytes = _mm512_maskz_loadu_epi8(live, wr + r * w_stride + c * 64);
+        const __m512i lo = _mm512_and_si512(bytes, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+        const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x1_lo), hi, x1_hi);
+        const __m512i i2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x2_lo), hi, x2_hi);
+        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1), a1));
+        // The 4 groups' (s, z) pairs, 16 bytes; lane i takes group i / 4's s as a float.
+        const __m512i four = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi32(static_cast<__mmask8>((1u << live_groups) - 1),
+                                                                          szr + r * pairs * 4 + c * 8));
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(spread, four), 16));
+        acc[r] = _mm512_fmadd_ps(dot, s, acc[r]);
+      }
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // Σ_g (z − 8·s)·Σx, over the levels' x
+      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
+      const __m512 x_sums = _mm512_maskz_loadu_ps(live, sums + g0);
+      for (int r = 0; r < R; ++r) {
+        const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + r * pairs * 4 + 2 * g0);
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z), x_sums, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
+  }
+  for (; n < n1; ++n) {  // the last rows, one at a time, with the same sums
+    const uint8_t* wr = w + n * w_stride;
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* xq = levels.xq.data() + c * 256;
+      const int64_t live_groups = std::min<int64_t>(4, groups - 4 * c);
+      const __mmask64 live = live_groups == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * live_groups)) - 1;
+      const __m512i bytes = _mm512_maskz_loadu_epi8(live, wr + c * 64);
+      const __m512i lo = _mm512_and_si512(bytes, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq)), hi,
+                                             _mm512_loadu_si512(xq + 64));
+      const __m512i i2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq + 128)),
+                                             hi, _mm512_loadu_si512(xq + 192));
+      const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_loadu_ps(levels.a.data() + c * 32 + 16),
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(i1), _mm512_loadu_ps(levels.a.data() + c * 32)));
+      const __m512i four = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi32(static_cast<__mmask8>((1u << live_groups) - 1),
+                                                                        szr + c * 8));
+      acc = _mm512_fmadd_ps(dot, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(spread, four), 16)), acc);
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
+      const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + 2 * g0);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+      acc = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z), _mm512_maskz_loadu_ps(live, sums + g0), acc);
+    }
+    out[n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc));
+  }
+}
+#endif
+
 // One activation row of 8-bit codes, four weight rows at a time, in float: a code becomes a float
 // by widening and converting (exact), and products are float multiply-adds. vdpbf16ps, which
 // takes over two cycles here, would need four per 64 codes (an 8-bit code is two bfloat16
@@ -313,6 +461,14 @@ void rows_bf16_any(int64_t m, c10::BFloat16* out, const uint16_t* xr, int64_t x_
 }
 #endif
 
+bool has_int8_levels() {
+#ifdef KVFLOW_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool fast() {
 #ifdef KVFLOW_BF16_DOT
   return true;
@@ -321,10 +477,17 @@ bool fast() {
 #endif
 }
 
-// out [M, N] = x [M, K] · Wᵀ, bfloat16, W as at the top; `vectorised=False` asks for the scalar loop.
+// How a call computes (quant/int4_gemv.py: SCALAR, BF16_PRODUCTS, INT8_LEVELS): the scalar loop;
+// bfloat16 products throughout; or, for one row of 4-bit codes where the CPU has AVX-512 VNNI,
+// the two int8 levels (rows4_u4_int8; other calls take the bfloat16 products).
+constexpr int64_t kScalar = 0, kBf16Products = 1, kInt8Levels = 2;
+
+// out [M, N] = x [M, K] · Wᵀ, bfloat16, W as at the top, computed as `path` says.
 void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zero, int64_t bits,
-               bool vectorised) {
+               int64_t path) {
   TORCH_CHECK(bits == 4 || bits == 8, "int4_gemv: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(path >= kScalar && path <= kInt8Levels, "int4_gemv: path must be 0 (scalar), 1 (bfloat16 products) or 2 "
+              "(int8 levels at one row), not ", path);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "int4_gemv: x and out must be bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "int4_gemv: x and out must be contiguous 2-D");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
@@ -344,7 +507,16 @@ void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const a
   // Output rows per task: a layer of a few hundred rows still goes to both threads.
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(k, 1));
 #ifdef KVFLOW_BF16_DOT
-  if (vectorised) {
+  if (path != kScalar) {
+#ifdef KVFLOW_VNNI
+    if (path == kInt8Levels && m == 1 && bits == 4) {
+      const Int8Levels levels = int8_levels(xp, k);
+      at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+        rows4_u4_int8(o, levels, wp, szp, n0, n1, k);
+      });
+      return;
+    }
+#endif
     if (m == 1 && bits == 8) {
       std::vector<float> xf(k);
       for (int64_t c = 0; c < k; ++c) xf[c] = widen(xp[c]);
@@ -376,8 +548,9 @@ void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const a
 }  // namespace
 
 TORCH_LIBRARY(kvflow_int4_gemv, m) {
-  m.def("int4_gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor scale_zero, int bits, bool vectorised) -> ()");
+  m.def("int4_gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor scale_zero, int bits, int path) -> ()");
   m.def("fast() -> bool", &fast);
+  m.def("has_int8_levels() -> bool", &has_int8_levels);
 }
 
 TORCH_LIBRARY_IMPL(kvflow_int4_gemv, CPU, m) { m.impl("int4_gemv", &int4_gemv); }
