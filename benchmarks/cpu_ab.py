@@ -10,7 +10,10 @@ dequantization above, KVFLOW_INT4_DENSE=0); `fused-ops` (RMSNorm, RoPE and SiLU�
 kernel each, model/layers/cpu_ops; B: the torch ops, KVFLOW_CPU_FUSED_OPS=0); `kv-write` (the
 KV write as one C++ copy, attention/cpu_kv_write.py; B: index_put, KVFLOW_CPU_KV_WRITE=0);
 `decode-loop` (decode steps as one loop of kernel calls, worker/cpu_decode.py; B: through the
-modules); `int4-gemv` (kvflow's few-row int4 GEMV, quant/int4_gemv.py; B: aten's int4 kernel).
+modules); `decode-step` (that loop as one C++ call where every projection has the GEMV form; B:
+the Python loop, KVFLOW_CPU_DECODE_STEP=0); `int4-gemv` (kvflow's few-row int4 GEMV,
+quant/int4_gemv.py; B: aten's int4 kernel); `int8-levels` (the GEMV's one-row path with the
+activations as two int8 levels; B: bfloat16 products, KVFLOW_INT4_GEMV_INT8_LEVELS=0).
 The KV pool's background populate (KVFLOW_KV_POPULATE=0) is no lever here: after B's first round
 its pages are mapped too; compare it in separate processes (docs/performance.md).
 Engine A (lever on) and engine B (off) are built once, each under its environment (which also holds while it runs:
@@ -41,8 +44,8 @@ from kvflow.worker import cpu_decode
 
 LEVERS = {"attention-kernel": {cpu_paged.DISABLE_ENV: "0"}, "int4-dense": {int4pack.DENSE_COPY_ENV: "0"},
           "fused-ops": {cpu_ops.DISABLE_ENV: "0"}, "kv-write": {cpu_kv_write.DISABLE_ENV: "0"},
-          "decode-loop": {cpu_decode.DISABLE_ENV: "0"},
-          "int4-gemv": {int4_gemv.DISABLE_ENV: "0"}}  # lever → its off switch
+          "decode-loop": {cpu_decode.DISABLE_ENV: "0"}, "decode-step": {cpu_decode.NATIVE_DISABLE_ENV: "0"},
+          "int4-gemv": {int4_gemv.DISABLE_ENV: "0"}, "int8-levels": {int4_gemv.INT8_LEVELS_ENV: "0"}}  # lever → its off switch
 
 
 def build(off_env: dict[str, str], model: str | None) -> LLMEngine:
