@@ -203,50 +203,52 @@ inline float exp16(const float* sc, float* pr, int64_t t_lo, int64_t t_hi, float
   return _mm512_reduce_add_ps(sum);
 }
 
-// A block's value rows [lo, hi) (offsets in the block) as pairs of consecutive keys, the way
-// `vdpbf16ps` takes them: pairs[tp][d] holds v[2tp][d] in its low half and v[2tp+1][d] in its
-// high half, 16 dimensions at a time; rows outside [lo, hi) (unwritten) are zero.
-inline void value_pairs(uint32_t* pairs, const c10::BFloat16* values, int64_t pos_stride, int64_t lo, int64_t hi,
-                        int64_t head_dim) {
-  for (int64_t tp = lo / 2; tp < (hi + 1) / 2; ++tp) {
-    const int64_t t = 2 * tp;
-    const bool first = t >= lo, second = t + 1 < hi;
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
-      const __m256i a = first ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + t * pos_stride + d0)) : _mm256_setzero_si256();
-      const __m256i b = second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (t + 1) * pos_stride + d0)) : _mm256_setzero_si256();
-      const __m512i both = _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-      _mm512_storeu_si512(pairs + tp * head_dim + d0, both);
+// acc_r += Σ_t p_r[t] · v[t] over keys [t_lo, t_hi) of a block, for `rows` rows (a query's G
+// heads: the same keys) at once: each value row is read and widened to float once for all of
+// them, then one float multiply-add per row and 16 dimensions. A bfloat16 pair of dimensions
+// widens by a shift (the even one) and a mask (the odd one), so each 32 dimensions of acc hold
+// their even dimensions, then their odd ones. (Two keys per vdpbf16ps, with the values re-laid as
+// pairs first, issued 2.3× the work: that instruction occupies the vector ports ~4.5× as long
+// as a multiply-add here.) p_r: row r's probabilities, p_stride apart; values: the block's rows,
+// pos_stride apart; head_dim a multiple of 32.
+template <int R>
+inline void accumulate_rows_upto4(float* acc, const float* p, int64_t p_stride, const c10::BFloat16* values,
+                                  int64_t pos_stride, int64_t t_lo, int64_t t_hi, int64_t head_dim) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+    __m512 even[R], odd[R];
+    for (int r = 0; r < R; ++r) {
+      even[r] = _mm512_loadu_ps(acc + r * head_dim + d0);
+      odd[r] = _mm512_loadu_ps(acc + r * head_dim + d0 + 16);
+    }
+    for (int64_t t = t_lo; t < t_hi; ++t) {
+      const __m512i v = _mm512_loadu_si512(values + t * pos_stride + d0);
+      const __m512 v_even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 v_odd = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+      for (int r = 0; r < R; ++r) {
+        const __m512 pt = _mm512_set1_ps(p[r * p_stride + t]);
+        even[r] = _mm512_fmadd_ps(pt, v_even, even[r]);
+        odd[r] = _mm512_fmadd_ps(pt, v_odd, odd[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc + r * head_dim + d0, even[r]);
+      _mm512_storeu_ps(acc + r * head_dim + d0 + 16, odd[r]);
     }
   }
 }
 
-// ar[d] += Σ_t p[t] · v[t][d] over the key pairs [tp_lo, tp_hi), with p rounded to bfloat16 (as
-// the torch path rounds its probabilities before multiplying by V) and the products summed in
-// float: one `vdpbf16ps` takes two keys for 16 dimensions. p must be zero wherever a pair holds
-// a key the row may not see.
-inline void accumulate_value_pairs(float* ar, const float* p, const uint32_t* pairs, int64_t tp_lo, int64_t tp_hi,
-                                   int64_t head_dim) {
-  alignas(64) uint16_t p16[kMaxBlock];
-  for (int64_t t0 = 2 * tp_lo / 16 * 16; t0 < 2 * tp_hi; t0 += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + t0), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(p + t0))));
-  const uint32_t* p_pairs = reinterpret_cast<const uint32_t*>(p16);
-  int64_t d0 = 0;
-  for (; d0 + 64 <= head_dim; d0 += 64) {  // four independent sums, as accumulate_values
-    __m512 a[4];
-    for (int c = 0; c < 4; ++c) a[c] = _mm512_loadu_ps(ar + d0 + 16 * c);
-    for (int64_t tp = tp_lo; tp < tp_hi; ++tp) {
-      const __m512bh pp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(p_pairs[tp])));
-      for (int c = 0; c < 4; ++c)
-        a[c] = _mm512_dpbf16_ps(a[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + tp * head_dim + d0 + 16 * c)), pp);
+inline void accumulate_rows(float* acc, const float* p, int64_t p_stride, int64_t rows, const c10::BFloat16* values,
+                            int64_t pos_stride, int64_t t_lo, int64_t t_hi, int64_t head_dim) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    float* a = acc + r0 * head_dim;
+    const float* pr = p + r0 * p_stride;
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: accumulate_rows_upto4<1>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim); break;
+      case 2: accumulate_rows_upto4<2>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim); break;
+      case 3: accumulate_rows_upto4<3>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim); break;
+      default: accumulate_rows_upto4<4>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim);
     }
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(ar + d0 + 16 * c, a[c]);
-  }
-  for (; d0 < head_dim; d0 += 16) {
-    __m512 a = _mm512_loadu_ps(ar + d0);
-    for (int64_t tp = tp_lo; tp < tp_hi; ++tp)
-      a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + tp * head_dim + d0)),
-                           reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(p_pairs[tp]))));
-    _mm512_storeu_ps(ar + d0, a);
   }
 }
 #endif
@@ -259,24 +261,26 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
                  int64_t c_block_stride, int64_t c_head_stride, int64_t c_pos_stride) {
   const int64_t n_rows = q_len * group;  // row r: query r / group, head kv_head * group + r % group
   const int64_t first_pos = seq_len - q_len;
-  // bfloat16 caches are read where they lie, 16 keys at a time for the scores (scores16) and two
-  // keys per instruction for the values (value_pairs); other dtypes widen keys and values to float.
+  // bfloat16 caches are read where they lie, 16 keys at a time for the scores (scores16) and a key
+  // for all of a query's G rows at a time for the values (accumulate_rows); other dtypes widen keys
+  // and values to float.
 #ifdef KVFLOW_AVX512_BF16
   constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
 #else
   constexpr bool bf16 = false;
 #endif
   const bool in_sixteens = bf16 && block_size % 16 == 0 && block_size <= kMaxBlock && head_dim % 32 == 0;
-  std::vector<float> acc(n_rows * head_dim, 0.f), probs(block_size);
+  // acc: the bfloat16 path keeps each 32 dimensions as its even ones, then its odd ones (see
+  // accumulate_rows); the output is written back in order.
+  std::vector<float> acc(n_rows * head_dim, 0.f), probs(n_rows * block_size);
   std::vector<float> run_max(n_rows, -std::numeric_limits<float>::infinity()), run_sum(n_rows, 0.f);
   std::vector<float> q, keys, values, scores;  // the widening path's
-  std::vector<uint32_t> q_pairs, v_pairs;  // the bfloat16 path's
+  std::vector<uint32_t> q_pairs;  // the bfloat16 path's
   std::vector<float> block_scores;
   const auto query_row = [&](int64_t r) {
     return query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
   };
   if (in_sixteens) {
-    v_pairs.resize(block_size / 2 * head_dim);
     q_pairs.resize(n_rows * head_dim / 2);
     block_scores.resize(n_rows * block_size);
     for (int64_t r = 0; r < n_rows; ++r)
@@ -318,7 +322,6 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
 #ifdef KVFLOW_AVX512_BF16
     if constexpr (bf16) {
       if (in_sixteens) {
-        value_pairs(v_pairs.data(), value_cache + offset, c_pos_stride, lo - start, hi - start, head_dim);
         // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
         // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
         for (int64_t t0 = (lo - start) / 16 * 16; t0 < hi - start; t0 += 16)
@@ -333,7 +336,7 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
       if (k_lo >= k_hi) continue;
       const int64_t t_lo = k_lo - start, t_hi = k_hi - start;
       float* sc = in_sixteens ? block_scores.data() + r * block_size : scores.data();
-      float* pr = probs.data();
+      float* pr = probs.data() + (in_sixteens ? r * block_size : 0);
       if (!in_sixteens)
         for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = dot(q.data() + r * head_dim, keys.data() + t * head_dim, head_dim);
       float block_max = -std::numeric_limits<float>::infinity();
@@ -362,18 +365,30 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) ar[d] *= correction;
       }
-#ifdef KVFLOW_AVX512_BF16
-      if (in_sixteens) accumulate_value_pairs(ar, pr, v_pairs.data(), t_lo / 2, (t_hi + 1) / 2, head_dim);
-      else
-#endif
-        accumulate_values(ar, pr, values.data(), t_lo, t_hi, head_dim);
+      if (!in_sixteens) accumulate_values(ar, pr, values.data(), t_lo, t_hi, head_dim);
       run_max[r] = new_max;
     }
+#ifdef KVFLOW_AVX512_BF16
+    if constexpr (bf16) {
+      // The values, once per query for its G rows (they see the same keys).
+      for (int64_t query_index = 0; query_index < q_len && in_sixteens; ++query_index) {
+        const int64_t pos = first_pos + query_index;
+        const int64_t k_lo = window > 0 ? std::max(lo, pos - window + 1) : lo, k_hi = std::min(hi, pos + 1);
+        if (k_lo >= k_hi) continue;
+        const int64_t r0 = query_index * group;
+        accumulate_rows(acc.data() + r0 * head_dim, probs.data() + r0 * block_size, block_size, group,
+                        value_cache + offset, c_pos_stride, k_lo - start, k_hi - start, head_dim);
+      }
+    }
+#endif
   }
   for (int64_t r = 0; r < n_rows; ++r) {
     scalar_t* dst = out + (q_start + r / group) * o_token_stride + (kv_head * group + r % group) * o_head_stride;
     const float inv = run_sum[r] > 0.f ? 1.f / run_sum[r] : 0.f;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv);
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const int64_t at = in_sixteens ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d;
+      dst[d] = static_cast<scalar_t>(acc[r * head_dim + at] * inv);
+    }
   }
 }
 
