@@ -3,16 +3,17 @@
 // One work item is (request, KV head): the G = H / Hkv query heads that share the KV head, for
 // every query of the request, walk the request's blocks once, the next block requested from
 // memory while this one is used (blocks lie anywhere in the pool). Scores over a block come 16
-// keys at a time for bfloat16 caches (`scores16`: bfloat16 dot products on keys transposed in
-// registers) and one key at a time from keys widened to float otherwise; each query's scores
-// over the keys it may see (causal, and its sliding window) get an online softmax (running max
-// and sum, rescaled once per block), and the probability-weighted values accumulate in float
-// (bfloat16 caches: two keys per dot-product instruction, `accumulate_value_pairs`, with the
-// probabilities rounded to bfloat16 as torch's path rounds them; others: values widened to
-// float). Values and scores of keys no query sees are never used: a block's
-// unwritten tail, padding entries of the block table and blocks a window released hold whatever
-// bits the pool had (`scores16` reads a visible block's whole sixteens of keys, but a score of
-// an unwritten key is never read), and using them would let 0 x NaN into the sum.
+// keys at a time for bfloat16 caches (`scores16`: keys transposed in registers, widened to float
+// by a shift or a mask, float multiply-adds) and one key at a time from keys widened to float
+// otherwise; each query's scores over the keys it may see (causal, and its sliding window) get an
+// online softmax (running max and sum, rescaled once per block), and the probability-weighted
+// values accumulate in float (bfloat16 caches: each value row widened once for the query's G
+// heads, `accumulate_rows`; others: values widened to float first). On the AVX-512 CPUs tuned
+// for, bfloat16 dot products (`vdpbf16ps`) were the slower way: one occupies the vector ports ~4.5×
+// as long as a float multiply-add. Values and scores of keys no query sees are never used: a
+// block's unwritten tail, padding entries of the block table and blocks a window released hold
+// whatever bits the pool had (`scores16` reads a visible block's whole sixteens of keys, but a
+// score of an unwritten key is never read), and using them would let 0 x NaN into the sum.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -26,9 +27,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define KVFLOW_AVX512_BF16 1
+#define KVFLOW_AVX512 1
 #endif
 
 namespace {
@@ -82,7 +83,7 @@ inline float exp_nonpositive(float x) {
 }
 
 // ar[d] += Σ_t p[t] · v[t][d] from values widened to float (float and half caches; bfloat16 ones
-// take accumulate_value_pairs). The sums stay in registers over all the keys, W columns at a
+// take accumulate_rows). The sums stay in registers over all the keys, W columns at a
 // time, 64 first: four independent 16-wide multiply-adds per key, where one 16-wide column at a
 // time made each key's multiply-add wait for the previous one's. Each sum adds the keys in order.
 template <int W>
@@ -111,7 +112,7 @@ inline void accumulate_values(float* ar, const float* p, const float* values, in
     for (int64_t d = d0; d < head_dim; ++d) ar[d] += p[t] * values[t * head_dim + d];
 }
 
-#ifdef KVFLOW_AVX512_BF16
+#ifdef KVFLOW_AVX512
 // r[i] = row i of a 16 x 16 matrix of 32-bit elements, transposed in place.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16], u[16], v[16];
@@ -136,32 +137,53 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// scores[r][t] = scale · q_r · k_t for 16 keys (bfloat16 rows `pos_stride` apart) and every query
-// row, with bfloat16 products summed in float (`vdpbf16ps`). The keys are transposed in registers
-// to pairs of dimensions × 16 keys, so one instruction takes two dimensions of all 16 keys, and
-// each query's pair is broadcast: no widening of the keys, no horizontal sum per key.
+// Rows r0..r0+R of scores16: for each dimension pair j of the 16 keys (k[j], transposed), its two
+// halves widened to float once for the R rows, one multiply-add per row and half.
+template <int R>
+inline void score_rows(float* scores, int64_t scores_stride, const __m512i* k, const float* q, int64_t head_dim,
+                       int64_t j0) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 even[R], odd[R];  // two sums per row: consecutive pairs' products do not wait on each other
+  for (int r = 0; r < R; ++r) {
+    even[r] = _mm512_loadu_ps(scores + r * scores_stride);
+    odd[r] = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < 16; ++j) {
+    const __m512 k_even = _mm512_castsi512_ps(_mm512_slli_epi32(k[j], 16));
+    const __m512 k_odd = _mm512_castsi512_ps(_mm512_and_si512(k[j], high_half));
+    for (int r = 0; r < R; ++r) {
+      const float* qr = q + r * head_dim + 2 * (j0 + j);
+      even[r] = _mm512_fmadd_ps(k_even, _mm512_set1_ps(qr[0]), even[r]);
+      odd[r] = _mm512_fmadd_ps(k_odd, _mm512_set1_ps(qr[1]), odd[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * scores_stride, _mm512_add_ps(even[r], odd[r]));
+}
+
+// scores[r][t] = q_r · k_t for 16 keys (bfloat16 rows `pos_stride` apart) and every query row (q:
+// float, already scaled, head_dim apart). The keys are transposed in registers to pairs of
+// dimensions × 16 keys, so each multiply-add takes one dimension of all 16 keys against a
+// broadcast query value: no horizontal sum per key. (vdpbf16ps on the pairs as they are issued
+// ~1.5× the work here: it occupies the vector ports ~4.5× as long as a multiply-add.)
 inline void scores16(float* scores, int64_t scores_stride, const c10::BFloat16* keys, int64_t pos_stride,
-                     const uint32_t* q_pairs, int64_t n_rows, int64_t head_dim, float scale) {
+                     const float* q, int64_t n_rows, int64_t head_dim) {
   const int64_t pairs = head_dim / 2;
   for (int64_t r = 0; r < n_rows; ++r) _mm512_storeu_ps(scores + r * scores_stride, _mm512_setzero_ps());
   for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
     __m512i k[16];
     for (int t = 0; t < 16; ++t) k[t] = _mm512_loadu_si512(keys + t * pos_stride + 2 * j0);
     transpose16(k);  // k[j]: dimension pair j0 + j of keys 0..15
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const uint32_t* qr = q_pairs + r * pairs + j0;
-      // Four sums, so that consecutive pairs' products do not wait on one another.
-      __m512 acc[4] = {_mm512_loadu_ps(scores + r * scores_stride), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
-      for (int j = 0; j < 16; ++j)
-        acc[j % 4] = _mm512_dpbf16_ps(acc[j % 4], reinterpret_cast<__m512bh>(k[j]),
-                                      reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(qr[j]))));
-      _mm512_storeu_ps(scores + r * scores_stride,
-                       _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    for (int64_t r0 = 0; r0 < n_rows; r0 += 4) {
+      float* sc = scores + r0 * scores_stride;
+      const float* qr = q + r0 * head_dim;
+      switch (std::min<int64_t>(4, n_rows - r0)) {
+        case 1: score_rows<1>(sc, scores_stride, k, qr, head_dim, j0); break;
+        case 2: score_rows<2>(sc, scores_stride, k, qr, head_dim, j0); break;
+        case 3: score_rows<3>(sc, scores_stride, k, qr, head_dim, j0); break;
+        default: score_rows<4>(sc, scores_stride, k, qr, head_dim, j0);
+      }
     }
   }
-  for (int64_t r = 0; r < n_rows; ++r)
-    _mm512_storeu_ps(scores + r * scores_stride, _mm512_mul_ps(_mm512_loadu_ps(scores + r * scores_stride), _mm512_set1_ps(scale)));
 }
 
 // exp_nonpositive on 16 lanes, the same steps.
@@ -264,7 +286,7 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
   // bfloat16 caches are read where they lie, 16 keys at a time for the scores (scores16) and a key
   // for all of a query's G rows at a time for the values (accumulate_rows); other dtypes widen keys
   // and values to float.
-#ifdef KVFLOW_AVX512_BF16
+#ifdef KVFLOW_AVX512
   constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
 #else
   constexpr bool bf16 = false;
@@ -274,26 +296,22 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
   // accumulate_rows); the output is written back in order.
   std::vector<float> acc(n_rows * head_dim, 0.f), probs(n_rows * block_size);
   std::vector<float> run_max(n_rows, -std::numeric_limits<float>::infinity()), run_sum(n_rows, 0.f);
-  std::vector<float> q, keys, values, scores;  // the widening path's
-  std::vector<uint32_t> q_pairs;  // the bfloat16 path's
+  std::vector<float> q, keys, values, scores;  // q for both paths; the rest the widening path's
   std::vector<float> block_scores;
   const auto query_row = [&](int64_t r) {
     return query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
   };
+  q.resize(n_rows * head_dim);  // in float, scaled
+  for (int64_t r = 0; r < n_rows; ++r) {
+    widen(query_row(r), q.data() + r * head_dim, head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
+  }
   if (in_sixteens) {
-    q_pairs.resize(n_rows * head_dim / 2);
     block_scores.resize(n_rows * block_size);
-    for (int64_t r = 0; r < n_rows; ++r)
-      std::memcpy(q_pairs.data() + r * head_dim / 2, query_row(r), head_dim * sizeof(scalar_t));
   } else {
-    q.resize(n_rows * head_dim);
     keys.resize(block_size * head_dim);
     values.resize(block_size * head_dim);
     scores.resize(block_size);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      widen(query_row(r), q.data() + r * head_dim, head_dim);
-      for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
-    }
   }
   // Keys any query of this request sees: [lowest, seq_len).
   const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
@@ -319,14 +337,14 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
       widen(key_cache + offset + (t - start) * c_pos_stride, keys.data() + (t - start) * head_dim, head_dim);
       widen(value_cache + offset + (t - start) * c_pos_stride, values.data() + (t - start) * head_dim, head_dim);
     }
-#ifdef KVFLOW_AVX512_BF16
+#ifdef KVFLOW_AVX512
     if constexpr (bf16) {
       if (in_sixteens) {
         // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
         // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
         for (int64_t t0 = (lo - start) / 16 * 16; t0 < hi - start; t0 += 16)
           scores16(block_scores.data() + t0, block_size, key_cache + offset + t0 * c_pos_stride, c_pos_stride,
-                   q_pairs.data(), n_rows, head_dim, scale);
+                   q.data(), n_rows, head_dim);
       }
     }
 #endif
@@ -340,7 +358,7 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
       if (!in_sixteens)
         for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = dot(q.data() + r * head_dim, keys.data() + t * head_dim, head_dim);
       float block_max = -std::numeric_limits<float>::infinity();
-#ifdef KVFLOW_AVX512_BF16
+#ifdef KVFLOW_AVX512
       if (in_sixteens) block_max = max16(sc, t_lo, t_hi);
       else
 #endif
@@ -349,7 +367,7 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
       const float new_max = std::max(run_max[r], block_max);
       const float correction = std::exp(run_max[r] - new_max);  // exp(-inf) = 0 on the first block
       float block_sum = 0.f;
-#ifdef KVFLOW_AVX512_BF16
+#ifdef KVFLOW_AVX512
       if (in_sixteens) block_sum = exp16(sc, pr, t_lo, t_hi, new_max);
       else
 #endif
@@ -368,7 +386,7 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
       if (!in_sixteens) accumulate_values(ar, pr, values.data(), t_lo, t_hi, head_dim);
       run_max[r] = new_max;
     }
-#ifdef KVFLOW_AVX512_BF16
+#ifdef KVFLOW_AVX512
     if constexpr (bf16) {
       // The values, once per query for its G rows (they see the same keys).
       for (int64_t query_index = 0; query_index < q_len && in_sixteens; ++query_index) {
