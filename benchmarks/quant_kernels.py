@@ -1,5 +1,6 @@
-"""Which matmul path is fastest per shape: bf16 dense, aten's int4 kernel, int8pack, torch._int_mm,
-and dequantize-then-matmul, for SmolLM2-135M's shapes at decode (M=1) and prefill sizes.
+"""Which matmul path is fastest per shape: bf16 dense, aten's int4 kernel, kvflow's few-row GEMV
+(bf16 products; int8 levels at one row), int8pack, torch._int_mm, and dequantize-then-matmul, for
+SmolLM2-135M's shapes at decode (M=1) and prefill sizes.
 
 Medians of interleaved runs (A, B, C, A, B, C, ...) so a busy machine slows every candidate alike.
 Usage: .venv/bin/python benchmarks/quant_kernels.py [--threads 1] [--rows 1 4 16 64 128 512]
@@ -14,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvflow.quant import int4_gemv
 from kvflow.quant.formats import int4_per_group, int8_per_channel
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
 
@@ -60,6 +62,10 @@ def main() -> None:
                 "int8_dequant": lambda: F.linear(x, q8.to(torch.bfloat16) * s8b[:, None]),
                 "int_mm": lambda: torch._int_mm(xi, q8t),
             }
+            gemv = planes.gemv
+            if gemv is not None and m <= int4_gemv.MAX_ROWS:
+                cands["gemv_bf16"] = lambda: gemv(x, int4_gemv.BF16_PRODUCTS)
+                cands["gemv_int8_levels"] = lambda: gemv(x, int4_gemv.INT8_LEVELS)
             r = interleaved(cands, iters=10 if m <= 64 else 3)
             print(f"{name:8s} N={n:5d} K={k:5d} M={m:4d} " + " ".join(f"{c}={t * 1e3:8.3f}" for c, t in r.items()),
                   flush=True)
