@@ -187,6 +187,29 @@ void rows_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const 
   }
 }
 
+// The weights and (s, z) pairs of R rows kPrefetchRows ahead of `wr` / `szr`, requested now:
+// the hardware prefetcher alone left the loops waiting on memory at half the bandwidth.
+inline void prefetch_ahead(const uint8_t* wr, const uint16_t* szr, int64_t w_stride, int64_t pairs, int rows) {
+  for (int64_t ahead = 0; ahead < rows * w_stride; ahead += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
+  for (int64_t ahead = 0; ahead < rows * pairs * 8; ahead += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4) + ahead, _MM_HINT_T0);
+}
+
+// acc + Σ_g (z − offset_per_s·s)·sums[g] for one weight row's (s, z) pairs, 16 groups at a time (a
+// 32-bit lane holds one group's pair).
+inline __m512 add_zeros_term(__m512 acc, const uint16_t* szr, const float* sums, int64_t groups, float offset_per_s) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
+    const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + 2 * g0);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+    acc = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z), _mm512_maskz_loadu_ps(live, sums + g0), acc);
+  }
+  return acc;
+}
+
 // One activation row, four weight rows at a time: the activations are loaded once for the four,
 // and four independent sums are in flight (one row at a time was ~10% slower).
 void rows4_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const uint8_t* w,
@@ -194,16 +217,12 @@ void rows4_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const
   constexpr int R = 4;
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 4);
   const __m512i low4 = _mm512_set1_epi16(0x0F), low_bias = _mm512_set1_epi16(0x4300);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const float offset_per_s = 8.0f + kLowBias;
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* wr = w + n * w_stride;
     const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
-    for (int64_t ahead = 0; ahead < R * w_stride; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
-    for (int64_t ahead = 0; ahead < R * pairs * 8; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4) + ahead, _MM_HINT_T0);
+    prefetch_ahead(wr, szr, w_stride, pairs, R);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
@@ -222,16 +241,7 @@ void rows4_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const
         acc[r] = _mm512_fmadd_ps(dot, s16, acc[r]);
       }
     }
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
-      const __m512 x_sums = _mm512_maskz_loadu_ps(live, sums + g0);
-      for (int r = 0; r < R; ++r) {
-        const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + r * pairs * 4 + 2 * g0);
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z), x_sums, acc[r]);
-      }
-    }
+    for (int r = 0; r < R; ++r) acc[r] = add_zeros_term(acc[r], szr + r * pairs * 4, sums, groups, offset_per_s);
     for (int r = 0; r < R; ++r) out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
   }
   if (n < n1) rows_bf16<1, 4>(out, xr, sums, w, sz, n, n1, 0, k);
@@ -302,17 +312,13 @@ void rows4_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* 
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 4);
   const int64_t chunks = (groups + 3) / 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane i: group i / 4
   const float offset_per_s = 8.0f;
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* wr = w + n * w_stride;
     const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
-    for (int64_t ahead = 0; ahead < R * w_stride; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
-    for (int64_t ahead = 0; ahead < R * pairs * 8; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4) + ahead, _MM_HINT_T0);
+    prefetch_ahead(wr, szr, w_stride, pairs, R);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
@@ -336,16 +342,8 @@ void rows4_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* 
         acc[r] = _mm512_fmadd_ps(dot, s, acc[r]);
       }
     }
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // Σ_g (z − 8·s)·Σx, over the levels' x
-      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
-      const __m512 x_sums = _mm512_maskz_loadu_ps(live, sums + g0);
-      for (int r = 0; r < R; ++r) {
-        const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + r * pairs * 4 + 2 * g0);
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z), x_sums, acc[r]);
-      }
-    }
+    for (int r = 0; r < R; ++r)  // the zeros' term over the levels' x
+      acc[r] = add_zeros_term(acc[r], szr + r * pairs * 4, sums, groups, offset_per_s);
     for (int r = 0; r < R; ++r) out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
   }
   for (; n < n1; ++n) {  // the last rows, one at a time, with the same sums
@@ -369,14 +367,7 @@ void rows4_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* 
                                                                         szr + c * 8));
       acc = _mm512_fmadd_ps(dot, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(spread, four), 16)), acc);
     }
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
-      const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + 2 * g0);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-      acc = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z), _mm512_maskz_loadu_ps(live, sums + g0), acc);
-    }
-    out[n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc));
+    out[n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(add_zeros_term(acc, szr, sums, groups, offset_per_s)));
   }
 }
 #endif
@@ -389,15 +380,11 @@ void rows4_u8_f32(c10::BFloat16* out, const float* xf, const float* sums, const 
                   int64_t n0, int64_t n1, int64_t k) {
   constexpr int R = 4;
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 8);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* wr = w + n * w_stride;
     const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
-    for (int64_t ahead = 0; ahead < R * w_stride; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
-    for (int64_t ahead = 0; ahead < R * pairs * 8; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4) + ahead, _MM_HINT_T0);
+    prefetch_ahead(wr, szr, w_stride, pairs, R);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -411,16 +398,7 @@ void rows4_u8_f32(c10::BFloat16* out, const float* xf, const float* sums, const 
         acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(c1, x1, _mm512_mul_ps(c0, x0)), s, acc[r]);
       }
     }
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // Σ_g (z − 128·s)·Σx
-      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
-      const __m512 x_sums = _mm512_maskz_loadu_ps(live, sums + g0);
-      for (int r = 0; r < R; ++r) {
-        const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + r * pairs * 4 + 2 * g0);
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, z), x_sums, acc[r]);
-      }
-    }
+    for (int r = 0; r < R; ++r) acc[r] = add_zeros_term(acc[r], szr + r * pairs * 4, sums, groups, 128.0f);
     for (int r = 0; r < R; ++r) out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
   }
   for (; n < n1; ++n) {  // the last rows, one at a time
