@@ -85,6 +85,19 @@ def test_int8_levels_miss_the_product_by_their_stated_bound():
     assert exact == 0.30078125 and levels != exact and abs(levels - 0.30078125) <= 1 / 508
 
 
+def test_int8_levels_carry_nan_and_inf_through():
+    """A NaN or an infinity among one row's activations makes every output non-finite, as the float
+    product's would be (no int8 level holds them; converting them would give silent garbage)."""
+    if not torch.ops.kvflow_int4_gemv.has_int8_levels():
+        pytest.skip("no AVX-512 VNNI here: the int8 levels are not built")
+    weights = random_weights(40, 96, 4)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(1, 96)
+        x[0, 37] = bad
+        got = weights(x.bfloat16(), int4_gemv.INT8_LEVELS)
+        assert not got.float().isfinite().any()
+
+
 def test_extreme_codes_and_scales():
     """All-zero and all-maximum codes, negative scales: the biased bfloat16 codes stay exact."""
     for bits in (4, 8):

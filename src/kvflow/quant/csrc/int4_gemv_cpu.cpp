@@ -279,10 +279,18 @@ Int8Levels int8_levels(const c10::BFloat16* x, int64_t k) {
     const __m512i order_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i order_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     const __m512 v[2] = {_mm512_permutex2var_ps(even, order_lo, odd), _mm512_permutex2var_ps(even, order_hi, odd)};
+    const int64_t chunk = g / 4, slot = g % 4;
+    constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // quiet NaN, +inf, -inf, signalling NaN
+    if (_mm512_fpclass_ps_mask(v[0], kNotFinite) | _mm512_fpclass_ps_mask(v[1], kNotFinite)) {
+      // No level holds it: the group's a is NaN, so its products and every output are NaN, as
+      // the float product's would be (levels of zero, not garbage from converting NaN).
+      for (int64_t lane = 0; lane < 8; ++lane) out.a[chunk * 32 + (lane / 4) * 16 + slot * 4 + lane % 4] = NAN;
+      out.sums[g] = NAN;
+      continue;
+    }
     const float biggest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
     if (biggest == 0.0f) continue;  // codes of zero, a of zero: the group adds nothing
     const float a = biggest / 127.0f, a2 = a / 254.0f;
-    const int64_t chunk = g / 4, slot = g % 4;
     int32_t sum1 = 0, sum2 = 0;
     for (int half = 0; half < 2; ++half) {
       const __m512 q1 = _mm512_roundscale_ps(_mm512_div_ps(v[half], _mm512_set1_ps(a)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
