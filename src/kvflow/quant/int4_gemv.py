@@ -19,9 +19,9 @@ group's 32 activations become two int8 levels, x ≈ a·q1 + (a/254)·q2 (a = ma
 at most max|x| / 65,000 where bfloat16 itself keeps 1 part in 256, and the codes meet them in
 exact integer dot products (`vpdpbusd`, a third of `vdpbf16ps`'s cost for twice the products).
 The zeros' term takes the levels' own sums, so the result is the dequantized weights' product
-with the levels' x. On the default model: perplexity 5.4212 → 5.4234 (+0.04%, where aten's exact
-kernel gives 5.4221 and one int8 level, llama.cpp's way, cost +2.2%), batch-1 decode ~1.1×
-(docs/performance.md). `KVFLOW_INT4_GEMV_INT8_LEVELS=0` keeps bfloat16 products there too.
+with the levels' x. On the default model: perplexity +0.04–0.06% against the bf16 products (the
+two exact kernels, ours and aten's, differ by up to 0.09%; one int8 level, llama.cpp's way, cost
++2.2%), batch-1 decode ~1.1× (docs/performance.md). `KVFLOW_INT4_GEMV_INT8_LEVELS=0` keeps bfloat16 products there too.
 """
 
 from __future__ import annotations
