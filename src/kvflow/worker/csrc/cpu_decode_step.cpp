@@ -11,8 +11,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include <vector>
-
 namespace {
 
 using at::Tensor;
