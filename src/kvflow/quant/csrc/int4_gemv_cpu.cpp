@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -210,16 +211,24 @@ inline __m512 add_zeros_term(__m512 acc, const uint16_t* szr, const float* sums,
   return acc;
 }
 
+// Weight rows n0..n1 for one activation row: `block(rows, n)` takes rows n..n+R together (R a
+// compile-time 4, then 1 for the last few), so every row gets the same arithmetic whichever
+// block, and whichever thread's share, it falls in.
+template <typename Block>
+inline void in_fours(int64_t n0, int64_t n1, Block&& block) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) block(std::integral_constant<int, 4>{}, n);
+  for (; n < n1; ++n) block(std::integral_constant<int, 1>{}, n);
+}
+
 // One activation row, four weight rows at a time: the activations are loaded once for the four,
 // and four independent sums are in flight (one row at a time was ~10% slower).
-void rows4_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const uint8_t* w,
+void rows1_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const uint8_t* w,
                 const c10::BFloat16* sz, int64_t n0, int64_t n1, int64_t k) {
-  constexpr int R = 4;
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 4);
   const __m512i low4 = _mm512_set1_epi16(0x0F), low_bias = _mm512_set1_epi16(0x4300);
-  const float offset_per_s = 8.0f + kLowBias;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
+  in_fours(n0, n1, [=](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
     const uint8_t* wr = w + n * w_stride;
     const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
     prefetch_ahead(wr, szr, w_stride, pairs, R);
@@ -241,10 +250,10 @@ void rows4_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const
         acc[r] = _mm512_fmadd_ps(dot, s16, acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) acc[r] = add_zeros_term(acc[r], szr + r * pairs * 4, sums, groups, offset_per_s);
-    for (int r = 0; r < R; ++r) out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
-  }
-  if (n < n1) rows_bf16<1, 4>(out, xr, sums, w, sz, n, n1, 0, k);
+    for (int r = 0; r < R; ++r)
+      out[n + r] = static_cast<c10::BFloat16>(
+          _mm512_reduce_add_ps(add_zeros_term(acc[r], szr + r * pairs * 4, sums, groups, 8.0f + kLowBias)));
+  });
 }
 
 #ifdef KVFLOW_VNNI
@@ -313,27 +322,26 @@ Int8Levels int8_levels(const c10::BFloat16* x, int64_t k) {
   return out;
 }
 
-void rows4_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* w, const c10::BFloat16* sz, int64_t n0,
+void rows1_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* w, const c10::BFloat16* sz, int64_t n0,
                    int64_t n1, int64_t k) {
-  const float* sums = levels.sums.data();
-  constexpr int R = 4;
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 4);
   const int64_t chunks = (groups + 3) / 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane i: group i / 4
-  const float offset_per_s = 8.0f;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
+  const int8_t* all_xq = levels.xq.data();
+  const float *all_a = levels.a.data(), *level_sums = levels.sums.data();
+  in_fours(n0, n1, [=](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
     const uint8_t* wr = w + n * w_stride;
     const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
     prefetch_ahead(wr, szr, w_stride, pairs, R);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      const int8_t* xq = levels.xq.data() + c * 256;
+      const int8_t* xq = all_xq + c * 256;
       const __m512i x1_lo = _mm512_loadu_si512(xq), x1_hi = _mm512_loadu_si512(xq + 64);
       const __m512i x2_lo = _mm512_loadu_si512(xq + 128), x2_hi = _mm512_loadu_si512(xq + 192);
-      const __m512 a1 = _mm512_loadu_ps(levels.a.data() + c * 32), a2 = _mm512_loadu_ps(levels.a.data() + c * 32 + 16);
+      const __m512 a1 = _mm512_loadu_ps(all_a + c * 32), a2 = _mm512_loadu_ps(all_a + c * 32 + 16);
       const int64_t live_groups = std::min<int64_t>(4, groups - 4 * c);
       const __mmask64 live = live_groups == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * live_groups)) - 1;
       for (int r = 0; r < R; ++r) {
@@ -351,32 +359,9 @@ void rows4_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* 
       }
     }
     for (int r = 0; r < R; ++r)  // the zeros' term over the levels' x
-      acc[r] = add_zeros_term(acc[r], szr + r * pairs * 4, sums, groups, offset_per_s);
-    for (int r = 0; r < R; ++r) out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
-  }
-  for (; n < n1; ++n) {  // the last rows, one at a time, with the same sums
-    const uint8_t* wr = w + n * w_stride;
-    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int8_t* xq = levels.xq.data() + c * 256;
-      const int64_t live_groups = std::min<int64_t>(4, groups - 4 * c);
-      const __mmask64 live = live_groups == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * live_groups)) - 1;
-      const __m512i bytes = _mm512_maskz_loadu_epi8(live, wr + c * 64);
-      const __m512i lo = _mm512_and_si512(bytes, low4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-      const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq)), hi,
-                                             _mm512_loadu_si512(xq + 64));
-      const __m512i i2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq + 128)),
-                                             hi, _mm512_loadu_si512(xq + 192));
-      const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_loadu_ps(levels.a.data() + c * 32 + 16),
-                                         _mm512_mul_ps(_mm512_cvtepi32_ps(i1), _mm512_loadu_ps(levels.a.data() + c * 32)));
-      const __m512i four = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi32(static_cast<__mmask8>((1u << live_groups) - 1),
-                                                                        szr + c * 8));
-      acc = _mm512_fmadd_ps(dot, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(spread, four), 16)), acc);
-    }
-    out[n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(add_zeros_term(acc, szr, sums, groups, offset_per_s)));
-  }
+      out[n + r] = static_cast<c10::BFloat16>(
+          _mm512_reduce_add_ps(add_zeros_term(acc[r], szr + r * pairs * 4, level_sums, groups, 8.0f)));
+  });
 }
 #endif
 
@@ -384,12 +369,11 @@ void rows4_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* 
 // by widening and converting (exact), and products are float multiply-adds. vdpbf16ps, which
 // takes over two cycles here, would need four per 64 codes (an 8-bit code is two bfloat16
 // nibbles); this needs four multiply-adds, which issue two a cycle. xf: x in float, K values.
-void rows4_u8_f32(c10::BFloat16* out, const float* xf, const float* sums, const uint8_t* w, const c10::BFloat16* sz,
+void rows1_u8_f32(c10::BFloat16* out, const float* xf, const float* sums, const uint8_t* w, const c10::BFloat16* sz,
                   int64_t n0, int64_t n1, int64_t k) {
-  constexpr int R = 4;
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 8);
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
+  in_fours(n0, n1, [=](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
     const uint8_t* wr = w + n * w_stride;
     const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
     prefetch_ahead(wr, szr, w_stride, pairs, R);
@@ -406,32 +390,18 @@ void rows4_u8_f32(c10::BFloat16* out, const float* xf, const float* sums, const 
         acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(c1, x1, _mm512_mul_ps(c0, x0)), s, acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) acc[r] = add_zeros_term(acc[r], szr + r * pairs * 4, sums, groups, 128.0f);
-    for (int r = 0; r < R; ++r) out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
-  }
-  for (; n < n1; ++n) {  // the last rows, one at a time
-    const uint8_t* wr = w + n * w_stride;
-    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
-    float acc = 0.0f;
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * kGroup))));
-      const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * kGroup + 16))));
-      const float dot = _mm512_reduce_add_ps(_mm512_fmadd_ps(c1, _mm512_loadu_ps(xf + g * kGroup + 16),
-                                                             _mm512_mul_ps(c0, _mm512_loadu_ps(xf + g * kGroup))));
-      const float s = widen(c10::BFloat16(szr[2 * g], c10::BFloat16::from_bits()));
-      const float z = widen(c10::BFloat16(szr[2 * g + 1], c10::BFloat16::from_bits()));
-      acc += s * dot + (z - 128.0f * s) * sums[g];
-    }
-    out[n] = static_cast<c10::BFloat16>(acc);
-  }
+    for (int r = 0; r < R; ++r)
+      out[n + r] = static_cast<c10::BFloat16>(
+          _mm512_reduce_add_ps(add_zeros_term(acc[r], szr + r * pairs * 4, sums, groups, 128.0f)));
+  });
 }
 
 template <int BITS>
 void rows_bf16_any(int64_t m, c10::BFloat16* out, const uint16_t* xr, int64_t x_stride,
                    const float* sums, const uint8_t* w, const c10::BFloat16* sz,
                    int64_t n0, int64_t n1, int64_t n_out, int64_t k) {
-  if constexpr (BITS == 4) {  // (one row of 8-bit codes takes rows4_u8_f32)
-    if (m == 1) return rows4_bf16(out, xr, sums, w, sz, n0, n1, k);
+  if constexpr (BITS == 4) {  // (one row of 8-bit codes takes rows1_u8_f32)
+    if (m == 1) return rows1_bf16(out, xr, sums, w, sz, n0, n1, k);
   }
   for (int64_t r0 = 0; r0 < m; r0 += 4) {  // four rows per pass over the weights
     const float* part = sums + r0 * (k / kGroup);
@@ -465,7 +435,7 @@ bool fast() {
 
 // How a call computes (quant/int4_gemv.py: SCALAR, BF16_PRODUCTS, INT8_LEVELS): the scalar loop;
 // bfloat16 products throughout; or, for one row of 4-bit codes where the CPU has AVX-512 VNNI,
-// the two int8 levels (rows4_u4_int8; other calls take the bfloat16 products).
+// the two int8 levels (rows1_u4_int8; other calls take the bfloat16 products).
 constexpr int64_t kScalar = 0, kBf16Products = 1, kInt8Levels = 2;
 
 // out [M, N] = x [M, K] · Wᵀ, bfloat16, W as at the top, computed as `path` says.
@@ -486,28 +456,26 @@ void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const a
                   scale_zero.numel() == n * padded_groups(k) * 2,
               "int4_gemv: scale_zero must be contiguous bfloat16 [N, K / 32 rounded up to even, 2]");
   const auto* xp = x.data_ptr<c10::BFloat16>();
-  const std::vector<float> sums = group_sums(xp, m, k);
   auto* o = out.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<uint8_t>();
   const auto* szp = scale_zero.data_ptr<c10::BFloat16>();
   // Output rows per task: a layer of a few hundred rows still goes to both threads.
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(k, 1));
+#ifdef KVFLOW_VNNI
+  if (path == kInt8Levels && m == 1 && bits == 4) {  // its zeros' term takes the levels' own sums
+    const Int8Levels levels = int8_levels(xp, k);
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) { rows1_u4_int8(o, levels, wp, szp, n0, n1, k); });
+    return;
+  }
+#endif
+  const std::vector<float> sums = group_sums(xp, m, k);
 #ifdef KVFLOW_BF16_DOT
   if (path != kScalar) {
-#ifdef KVFLOW_VNNI
-    if (path == kInt8Levels && m == 1 && bits == 4) {
-      const Int8Levels levels = int8_levels(xp, k);
-      at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-        rows4_u4_int8(o, levels, wp, szp, n0, n1, k);
-      });
-      return;
-    }
-#endif
     if (m == 1 && bits == 8) {
       std::vector<float> xf(k);
       for (int64_t c = 0; c < k; ++c) xf[c] = widen(xp[c]);
       at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-        rows4_u8_f32(o, xf.data(), sums.data(), wp, szp, n0, n1, k);
+        rows1_u8_f32(o, xf.data(), sums.data(), wp, szp, n0, n1, k);
       });
       return;
     }
