@@ -211,14 +211,22 @@ inline __m512 add_zeros_term(__m512 acc, const uint16_t* szr, const float* sums,
   return acc;
 }
 
-// Weight rows n0..n1 for one activation row: `block(rows, n)` takes rows n..n+R together (R a
-// compile-time 4, then 1 for the last few), so every row gets the same arithmetic whichever
-// block, and whichever thread's share, it falls in.
+// Weight rows n0..n1 for one activation row: `block(rows, n, wr, szr)` takes rows n..n+R together
+// (R a compile-time 4, then 1 for the last few; wr, szr: row n's codes and (s, z) pairs, the rows
+// kPrefetchRows ahead already requested), so every row gets the same arithmetic whichever block,
+// and whichever thread's share, it falls in.
 template <typename Block>
-inline void in_fours(int64_t n0, int64_t n1, Block&& block) {
+inline void in_fours(int64_t n0, int64_t n1, const uint8_t* w, const c10::BFloat16* sz, int64_t w_stride,
+                     int64_t pairs, Block&& block) {
+  const auto run = [&](auto rows, int64_t n) {
+    const uint8_t* wr = w + n * w_stride;
+    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
+    prefetch_ahead(wr, szr, w_stride, pairs, decltype(rows)::value);
+    block(rows, n, wr, szr);
+  };
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) block(std::integral_constant<int, 4>{}, n);
-  for (; n < n1; ++n) block(std::integral_constant<int, 1>{}, n);
+  for (; n + 4 <= n1; n += 4) run(std::integral_constant<int, 4>{}, n);
+  for (; n < n1; ++n) run(std::integral_constant<int, 1>{}, n);
 }
 
 // One activation row, four weight rows at a time: the activations are loaded once for the four,
@@ -227,11 +235,8 @@ void rows1_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const
                 const c10::BFloat16* sz, int64_t n0, int64_t n1, int64_t k) {
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 4);
   const __m512i low4 = _mm512_set1_epi16(0x0F), low_bias = _mm512_set1_epi16(0x4300);
-  in_fours(n0, n1, [=](auto rows, int64_t n) {
+  in_fours(n0, n1, w, sz, w_stride, pairs, [=](auto rows, int64_t n, const uint8_t* wr, const uint16_t* szr) {
     constexpr int R = decltype(rows)::value;
-    const uint8_t* wr = w + n * w_stride;
-    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
-    prefetch_ahead(wr, szr, w_stride, pairs, R);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
@@ -330,11 +335,8 @@ void rows1_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* 
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane i: group i / 4
   const int8_t* all_xq = levels.xq.data();
   const float *all_a = levels.a.data(), *level_sums = levels.sums.data();
-  in_fours(n0, n1, [=](auto rows, int64_t n) {
+  in_fours(n0, n1, w, sz, w_stride, pairs, [=](auto rows, int64_t n, const uint8_t* wr, const uint16_t* szr) {
     constexpr int R = decltype(rows)::value;
-    const uint8_t* wr = w + n * w_stride;
-    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
-    prefetch_ahead(wr, szr, w_stride, pairs, R);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
@@ -372,11 +374,8 @@ void rows1_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* 
 void rows1_u8_f32(c10::BFloat16* out, const float* xf, const float* sums, const uint8_t* w, const c10::BFloat16* sz,
                   int64_t n0, int64_t n1, int64_t k) {
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 8);
-  in_fours(n0, n1, [=](auto rows, int64_t n) {
+  in_fours(n0, n1, w, sz, w_stride, pairs, [=](auto rows, int64_t n, const uint8_t* wr, const uint16_t* szr) {
     constexpr int R = decltype(rows)::value;
-    const uint8_t* wr = w + n * w_stride;
-    const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
-    prefetch_ahead(wr, szr, w_stride, pairs, R);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
