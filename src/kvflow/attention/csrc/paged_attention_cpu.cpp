@@ -293,28 +293,25 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
 #endif
   const bool in_sixteens = bf16 && block_size % 16 == 0 && block_size <= kMaxBlock && head_dim % 32 == 0;
   // acc: the bfloat16 path keeps each 32 dimensions as its even ones, then its odd ones (see
-  // accumulate_rows); the output is written back in order.
-  std::vector<float> acc(n_rows * head_dim, 0.f), probs(n_rows * block_size);
+  // accumulate_rows); the output is written back in order. scores, probs: a block's, per row.
+  std::vector<float> acc(n_rows * head_dim, 0.f), scores(n_rows * block_size), probs(n_rows * block_size);
   std::vector<float> run_max(n_rows, -std::numeric_limits<float>::infinity()), run_sum(n_rows, 0.f);
-  std::vector<float> q, keys, values, scores;  // q for both paths; the rest the widening path's
-  std::vector<float> block_scores;
-  const auto query_row = [&](int64_t r) {
-    return query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
-  };
-  q.resize(n_rows * head_dim);  // in float, scaled
+  std::vector<float> q(n_rows * head_dim), keys, values;  // q in float, scaled; keys, values: the widening path's
   for (int64_t r = 0; r < n_rows; ++r) {
-    widen(query_row(r), q.data() + r * head_dim, head_dim);
+    const scalar_t* row = query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
+    widen(row, q.data() + r * head_dim, head_dim);
     for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
   }
-  if (in_sixteens) {
-    block_scores.resize(n_rows * block_size);
-  } else {
+  if (!in_sixteens) {
     keys.resize(block_size * head_dim);
     values.resize(block_size * head_dim);
-    scores.resize(block_size);
   }
-  // Keys any query of this request sees: [lowest, seq_len).
+  // Keys any query of this request sees: [lowest, seq_len); query i (position first_pos + i) sees
+  // [visible_from(i), first_pos + i] of them (causal, and its window).
   const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const auto visible_from = [&](int64_t query_index) {
+    return window > 0 ? first_pos + query_index - window + 1 : int64_t{0};
+  };
   for (int64_t block = lowest / block_size; block * block_size < seq_len; ++block) {
     const int64_t start = block * block_size;
     const int64_t lo = std::max(start, lowest), hi = std::min(start + block_size, seq_len);
@@ -343,18 +340,17 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
         // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
         // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
         for (int64_t t0 = (lo - start) / 16 * 16; t0 < hi - start; t0 += 16)
-          scores16(block_scores.data() + t0, block_size, key_cache + offset + t0 * c_pos_stride, c_pos_stride,
+          scores16(scores.data() + t0, block_size, key_cache + offset + t0 * c_pos_stride, c_pos_stride,
                    q.data(), n_rows, head_dim);
       }
     }
 #endif
     for (int64_t r = 0; r < n_rows; ++r) {
-      const int64_t pos = first_pos + r / group;
-      const int64_t k_lo = window > 0 ? std::max(lo, pos - window + 1) : lo, k_hi = std::min(hi, pos + 1);
+      const int64_t k_lo = std::max(lo, visible_from(r / group)), k_hi = std::min(hi, first_pos + r / group + 1);
       if (k_lo >= k_hi) continue;
       const int64_t t_lo = k_lo - start, t_hi = k_hi - start;
-      float* sc = in_sixteens ? block_scores.data() + r * block_size : scores.data();
-      float* pr = probs.data() + (in_sixteens ? r * block_size : 0);
+      float* sc = scores.data() + r * block_size;
+      float* pr = probs.data() + r * block_size;
       if (!in_sixteens)
         for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = dot(q.data() + r * head_dim, keys.data() + t * head_dim, head_dim);
       float block_max = -std::numeric_limits<float>::infinity();
@@ -390,8 +386,7 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
     if constexpr (bf16) {
       // The values, once per query for its G rows (they see the same keys).
       for (int64_t query_index = 0; query_index < q_len && in_sixteens; ++query_index) {
-        const int64_t pos = first_pos + query_index;
-        const int64_t k_lo = window > 0 ? std::max(lo, pos - window + 1) : lo, k_hi = std::min(hi, pos + 1);
+        const int64_t k_lo = std::max(lo, visible_from(query_index)), k_hi = std::min(hi, first_pos + query_index + 1);
         if (k_lo >= k_hi) continue;
         const int64_t r0 = query_index * group;
         accumulate_rows(acc.data() + r0 * head_dim, probs.data() + r0 * block_size, block_size, group,
