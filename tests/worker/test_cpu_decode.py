@@ -14,7 +14,7 @@ from kvflow.quant import int4_gemv
 from kvflow.worker import cpu_decode
 from kvflow.worker.cpu_decode import CpuDecodeLoop
 from test_cuda_graphs import _generate
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 PROMPTS = [[5, 17, 3, 88, 40, 2, 9, 61, 33, 12, 7, 70, 1, 4], [44, 45], [90, 3, 3, 3, 8, 11], [7] * 21, [60, 61, 62]]
 
@@ -36,8 +36,8 @@ def llama_dir(tmp_path_factory):
 def _engine(model: str, dtype: str, loop: bool, monkeypatch, native: bool = True, **kw) -> LLMEngine:
     monkeypatch.setenv(cpu_decode.DISABLE_ENV, "1" if loop else "0")
     monkeypatch.setenv(cpu_decode.NATIVE_DISABLE_ENV, "1" if native else "0")
-    engine = LLMEngine(EngineArgs(model, dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=64,
-                                  disable_log_stats=True, **kw))
+    engine = LLMEngine(EngineArgs(model, dtype=dtype, **{"skip_tokenizer_init": True, "num_kv_blocks": 64,
+                                                         "disable_log_stats": True, **kw}))
     assert isinstance(engine.runner.decode_graphs, CpuDecodeLoop) == loop
     return engine
 
@@ -79,6 +79,18 @@ def test_cpp_step_matches_the_python_loop_and_the_modules(llama_dir, num_prompts
     assert steps == ([num_prompts] * len(steps) if num_prompts <= int4_gemv.MAX_ROWS else [])
     assert bool(steps) == (num_prompts <= int4_gemv.MAX_ROWS)
     assert native == python_loop == modules
+
+
+def test_awq_is_built_before_its_calibration(tmp_path, monkeypatch):
+    """AWQ layers have no quantized runtime when the loop is built (the engine calibrates after):
+    the loop calls the layers themselves, and matches the modules once they are quantized."""
+    make_tiny_model("llama-mha-tied", tmp_path)
+    write_tiny_tokenizer(tmp_path)  # AWQ calibrates on text
+    kw = dict(quantization="awq", skip_tokenizer_init=False)
+    loop_engine = _engine(str(tmp_path), "bfloat16", True, monkeypatch, **kw)
+    assert loop_engine.runner.decode_graphs.native is None  # no GEMV form was there to take
+    with_loop = _generate(loop_engine, PROMPTS[:2])
+    assert with_loop == _generate(_engine(str(tmp_path), "bfloat16", False, monkeypatch, **kw), PROMPTS[:2])
 
 
 def test_default_gguf_model_matches_the_modules(monkeypatch):

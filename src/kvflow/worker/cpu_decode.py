@@ -166,26 +166,29 @@ def _native_step(decoder: DecoderModel, layers: list[_Layer]) -> tuple[list[torc
     return tensors, bits, gemvs[2].out_features
 
 
-def _gemv(layer: LinearBase) -> int4_gemv.Int4Gemv | None:
-    """The few-row GEMV form of the layer's weights: held by int4 planes, what a GGUF layer of one
-    part or an online-quantized layer (int4) runs."""
+def _weights(layer: LinearBase) -> nn.Module | None:
+    """The module the layer's call comes down to where a quant method only forwards to one: a GGUF
+    layer of one part, or an online-quantized layer (int4, int8, ...), without a bias."""
     if layer.bias is not None:
         return None
     if isinstance(layer.quant_method, GGUFMethod) and len(layer.gguf_parts) == 1:
-        planes = layer.gguf_parts[0]
-    elif isinstance(layer.quant_method, OnlineQuantMethod):
-        planes = layer.quant_runtime
-    else:
-        return None
-    return planes.gemv if isinstance(planes, Int4Planes) else None
+        return layer.gguf_parts[0]
+    if isinstance(layer.quant_method, OnlineQuantMethod):  # AWQ has no runtime until it is calibrated
+        return getattr(layer, "quant_runtime", None)
+    return None
+
+
+def _gemv(layer: LinearBase) -> int4_gemv.Int4Gemv | None:
+    """The few-row GEMV form of the layer's weights (held by int4 planes), or None."""
+    weights = _weights(layer)
+    return weights.gemv if isinstance(weights, Int4Planes) else None
 
 
 def _linear(layer: LinearBase) -> Linear:
-    """The layer as a callable: a GGUF layer of one part is that part's forward (what the layer's
-    call comes down to, without the two module calls and the quant method around it)."""
-    if isinstance(layer.quant_method, GGUFMethod) and layer.bias is None and len(layer.gguf_parts) == 1:
-        return layer.gguf_parts[0].forward
-    return layer
+    """The layer as a callable: the module its call comes down to, without the two module calls and
+    the quant method around it, where there is one."""
+    weights = _weights(layer)
+    return layer if weights is None else weights.forward
 
 
 def _takes(model: nn.Module, kv_caches: list[torch.Tensor]) -> bool:
