@@ -60,7 +60,7 @@ def fast() -> bool:
 
 def default_path() -> int:
     """INT8_LEVELS where the build has AVX-512 VNNI and the environment does not refuse it, else
-    BF16_PRODUCTS (read at each call: A/B measurements switch it in one process)."""
+    BF16_PRODUCTS; read when the weights are laid out (an engine built under the switch keeps it)."""
     return INT8_LEVELS if os.environ.get(INT8_LEVELS_ENV, "1") != "0" and _has_int8_levels() else BF16_PRODUCTS
 
 
@@ -93,6 +93,7 @@ class Int4Gemv:
             self.weight = u.contiguous()
         self.scale_zero = torch.nn.functional.pad(scale_zero, (0, 0, 0, pad)).contiguous()
         self.bits, self.out_features, self.in_features = bits, n, k
+        self.path = default_path()
 
     @classmethod
     def from_planes(cls, q_per_plane: list[torch.Tensor], scale_zero: torch.Tensor, group: int) -> Int4Gemv | None:
@@ -127,14 +128,15 @@ class Int4Gemv:
         gemv = cls.__new__(cls)
         gemv.weight, gemv.scale_zero, gemv.bits = state["weight"], state["scale_zero"], state["bits"]
         gemv.out_features, gemv.in_features = state["out_features"], state["in_features"]
+        gemv.path = default_path()
         return gemv
 
     def __call__(self, x: torch.Tensor, path: int | None = None) -> torch.Tensor:
         """x [M ≤ 8, K] bfloat16 · Wᵀ → [M, N] bfloat16; `path`: SCALAR, BF16_PRODUCTS or
-        INT8_LEVELS (None: `default_path()`)."""
+        INT8_LEVELS (None: the one chosen when the weights were laid out)."""
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         torch.ops.kvflow_int4_gemv.int4_gemv(out, x.contiguous(), self.weight, self.scale_zero, self.bits,
-                                             default_path() if path is None else path)
+                                             self.path if path is None else path)
         return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

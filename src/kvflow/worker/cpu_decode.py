@@ -135,18 +135,19 @@ class CpuDecodeLoop:
     def _run_native(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The Python loop above as one C++ call (csrc/cpu_decode_step.cpp): the same kernels on
         the same buffers, without the interpreter between them."""
-        tensors, bits, gate_up_width = self.native
+        tensors, bits, gate_up_width, gemv_path = self.native
         out = torch.empty_like(hidden)
         torch.ops.kvflow_cpu_decode.llama_step(
             out, hidden, positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
             meta.seq_lens, meta.query_start_loc, torch.arange(hidden.shape[0]), tensors, bits, self.final_norm,
-            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width, int4_gemv.default_path())
+            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width, gemv_path)
         return out
 
 
-def _native_step(decoder: DecoderModel, layers: list[_Layer]) -> tuple[list[torch.Tensor], list[int], int] | None:
-    """The C++ step's per-layer tensors and code widths, or None where it cannot run: a projection
-    without the few-row GEMV form, a model not in bfloat16, or no library."""
+def _native_step(decoder: DecoderModel, layers: list[_Layer]) -> tuple[list[torch.Tensor], list[int], int, int] | None:
+    """The C++ step's per-layer tensors and code widths, the gate_up width and how the GEMVs compute
+    (the layers' own choice), or None where it cannot run: a projection without the few-row GEMV
+    form, a model not in bfloat16, or no library."""
     if os.environ.get(NATIVE_DISABLE_ENV, "1") == "0":
         return None
     tensors, bits = [], []
@@ -163,7 +164,7 @@ def _native_step(decoder: DecoderModel, layers: list[_Layer]) -> tuple[list[torc
     if decoder.norm.weight.dtype != torch.bfloat16 or not cpu_extension.load_library(
             "kvflow_cpu_decode", NATIVE_SOURCE, "the C++ decode step"):
         return None
-    return tensors, bits, gemvs[2].out_features
+    return tensors, bits, gemvs[2].out_features, gemvs[0].path
 
 
 def _weights(layer: LinearBase) -> nn.Module | None:
