@@ -76,8 +76,7 @@ def test_cpp_step_matches_the_python_loop_and_the_modules(llama_dir, num_prompts
                        PROMPTS[:num_prompts])
     python_loop = _generate(_engine(llama_dir, "bfloat16", True, monkeypatch, native=False, **kw), PROMPTS[:num_prompts])
     modules = _generate(_engine(llama_dir, "bfloat16", False, monkeypatch, **kw), PROMPTS[:num_prompts])
-    assert steps == ([num_prompts] * len(steps) if num_prompts <= int4_gemv.MAX_ROWS else [])
-    assert bool(steps) == (num_prompts <= int4_gemv.MAX_ROWS)
+    assert steps == [num_prompts] * len(steps) and bool(steps) == (num_prompts <= int4_gemv.MAX_ROWS)
     assert native == python_loop == modules
 
 

@@ -16,12 +16,13 @@ CPU has AVX-512 BF16; `KVFLOW_INT4_GEMV=0` switches it off (A/B measurements).
 
 One row of 4-bit codes (batch-1 decode) takes a faster path where the CPU has AVX-512 VNNI: each
 group's 32 activations become two int8 levels, x ≈ a·q1 + (a/254)·q2 (a = max|x| / 127), off by
-at most max|x| / 65,000 where bfloat16 itself keeps 1 part in 256, and the codes meet them in
-exact integer dot products (`vpdpbusd`, a third of `vdpbf16ps`'s cost for twice the products).
-The zeros' term takes the levels' own sums, so the result is the dequantized weights' product
-with the levels' x. On the default model: perplexity +0.04–0.06% against the bf16 products (the
-two exact kernels, ours and aten's, differ by up to 0.09%; one int8 level, llama.cpp's way, cost
-+2.2%), batch-1 decode ~1.1× (docs/performance.md). `KVFLOW_INT4_GEMV_INT8_LEVELS=0` keeps bfloat16 products there too.
+at most half of a/254, max|x| / 64,516, where bfloat16 itself keeps 1 part in 256; the codes meet
+them in exact integer dot products (`vpdpbusd`, a third of `vdpbf16ps`'s cost for twice the
+products). The zeros' term takes the levels' own sums, so the result is the dequantized weights'
+product with the levels' x. On the default model: perplexity +0.04–0.06% against the bf16
+products (the two exact kernels, ours and aten's, differ by up to 0.09%; one int8 level,
+llama.cpp's way, cost +2.2%), batch-1 decode ~1.1× (docs/performance.md).
+`KVFLOW_INT4_GEMV_INT8_LEVELS=0` keeps bfloat16 products there too.
 """
 
 from __future__ import annotations

@@ -266,9 +266,9 @@ void rows1_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const
 // vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds them in fours into 32-bit lanes
 // for the issue cost of a third of one vdpbf16ps, which multiplies 32. The codes are bytes as
 // they are (nibbles masked out, no widening); the activations of each group of 32 become two
-// int8 levels, x ≈ a·q1 + (a/254)·q2 with a = max|x| / 127, whose sum misses x by at most
-// max|x| / 65,000 (the bfloat16 activations themselves hold 1 part in 256): both levels' integer
-// dot products are exact, and they meet in float, scaled by a and the weights' s.
+// int8 levels, x ≈ a·q1 + (a/254)·q2 with a = max|x| / 127, whose sum misses x by at most half a
+// step of the second level, max|x| / 64,516 (the bfloat16 activations themselves hold 1 part in
+// 256): both levels' integer dot products are exact, and they meet in float, scaled by a and s.
 // Layout per call (xq): per pair of pairs (4 groups: a chunk of 64 code bytes), for each level,
 // the partners of the low nibbles [g0 x0..15, g1 x0..15, g2 x0..15, g3 x0..15] then those of the
 // high ones (x16..31 of each); a_lanes: per chunk, 16 floats (lane i: a of group i / 4) for each
