@@ -13,7 +13,8 @@ from kvflow.quant.int4_gemv import GROUP, Int4Gemv
 from kvflow.quant.int4pack import Int4Planes, _unpack, planes_from_affine
 from test_gguf_native import default_tensors, gguf_py_dequantize, random_blocks  # noqa: F401 - a fixture
 
-SHAPES = [(100, 96), (960, 576), (576, 1536), (33, 160)]  # 3 and 5 groups: an odd count is padded
+SHAPES = [(100, 96), (960, 576), (576, 1536), (33, 160), (24, 512), (20, 1056)]
+# 3, 5 and 33 groups: an odd count is padded; 16 and 48: whole blocks only; 18 and 33: blocks and groups after them
 
 
 @pytest.fixture(autouse=True, scope="module")

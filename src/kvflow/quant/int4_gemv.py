@@ -89,7 +89,7 @@ class Int4Gemv:
         u = torch.nn.functional.pad(u.to(torch.uint8), (0, pad * GROUP))
         if bits == 4:  # byte j of a group: u[j] in the low nibble, u[16 + j] in the high one
             halves = u.view(n, -1, 2, GROUP // 2)
-            self.weight = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1).contiguous()
+            self.weight = _blocks_lane_by_lane((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1))
         else:
             self.weight = u.contiguous()
         self.scale_zero = torch.nn.functional.pad(scale_zero, (0, 0, 0, pad)).contiguous()
@@ -152,7 +152,7 @@ class Int4Gemv:
     def _dequantize_rows(self, weight: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape[0], self.in_features
         if self.bits == 4:
-            b = weight.view(n, -1, GROUP // 2)
+            b = _blocks_group_by_group(weight).view(n, -1, GROUP // 2)
             u = torch.cat([b & 0x0F, b >> 4], dim=2).view(n, -1, GROUP)
         else:
             u = weight.view(n, -1, GROUP)
@@ -164,3 +164,25 @@ class Int4Gemv:
     def nbytes(self) -> int:
         return self.weight.numel() + self.scale_zero.numel() * 2
 
+
+
+# A 4-bit row's whole blocks of 16 groups are laid out lane by lane for the kernel (csrc's top):
+# bytes [group i][4t + j] of a block stored at [t][i][j].
+BLOCK_GROUPS = 16
+
+
+def _blocks_lane_by_lane(rows: torch.Tensor) -> torch.Tensor:
+    """Byte rows [N, Ĝ·16], groups one after another, in the kernel's layout."""
+    return _swap_in_blocks(rows, (BLOCK_GROUPS, 4, 4))
+
+
+def _blocks_group_by_group(rows: torch.Tensor) -> torch.Tensor:
+    """The kernel's byte rows back to groups one after another."""
+    return _swap_in_blocks(rows, (4, BLOCK_GROUPS, 4))
+
+
+def _swap_in_blocks(rows: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    n, width = rows.shape
+    blocked = width // (BLOCK_GROUPS * GROUP // 2) * (BLOCK_GROUPS * GROUP // 2)
+    head = rows[:, :blocked].reshape(n, -1, *shape).transpose(2, 3).reshape(n, blocked)
+    return torch.cat([head, rows[:, blocked:]], dim=1).contiguous()
