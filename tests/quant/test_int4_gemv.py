@@ -51,15 +51,16 @@ def test_kernel_computes_the_float_product(bits, n, k):
             assert_close_to(weights(x, path), reference)
 
 
-def test_int8_levels_miss_the_product_by_their_stated_bound():
-    """One row of 4-bit codes through the two int8 levels: off the float product of the exact
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_levels_miss_the_product_by_their_stated_bound(bits):
+    """One row of 4- or 8-bit codes through the two int8 levels: off the float product of the exact
     bfloat16 activations by at most the output's bfloat16 rounding plus, per group, max|x| / 64,516 (half of a/254, a = max|x| / 127)
     times the group's Σ|w| (float sums add a little slack). Groups of zeros, one outlier among tiny
     values, and an odd group count (the kernel's masked last chunk) included."""
     if not torch.ops.kvflow_int4_gemv.has_int8_levels():
         pytest.skip("no AVX-512 VNNI here: the int8 levels are not built")
     for n, k in SHAPES:
-        weights = random_weights(n, k, 4, seed=n)
+        weights = random_weights(n, k, bits, seed=n)
         w = weights.dequantize()
         gen = torch.Generator().manual_seed(k)
         x = torch.randn(1, k, generator=gen) * torch.logspace(-3, 2, k // GROUP).repeat_interleave(GROUP)
@@ -86,17 +87,19 @@ def test_int8_levels_miss_the_product_by_their_stated_bound():
     assert exact == 0.30078125 and levels != exact and abs(levels - 0.30078125) <= 1 / 508
 
 
-def test_int8_levels_carry_nan_and_inf_through():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_levels_carry_nan_and_inf_through(bits):
     """A NaN or an infinity among one row's activations makes every output non-finite, as the float
     product's would be (no int8 level holds them; converting them would give silent garbage)."""
     if not torch.ops.kvflow_int4_gemv.has_int8_levels():
         pytest.skip("no AVX-512 VNNI here: the int8 levels are not built")
-    weights = random_weights(40, 96, 4)
+    weights = random_weights(40, 1056, bits)  # 33 groups: two blocks and one after them
     for bad in (float("nan"), float("inf"), float("-inf")):
-        x = torch.randn(1, 96)
-        x[0, 37] = bad
-        got = weights(x.bfloat16(), int4_gemv.INT8_LEVELS)
-        assert not got.float().isfinite().any()
+        for at in (37, 1040):  # in a block, after the blocks
+            x = torch.randn(1, 1056)
+            x[0, at] = bad
+            got = weights(x.bfloat16(), int4_gemv.INT8_LEVELS)
+            assert not got.float().isfinite().any()
 
 
 def test_extreme_codes_and_scales():

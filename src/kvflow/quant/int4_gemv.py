@@ -89,9 +89,9 @@ class Int4Gemv:
         u = torch.nn.functional.pad(u.to(torch.uint8), (0, pad * GROUP))
         if bits == 4:  # byte j of a group: u[j] in the low nibble, u[16 + j] in the high one
             halves = u.view(n, -1, 2, GROUP // 2)
-            self.weight = _blocks_lane_by_lane((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1))
+            self.weight = _blocks_lane_by_lane((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1), 4)
         else:
-            self.weight = u.contiguous()
+            self.weight = _blocks_lane_by_lane(u.reshape(n, -1), 8)
         self.scale_zero = torch.nn.functional.pad(scale_zero, (0, 0, 0, pad)).contiguous()
         self.bits, self.out_features, self.in_features = bits, n, k
         self.path = default_path()
@@ -152,10 +152,10 @@ class Int4Gemv:
     def _dequantize_rows(self, weight: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape[0], self.in_features
         if self.bits == 4:
-            b = _blocks_group_by_group(weight).view(n, -1, GROUP // 2)
+            b = _blocks_group_by_group(weight, 4).view(n, -1, GROUP // 2)
             u = torch.cat([b & 0x0F, b >> 4], dim=2).view(n, -1, GROUP)
         else:
-            u = weight.view(n, -1, GROUP)
+            u = _blocks_group_by_group(weight, 8).view(n, -1, GROUP)
         s, z = scale_zero.float().unbind(-1)
         w = (u.float() - (8 if self.bits == 4 else 128)).mul_(s[..., None]).add_(z[..., None])
         return w.view(n, -1)[:, :k]
@@ -166,23 +166,25 @@ class Int4Gemv:
 
 
 
-# A 4-bit row's whole blocks of 16 groups are laid out lane by lane for the kernel (csrc's top):
-# bytes [group i][4t + j] of a block stored at [t][i][j].
+# A row's whole blocks of 16 groups are laid out lane by lane for the kernel (csrc's top): byte
+# [group i][4t + j] of a block (t < 4 at 4 bits, 8 at 8) stored at [t][i][j].
 BLOCK_GROUPS = 16
 
 
-def _blocks_lane_by_lane(rows: torch.Tensor) -> torch.Tensor:
-    """Byte rows [N, Ĝ·16], groups one after another, in the kernel's layout."""
-    return _swap_in_blocks(rows, (BLOCK_GROUPS, 4, 4))
+def _blocks_lane_by_lane(rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """Byte rows [N, Ĝ·4·bits] (a group: `bits` runs of 4 bytes), groups one after another, in the
+    kernel's layout."""
+    return _swap_in_blocks(rows, (BLOCK_GROUPS, bits, 4))
 
 
-def _blocks_group_by_group(rows: torch.Tensor) -> torch.Tensor:
+def _blocks_group_by_group(rows: torch.Tensor, bits: int) -> torch.Tensor:
     """The kernel's byte rows back to groups one after another."""
-    return _swap_in_blocks(rows, (4, BLOCK_GROUPS, 4))
+    return _swap_in_blocks(rows, (bits, BLOCK_GROUPS, 4))
 
 
 def _swap_in_blocks(rows: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     n, width = rows.shape
-    blocked = width // (BLOCK_GROUPS * GROUP // 2) * (BLOCK_GROUPS * GROUP // 2)
+    block_bytes = shape[0] * shape[1] * shape[2]
+    blocked = width // block_bytes * block_bytes
     head = rows[:, :blocked].reshape(n, -1, *shape).transpose(2, 3).reshape(n, blocked)
     return torch.cat([head, rows[:, blocked:]], dim=1).contiguous()

@@ -21,13 +21,13 @@
 //
 // Layouts (row n of W contiguous; G = K / 32 groups, padded to an even count Ĝ with zero codes,
 // scales and zeros, so that the loop takes two whole groups at a time):
-//   4-bit: Ĝ·16 bytes a row; a group's byte j holds u[j] (low nibble) and u[16 + j] (high). The
-//     row begins with whole blocks of 16 groups, each laid out lane by lane: 4 runs of 64 bytes,
-//     run t holding bytes 4t..4t+3 of group 0, then of group 1, ... 15. So one 512-bit integer dot
-//     product takes 4 bytes of each of 16 groups and its 16 lanes sum one group each: a block's
-//     scales meet its sums once, not once per 4 groups (csrc rows1_u4_int8: ~20% faster). The
-//     groups after the last whole block follow one after another, 16 bytes each.
-//   8-bit: [N, Ĝ, 32] bytes, groups one after another;
+//   4-bit: 16 bytes a group, byte j holding u[j] (low nibble) and u[16 + j] (high); 8-bit: 32
+//     bytes a group, byte j holding u[j]. A row begins with whole blocks of 16 groups, each laid
+//     out lane by lane: runs of 64 bytes, run t holding bytes 4t..4t+3 of group 0, then of group
+//     1, ... 15 (4 runs at 4 bits, 8 at 8). So one 512-bit integer dot product takes 4 bytes of
+//     each of 16 groups and its 16 lanes sum one group each: a block's scales meet its sums once,
+//     not once per 4 groups (one row of 4-bit codes ~20% faster, the 8-bit head ~35%). The groups
+//     after the last whole block follow one after another (byte_at).
 //   scale_zero: [N, Ĝ, 2] bfloat16 (s, z), groups in order.
 // The activations are rearranged once per call to match, as the partners of each 32-byte unit's
 // low nibbles then of its high ones (code_ordered).
@@ -71,35 +71,42 @@ inline float widen(c10::BFloat16 v) {
 
 inline int64_t padded_groups(int64_t k) { return (k / kGroup + 1) / 2 * 2; }
 inline int64_t row_bytes(int64_t k, int bits) { return padded_groups(k) * (bits == 4 ? 16 : 32); }
-// The groups a row's blocks of 16 hold (see the top): 4-bit rows only.
-inline int64_t blocked_groups(int64_t k, int bits) { return bits == 4 ? padded_groups(k) / 16 * 16 : 0; }
+// The groups a row's blocks of 16 hold (see the top).
+inline int64_t blocked_groups(int64_t k) { return padded_groups(k) / 16 * 16; }
+
+// Where byte j of group g lies in a row of `group_bytes` (16: 4-bit codes, 32: 8-bit) a group.
+inline int64_t byte_at(int64_t k, int64_t group_bytes, int64_t g, int64_t j) {
+  if (g < blocked_groups(k)) return (g / 16) * 16 * group_bytes + (j / 4) * 64 + (g % 16) * 4 + j % 4;
+  return g * group_bytes + j;
+}
 
 // The code of row n, input channel c.
 inline int code(const uint8_t* w, int64_t k, int bits, int64_t n, int64_t c) {
   const uint8_t* row = w + n * row_bytes(k, bits);
-  if (bits == 8) return row[c];
-  const int64_t g = c / kGroup, j = c % 16;
-  const uint8_t byte = row[g < blocked_groups(k, 4) ? (g / 16) * 256 + (j / 4) * 64 + (g % 16) * 4 + j % 4 : g * 16 + j];
+  if (bits == 8) return row[byte_at(k, 32, c / kGroup, c % kGroup)];
+  const uint8_t byte = row[byte_at(k, 16, c / kGroup, c % 16)];
   return (c % kGroup) < 16 ? (byte & 0x0F) : (byte >> 4);
 }
 
-// The activations of m rows in the codes' order: per 32-byte unit of a row's codes, the partners
-// of its bytes' low nibbles (x[j] for byte j of a group) then of their high ones (x[16 + j]);
-// zeros for a padding group. A block's unit holds 4 bytes of each of 8 groups.
+// The activations of m rows in the codes' order, for the bfloat16 products: per 32-byte unit of a
+// row's 4-bit codes, the partners of its bytes' low nibbles (x[j] for byte j of a group) then of
+// their high ones (x[16 + j]); 8-bit codes, in a block, the partner of each byte (the same x for
+// both nibbles), after the blocks, per pair of groups, [g0 x0..15, g1 x0..15] then
+// [g0 x16..31, g1 x16..31]. Zeros for a padding group.
 std::vector<uint16_t> code_ordered(const c10::BFloat16* x, int64_t m, int64_t k, int bits) {
-  const int64_t groups = k / kGroup, x_stride = padded_groups(k) * 32, blocked = blocked_groups(k, bits);
+  const int64_t groups = k / kGroup, x_stride = padded_groups(k) * 32, blocked = blocked_groups(k);
   std::vector<uint16_t> xr(m * x_stride, 0);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g)
-      for (int64_t half = 0; half < 2; ++half) {
-        const c10::BFloat16* from = x + r * k + g * kGroup + half * 16;
-        uint16_t* row = xr.data() + r * x_stride + half * 32;
-        if (g < blocked) {
-          for (int64_t t = 0; t < 4; ++t)  // bytes 4t..4t+3 of group g: unit (g / 16)·8 + 2t + (g % 16) / 8
-            std::memcpy(row + ((g / 16) * 8 + 2 * t + (g % 16) / 8) * 64 + (g % 8) * 4, from + 4 * t, 4 * sizeof(uint16_t));
+      for (int64_t j = 0; j < kGroup; j += 4) {  // runs of 4 bytes' partners stay together
+        int64_t at;
+        if (bits == 4) {
+          const int64_t byte = byte_at(k, 16, g, j % 16);
+          at = (byte / 32) * 64 + (j / 16) * 32 + byte % 32;
         } else {
-          std::memcpy(row + (g / 2) * 64 + (g % 2) * 16, from, 16 * sizeof(uint16_t));
+          at = g < blocked ? byte_at(k, 32, g, j) : (g / 2) * 64 + (j / 16) * 32 + (g % 2) * 16 + j % 16;
         }
+        std::memcpy(xr.data() + r * x_stride + at, x + r * k + g * kGroup + j, 4 * sizeof(uint16_t));
       }
   return xr;
 }
@@ -145,21 +152,44 @@ void rows_scalar(c10::BFloat16* out, const c10::BFloat16* x, int64_t m, const fl
 // back. Each biased product is still exact in float.
 constexpr float kLowBias = 128.0f, kHighBias = 2048.0f;
 
-// The scales of a row's 32-byte unit p as floats, one per lane of vdpbf16ps's output (a lane sums
-// two adjacent bytes' products: one group's). A block's unit (p < block_units) holds 4 bytes of
-// each of 8 groups (lanes 2i, 2i + 1: group i); a unit after the blocks, or an 8-bit row's pair
-// of groups, two whole groups (lanes 0-7, 8-15). szr: the row's (s, z) pairs.
-inline __m512 unit_scales(const uint16_t* szr, int64_t p, int64_t block_units) {
-  __m512i lanes;
-  if (p < block_units) {
-    const __m256i eight = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szr + 2 * (16 * (p / 8) + 8 * (p % 2))));
-    lanes = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
-                                     _mm512_castsi256_si512(eight));
-  } else {
-    const int32_t* pair_sz = reinterpret_cast<const int32_t*>(szr + p * 4);
-    lanes = _mm512_mask_set1_epi32(_mm512_set1_epi32(pair_sz[0]), 0xFF00, pair_sz[1]);
-  }
+// s of the groups a row's 32-byte unit u of its blocks holds, as floats, one per lane of
+// vdpbf16ps's output (a lane sums two adjacent bytes' products): the unit holds 4 bytes of each
+// of 8 groups, lanes 2i and 2i + 1 group i's. szr: the row's (s, z) pairs; units_per_block: 8 at
+// 4 bits, 16 at 8.
+inline __m512 block_unit_scales(const uint16_t* szr, int64_t u, int64_t units_per_block) {
+  const __m256i eight = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szr + 2 * (16 * (u / units_per_block) + 8 * (u % 2))));
+  const __m512i lanes = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                                 _mm512_castsi256_si512(eight));
   return _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));  // s, the pair's low half, as a float
+}
+
+// s of the pair of groups 2p, 2p + 1 after the blocks: lanes 0-7 and 8-15.
+inline __m512 pair_scales(const uint16_t* szr, int64_t p) {
+  const int32_t* pair_sz = reinterpret_cast<const int32_t*>(szr + p * 4);
+  const __m512i both = _mm512_mask_set1_epi32(_mm512_set1_epi32(pair_sz[0]), 0xFF00, pair_sz[1]);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+}
+
+// A block's 32-byte unit u times M rows of activations, into acc: its codes as biased bfloat16s
+// (low nibbles, then high ones), each against its partners in xr (x_stride apart per row).
+template <int M, int BITS>
+inline void block_unit_bf16(__m512* acc, const uint8_t* wr, const uint16_t* xr, int64_t x_stride, const uint16_t* szr,
+                            int64_t u) {
+  const __m512i low4 = _mm512_set1_epi16(0x0F), low_bias = _mm512_set1_epi16(0x4300),
+                high_bias = _mm512_set1_epi16(0x4500);
+  const __m512 s16 = block_unit_scales(szr, u, BITS == 4 ? 8 : 16);
+  const __m512i b16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + u * 32)));
+  const __m512i lo = _mm512_ternarylogic_epi32(b16, low4, low_bias, 0xEA);  // (b & 0x0F) | bias
+  const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(b16, 4), BITS == 4 ? low_bias : high_bias);
+  for (int r = 0; r < M; ++r) {
+    // 4-bit: 64 partners a unit, the low nibbles' then the high ones'; 8-bit: 32, shared.
+    const uint16_t* xp = xr + r * x_stride + u * (BITS == 4 ? 64 : 32);
+    const __m512bh x_lo = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xp));
+    const __m512bh x_hi = reinterpret_cast<__m512bh>(_mm512_loadu_si512(BITS == 4 ? xp + 32 : xp));
+    const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<__m512bh>(lo), x_lo),
+                                        reinterpret_cast<__m512bh>(hi), x_hi);
+    acc[r] = _mm512_fmadd_ps(dot, s16, acc[r]);
+  }
 }
 
 // Rows n0..n1 for M activation rows (xr: rearranged, see the top). A step covers two groups:
@@ -174,7 +204,7 @@ void rows_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const 
   // z − c·s per group, less the codes' bias: s·Σ(bias + u)·x = s·Σu·x + bias·s·Σx.
   const float offset_per_s = (BITS == 4 ? 8.0f + kLowBias : 128.0f + kLowBias + kHighBias);
   const int64_t x_stride = pairs * 64;  // bf16 values per rearranged row (a partial pair padded)
-  const int64_t block_units = blocked_groups(k, BITS) / 2;
+  const int64_t blocked = blocked_groups(k), block_units = blocked * (BITS == 4 ? 16 : 32) / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * w_stride;
     const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
@@ -185,8 +215,9 @@ void rows_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const 
     _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4), _MM_HINT_T0);
     __m512 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m512 s16 = unit_scales(szr, p, block_units);
+    for (int64_t u = 0; u < block_units; ++u) block_unit_bf16<M, BITS>(acc, wr, xr, x_stride, szr, u);
+    for (int64_t p = blocked / 2; p < pairs; ++p) {
+      const __m512 s16 = pair_scales(szr, p);
       __m512i codes[BITS == 4 ? 2 : 4];
       if constexpr (BITS == 4) {
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + p * 32));
@@ -277,17 +308,19 @@ inline void in_fours(int64_t n0, int64_t n1, const uint8_t* w, const c10::BFloat
 void rows1_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const uint8_t* w,
                 const c10::BFloat16* sz, int64_t n0, int64_t n1, int64_t k) {
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 4);
-  const int64_t block_units = blocked_groups(k, 4) / 2;
+  const int64_t blocked = blocked_groups(k);
   const __m512i low4 = _mm512_set1_epi16(0x0F), low_bias = _mm512_set1_epi16(0x4300);
   in_fours(n0, n1, w, sz, w_stride, pairs, [=](auto rows, int64_t n, const uint8_t* wr, const uint16_t* szr) {
     constexpr int R = decltype(rows)::value;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t u = 0; u < blocked / 2; ++u)
+      for (int r = 0; r < R; ++r) block_unit_bf16<1, 4>(acc + r, wr + r * w_stride, xr, 0, szr + r * pairs * 4, u);
+    for (int64_t p = blocked / 2; p < pairs; ++p) {
       const __m512bh x_lo = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + p * 64));
       const __m512bh x_hi = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + p * 64 + 32));
       for (int r = 0; r < R; ++r) {
-        const __m512 s16 = unit_scales(szr + r * pairs * 4, p, block_units);
+        const __m512 s16 = pair_scales(szr + r * pairs * 4, p);
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + r * w_stride + p * 32));
         const __m512i b16 = _mm512_cvtepu8_epi16(bytes);
         const __m512i c0 = _mm512_ternarylogic_epi32(b16, low4, low_bias, 0xEA);
@@ -304,40 +337,56 @@ void rows1_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const
 }
 
 #ifdef KVFLOW_VNNI
-// One activation row of 4-bit codes, four weight rows at a time, with integer dot products.
-// vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds them in fours into 32-bit lanes
-// for the issue cost of a third of one vdpbf16ps, which multiplies 32. The codes are bytes as
-// they are (nibbles masked out, no widening); the activations of each group of 32 become two
+// One activation row, four weight rows at a time, with integer dot products. vpdpbusd multiplies
+// 64 unsigned bytes by 64 signed ones and adds them in fours into 32-bit lanes for the issue cost
+// of a third of one vdpbf16ps, which multiplies 32. The codes are bytes as they are (4-bit ones
+// with the nibbles masked out, no widening); the activations of each group of 32 become two
 // int8 levels, x ≈ a·q1 + (a/254)·q2 with a = max|x| / 127, whose sum misses x by at most half a
 // step of the second level, max|x| / 64,516 (the bfloat16 activations themselves hold 1 part in
 // 256): both levels' integer dot products are exact, and they meet in float, scaled by a and s.
-// Layout per call, in the codes' order (see the top), 256 bytes per 4 groups (a chunk of 64 code
-// bytes): for each level, the partners of the low nibbles, then those of the high ones (x16..31).
-// In a block, run t's partners: [x 4t..4t+3 of g0, of g1, ... g15] (the lanes of one dot
-// product), and a block's a: 16 floats per level, lane i group i's. After the blocks, per chunk,
-// [g0 x0..15, g1 x0..15, g2 x0..15, g3 x0..15], and 16 floats per level (lane i: group i / 4's a).
+// Layout per call, in the codes' order (see the top), 64 bytes per group, a's as floats per lane:
+//   a block (16 groups, 1,024 bytes): per run of dot products, for each level, the partners of
+//     the run's bytes: [x 4t..4t+3 of g0, of g1, ... g15] at 8 bits; at 4 bits, those of the low
+//     nibbles, then those of the high ones (x 16 + 4t..): 4 runs of 256 bytes, or 8 of 128. Its
+//     a: 16 floats per level, lane i group i's, at 128 floats a block;
+//   after the blocks, 4-bit codes per 4 groups (a chunk of 64 code bytes, 256 bytes): for each
+//     level, [g0 x0..15, g1 x0..15, g2 x0..15, g3 x0..15] then x16..31 likewise; 16 floats per
+//     level (lane i: group i / 4's a) at 32 a chunk. 8-bit codes per 2 groups (128 bytes): for
+//     each level, [g0 x0..31, g1 x0..31]; 16 floats per level (lanes 0-7 g0's a, 8-15 g1's).
 // A missing group (an odd pair count) has zero activations and is never loaded.
 struct Int8Levels {
-  std::vector<int8_t> xq;    // [chunks][level 2][half 2][64]
-  std::vector<float> a;      // [chunks][level 2][16] (a block: its first chunk's place)
+  std::vector<int8_t> xq;
+  std::vector<float> a;
   std::vector<float> sums;   // [Ĝ]: Σ of the levels' x, for the zeros' term (the product is then
                              // exactly the dequantized weights' product with the levels' x)
 };
 
-Int8Levels int8_levels(const c10::BFloat16* x, int64_t k) {
-  const int64_t groups = k / kGroup, chunks = (groups + 3) / 4, blocked = blocked_groups(k, 4);
-  Int8Levels out{std::vector<int8_t>(chunks * 256, 0), std::vector<float>(chunks * 32, 0.0f),
+Int8Levels int8_levels(const c10::BFloat16* x, int64_t k, int bits) {
+  const int64_t groups = k / kGroup, blocked = blocked_groups(k), slots = padded_groups(k) + 4;
+  Int8Levels out{std::vector<int8_t>(slots * 64, 0), std::vector<float>(slots * 16, 0.0f),
                  std::vector<float>(padded_groups(k), 0.0f)};
-  // Where group g's a of each level goes: a block's lane g % 16, or 4 lanes of its chunk.
+  // Group g's a of each level: a block's lane g % 16, or its lanes of a chunk (4-bit) or pair (8-bit).
   const auto set_a = [&](int64_t g, float a1, float a2) {
-    if (g < blocked) {
-      out.a[(g / 16) * 128 + g % 16] = a1;
-      out.a[(g / 16) * 128 + 16 + g % 16] = a2;
+    for (int64_t level = 0; level < 2; ++level) {
+      const float a = level == 0 ? a1 : a2;
+      if (g < blocked) out.a[(g / 16) * 128 + level * 16 + g % 16] = a;
+      else if (bits == 4) std::fill_n(out.a.begin() + (g / 4) * 32 + level * 16 + (g % 4) * 4, 4, a);
+      else std::fill_n(out.a.begin() + (g / 2) * 32 + level * 16 + (g % 2) * 8, 8, a);
+    }
+  };
+  // Group g's 16 levels of one half (x 16·half..16·half + 15) of one level, where they go.
+  const auto put = [&](int64_t g, int64_t level, int64_t half, const int8_t* q) {
+    int8_t* xq = out.xq.data();
+    if (g < blocked && bits == 4) {
+      for (int64_t t = 0; t < 4; ++t)
+        std::memcpy(xq + (g / 16) * 1024 + t * 256 + level * 128 + half * 64 + (g % 16) * 4, q + 4 * t, 4);
+    } else if (g < blocked) {
+      for (int64_t t = 4 * half; t < 4 * half + 4; ++t)
+        std::memcpy(xq + (g / 16) * 1024 + t * 128 + level * 64 + (g % 16) * 4, q + 4 * (t % 4), 4);
+    } else if (bits == 4) {
+      std::memcpy(xq + (g / 4) * 256 + level * 128 + half * 64 + (g % 4) * 16, q, 16);
     } else {
-      for (int64_t lane = 0; lane < 4; ++lane) {
-        out.a[(g / 4) * 32 + (g % 4) * 4 + lane] = a1;
-        out.a[(g / 4) * 32 + 16 + (g % 4) * 4 + lane] = a2;
-      }
+      std::memcpy(xq + (g / 2) * 128 + level * 64 + (g % 2) * 32 + half * 16, q, 16);
     }
   };
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
@@ -349,7 +398,6 @@ Int8Levels int8_levels(const c10::BFloat16* x, int64_t k) {
     const __m512i order_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i order_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     const __m512 v[2] = {_mm512_permutex2var_ps(even, order_lo, odd), _mm512_permutex2var_ps(even, order_hi, odd)};
-    const int64_t chunk = g / 4, slot = g % 4;
     constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // quiet NaN, +inf, -inf, signalling NaN
     if (_mm512_fpclass_ps_mask(v[0], kNotFinite) | _mm512_fpclass_ps_mask(v[1], kNotFinite)) {
       // No level holds it: the group's a is NaN, so its products and every output are NaN, as
@@ -368,19 +416,11 @@ Int8Levels int8_levels(const c10::BFloat16* x, int64_t k) {
       const __m512i q2 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(rest, _mm512_set1_ps(a2))),
                                                            _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
       const __m512i q1i = _mm512_cvtps_epi32(q1);
-      if (g < blocked) {  // x 4t..4t+3 of this half to run t, lane g % 16
-        alignas(16) int8_t levels[2][16];
-        _mm_store_si128(reinterpret_cast<__m128i*>(levels[0]), _mm512_cvtsepi32_epi8(q1i));
-        _mm_store_si128(reinterpret_cast<__m128i*>(levels[1]), _mm512_cvtsepi32_epi8(q2));
-        for (int64_t level = 0; level < 2; ++level)
-          for (int64_t t = 0; t < 4; ++t)
-            std::memcpy(out.xq.data() + (g / 16) * 1024 + t * 256 + level * 128 + half * 64 + (g % 16) * 4,
-                        levels[level] + 4 * t, 4);
-      } else {
-        int8_t* at = out.xq.data() + chunk * 256 + half * 64 + slot * 16;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtsepi32_epi8(q1i));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 128), _mm512_cvtsepi32_epi8(q2));
-      }
+      alignas(16) int8_t levels[2][16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(levels[0]), _mm512_cvtsepi32_epi8(q1i));
+      _mm_store_si128(reinterpret_cast<__m128i*>(levels[1]), _mm512_cvtsepi32_epi8(q2));
+      put(g, 0, half, levels[0]);
+      put(g, 1, half, levels[1]);
       sum1 += _mm512_reduce_add_epi32(q1i);
       sum2 += _mm512_reduce_add_epi32(q2);
     }
@@ -393,7 +433,7 @@ Int8Levels int8_levels(const c10::BFloat16* x, int64_t k) {
 void rows1_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* w, const c10::BFloat16* sz, int64_t n0,
                    int64_t n1, int64_t k) {
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 4);
-  const int64_t chunks = (groups + 3) / 4, blocked = blocked_groups(k, 4);
+  const int64_t chunks = (groups + 3) / 4, blocked = blocked_groups(k);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane i: group i / 4
@@ -457,28 +497,103 @@ void rows1_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* 
           add_zeros_term(acc[r], szr + r * pairs * 4 + 2 * blocked, level_sums + blocked, groups - blocked, 8.0f)));
   });
 }
+
+// One row against 8-bit codes (the Q8_0 head), as rows1_u4_int8: in a block, 8 runs of dot
+// products on the code bytes as they are; after the blocks, two groups per 64 bytes.
+void rows1_u8_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* w, const c10::BFloat16* sz, int64_t n0,
+                   int64_t n1, int64_t k) {
+  const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 8);
+  const int64_t blocked = blocked_groups(k);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const int8_t* all_xq = levels.xq.data();
+  const float *all_a = levels.a.data(), *level_sums = levels.sums.data();
+  in_fours(n0, n1, w, sz, w_stride, pairs, [=](auto rows, int64_t n, const uint8_t* wr, const uint16_t* szr) {
+    constexpr int R = decltype(rows)::value;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocked / 16; ++b) {
+      __m512i i1[R], i2[R];
+      for (int r = 0; r < R; ++r) i1[r] = i2[r] = _mm512_setzero_si512();
+      for (int64_t t = 0; t < 8; ++t) {
+        const int8_t* xq = all_xq + b * 1024 + t * 128;
+        const __m512i x1 = _mm512_loadu_si512(xq), x2 = _mm512_loadu_si512(xq + 64);
+        for (int r = 0; r < R; ++r) {
+          const __m512i bytes = _mm512_loadu_si512(wr + r * w_stride + b * 512 + t * 64);
+          i1[r] = _mm512_dpbusd_epi32(i1[r], bytes, x1);
+          i2[r] = _mm512_dpbusd_epi32(i2[r], bytes, x2);
+        }
+      }
+      const __m512 a1 = _mm512_loadu_ps(all_a + b * 128), a2 = _mm512_loadu_ps(all_a + b * 128 + 16);
+      const __m512 sums = _mm512_loadu_ps(level_sums + b * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512i pair = _mm512_loadu_si512(szr + r * pairs * 4 + b * 32);  // 16 groups' (s, z)
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2[r]), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1[r]), a1));
+        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, z), sums, _mm512_fmadd_ps(dot, s, acc[r]));
+      }
+    }
+    for (int64_t p = blocked / 2; p < pairs; ++p) {  // groups 2p and 2p + 1 (a padding one: zeros)
+      const int8_t* xq = all_xq + p * 128;
+      const __m512i x1 = _mm512_loadu_si512(xq), x2 = _mm512_loadu_si512(xq + 64);
+      const __m512 a1 = _mm512_loadu_ps(all_a + p * 32), a2 = _mm512_loadu_ps(all_a + p * 32 + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512i bytes = _mm512_loadu_si512(wr + r * w_stride + p * 64);
+        const __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes, x1);
+        const __m512i i2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes, x2);
+        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1), a1));
+        acc[r] = _mm512_fmadd_ps(dot, pair_scales(szr + r * pairs * 4, p), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(
+          add_zeros_term(acc[r], szr + r * pairs * 4 + 2 * blocked, level_sums + blocked, groups - blocked, 128.0f)));
+  });
+}
 #endif
 
 // One activation row of 8-bit codes, four weight rows at a time, in float: a code becomes a float
 // by widening and converting (exact), and products are float multiply-adds. vdpbf16ps, which
 // takes over two cycles here, would need four per 64 codes (an 8-bit code is two bfloat16
-// nibbles); this needs four multiply-adds, which issue two a cycle. xf: x in float, K values.
+// nibbles); this needs four multiply-adds, which issue two a cycle. xf: x in float in the codes'
+// order (each code byte's partner). In a block, 16 bytes are 4 bytes of 4 groups, so each quarter
+// of a run keeps its own sums until the block's end, where they meet their groups' scales.
 void rows1_u8_f32(c10::BFloat16* out, const float* xf, const float* sums, const uint8_t* w, const c10::BFloat16* sz,
                   int64_t n0, int64_t n1, int64_t k) {
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 8);
+  const int64_t blocked = blocked_groups(k);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane i: group i / 4
+  const auto widened = [](const uint8_t* codes) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  };
   in_fours(n0, n1, w, sz, w_stride, pairs, [=](auto rows, int64_t n, const uint8_t* wr, const uint16_t* szr) {
     constexpr int R = decltype(rows)::value;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t b = 0; b < blocked / 16; ++b) {
+      __m512 part[R][4];  // quarter q: 4 bytes of each of groups 4q..4q + 3
+      for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) part[r][q] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < 8; ++t)
+        for (int q = 0; q < 4; ++q) {
+          const __m512 x = _mm512_loadu_ps(xf + b * 512 + t * 64 + q * 16);
+          for (int r = 0; r < R; ++r)
+            part[r][q] = _mm512_fmadd_ps(widened(wr + r * w_stride + b * 512 + t * 64 + q * 16), x, part[r][q]);
+        }
+      for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) {
+          const __m512i four = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(szr + r * pairs * 4 + (16 * b + 4 * q) * 2)));
+          const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(spread, four), 16));
+          acc[r] = _mm512_fmadd_ps(part[r][q], s, acc[r]);
+        }
+    }
+    for (int64_t g = blocked; g < groups; ++g) {
       const __m512 x0 = _mm512_loadu_ps(xf + g * kGroup), x1 = _mm512_loadu_ps(xf + g * kGroup + 16);
       for (int r = 0; r < R; ++r) {
         const uint8_t* codes = wr + r * w_stride + g * kGroup;
-        const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-        const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
         const int32_t pair = *reinterpret_cast<const int32_t*>(szr + r * pairs * 4 + 2 * g);
         const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi32(pair), 16));
-        acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(c1, x1, _mm512_mul_ps(c0, x0)), s, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(widened(codes + 16), x1, _mm512_mul_ps(widened(codes), x0)), s, acc[r]);
       }
     }
     for (int r = 0; r < R; ++r)
@@ -553,9 +668,12 @@ void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const a
   // Output rows per task: a layer of a few hundred rows still goes to both threads.
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(k, 1));
 #ifdef KVFLOW_VNNI
-  if (path == kInt8Levels && m == 1 && bits == 4) {  // its zeros' term takes the levels' own sums
-    const Int8Levels levels = int8_levels(xp, k);
-    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) { rows1_u4_int8(o, levels, wp, szp, n0, n1, k); });
+  if (path == kInt8Levels && m == 1) {  // its zeros' term takes the levels' own sums
+    const Int8Levels levels = int8_levels(xp, k, static_cast<int>(bits));
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      if (bits == 4) rows1_u4_int8(o, levels, wp, szp, n0, n1, k);
+      else rows1_u8_int8(o, levels, wp, szp, n0, n1, k);
+    });
     return;
   }
 #endif
@@ -563,8 +681,8 @@ void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const a
 #ifdef KVFLOW_BF16_DOT
   if (path != kScalar) {
     if (m == 1 && bits == 8) {
-      std::vector<float> xf(k);
-      for (int64_t c = 0; c < k; ++c) xf[c] = widen(xp[c]);
+      std::vector<float> xf(padded_groups(k) * kGroup, 0.0f);  // in the codes' order
+      for (int64_t c = 0; c < k; ++c) xf[byte_at(k, 32, c / kGroup, c % kGroup)] = widen(xp[c]);
       at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
         rows1_u8_f32(o, xf.data(), sums.data(), wp, szp, n0, n1, k);
       });
