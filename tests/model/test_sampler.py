@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kvflow.model.layers import cpu_ops
 from kvflow.model.layers.sampler import Sampler, SamplingBatch, apply_penalties, filter_logits, first_argmax
 from kvflow.sampling_params import SamplingParams
 
@@ -131,3 +132,22 @@ def test_first_argmax_is_argmax_and_takes_the_first_of_equals():
     wide = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
     wide[3, [7, 900, 40000]] = wide[3].max() + 1  # a three-way tie past the first vector
     assert torch.equal(first_argmax(wide), wide.argmax(dim=-1)) and first_argmax(wide)[3] == 7
+
+
+def test_cpu_argmax_kernel_is_torch_max_indices():
+    """The C++ kernel (cpu_ops.first_argmax) gives max(dim=-1)'s indices: ties to the first, a NaN
+    anywhere to the first NaN (in the vector part and in the tail past it), rows of -inf, widths
+    that are no multiple of 16, and rows strided apart (a slice of a wider tensor)."""
+    if cpu_ops.load() is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(1)
+    for width in (1, 15, 16, 33, 49152):
+        x = torch.randn(9, width + 3, generator=gen)[:, :width]  # rows strided width + 3 apart
+        x[1] = NEG_INF
+        x[2, -1] = x[2].max() + 1  # the maximum in the last place
+        x[3, 0] = float("nan")
+        x[4, width // 2:] = float("nan")
+        x[5, -1] = float("nan")
+        x[6] = 2.0  # all equal
+        x[7, [0, width - 1]] = float(x[7].max()) + 5  # a tie between the first and last places
+        assert torch.equal(cpu_ops.first_argmax(x), x.max(dim=-1).indices), width

@@ -193,3 +193,17 @@ def test_bad_arguments_are_named():
         weights(torch.randn(9, 64).bfloat16())
     with pytest.raises(RuntimeError, match="x and out must be bfloat16"):
         weights(torch.randn(1, 64))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_are_the_dequantized_rows_bit_for_bit(bits):
+    """The embedding lookup (one C++ call) gives `dequantize()[ids]` exactly in float32, and its
+    bfloat16 rounding in bfloat16; an id outside the table is an error that names it."""
+    for n, k in SHAPES:
+        weights = random_weights(n, k, bits, seed=k)
+        ids = torch.tensor([0, n - 1, n // 2, 0])
+        w = weights.dequantize()
+        assert torch.equal(weights.rows(ids), w[ids])
+        assert torch.equal(weights.rows(ids, torch.bfloat16), w[ids].bfloat16())
+    with pytest.raises(RuntimeError, match="id 100 is outside"):
+        weights.rows(torch.tensor([1, 100]))

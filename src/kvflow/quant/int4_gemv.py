@@ -14,15 +14,19 @@ codes, 128 for 8-bit). For an 8-bit layer (the default model's Q8_0 head) it rea
 per weight where two planes read 1.25. Used for bfloat16 calls of up to `MAX_ROWS` rows where the
 CPU has AVX-512 BF16; `KVFLOW_INT4_GEMV=0` switches it off (A/B measurements).
 
-One row of 4-bit codes (batch-1 decode) takes a faster path where the CPU has AVX-512 VNNI: each
-group's 32 activations become two int8 levels, x ≈ a·q1 + (a/254)·q2 (a = max|x| / 127), off by
-at most half of a/254, max|x| / 64,516, where bfloat16 itself keeps 1 part in 256; the codes meet
-them in exact integer dot products (`vpdpbusd`, a third of `vdpbf16ps`'s cost for twice the
-products). The zeros' term takes the levels' own sums, so the result is the dequantized weights'
-product with the levels' x. On the default model: perplexity +0.04–0.06% against the bf16
-products (the two exact kernels, ours and aten's, differ by up to 0.09%; one int8 level,
-llama.cpp's way, cost +2.2%), batch-1 decode ~1.1× (docs/performance.md).
-`KVFLOW_INT4_GEMV_INT8_LEVELS=0` keeps bfloat16 products there too.
+One row (batch-1 decode) takes a faster path where the CPU has AVX-512 VNNI: each group's 32
+activations become two int8 levels, x ≈ a·q1 + (a/254)·q2 (a = max|x| / 127), off by at most
+half of a/254, max|x| / 64,516, where bfloat16 itself keeps 1 part in 256; the codes meet them in
+exact integer dot products (`vpdpbusd`, a third of `vdpbf16ps`'s cost for twice the products).
+The zeros' term takes the levels' own sums, so the result is the dequantized weights' product
+with the levels' x. On the default model: perplexity +0.04–0.06% against the bf16 products (the
+two exact kernels, ours and aten's, differ by up to 0.09%; one int8 level, llama.cpp's way, cost
++2.2%). `KVFLOW_INT4_GEMV_INT8_LEVELS=0` keeps bfloat16 products there too.
+
+A row's whole blocks of 16 groups are stored lane by lane (`_blocks_lane_by_lane`): one integer
+dot product then takes 4 bytes of each of 16 groups, and each of its lanes sums one group, so the
+scales are applied once per 16 groups instead of once per 4 (4-bit) or 2 (8-bit). That, not
+memory, was the limit: batch-1 decode 1.11–1.31× on top of the int8 levels (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -140,10 +144,13 @@ class Int4Gemv:
                                              self.path if path is None else path)
         return out
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W [len(ids), K] in float32 (an embedding lookup: a few small operations,
-        where the planes' lookup took ~15)."""
-        return self._dequantize_rows(self.weight[ids], self.scale_zero[ids])
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` [T] of W as [T, K] float32 or bfloat16 (an embedding lookup): one C++ call,
+        the numbers of `dequantize()[ids]` rounded to `dtype` (as torch ops it was ~15 small
+        operations, ~0.2 ms of a batch-1 token)."""
+        out = torch.empty(ids.shape[0], self.in_features, dtype=dtype)
+        torch.ops.kvflow_int4_gemv.rows(out, ids.contiguous(), self.weight, self.scale_zero, self.bits)
+        return out
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] in float32 (the reference the tests hold the kernel to)."""

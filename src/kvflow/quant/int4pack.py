@@ -171,7 +171,7 @@ class Int4Planes(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W [len(ids), K] (an embedding lookup)."""
         if self.gemv is not None:
-            return self.gemv.rows(ids).to(self.scale_zero.dtype)
+            return self.gemv.rows(ids, self.scale_zero.dtype)
         if not _layout_known():
             return self.dequantize()[ids]
         block, r = ids // _ROW_BLOCK, ids % _ROW_BLOCK

@@ -216,19 +216,18 @@ class ModelRunner:
         """One row per chunk (or per verified position); `grammar_fields`: the rows' grammar masks
         (SamplingBatch's fields; empty when no row has a grammar)."""
         params = [c.sampling_params for c in chunks]
-        dev = self.device
-
-        def column(name: str, dtype=torch.float32) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=dev)
-
+        # The float parameters as one tensor, a row each (one torch call where there were six:
+        # ~40 µs of a batch-1 token).
+        (temperature, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty) = torch.tensor(
+            [[getattr(p, name) for p in params] for name in _FLOAT_PARAMS], dtype=torch.float32, device=self.device)
         return SamplingBatch(
-            temperature=column("temperature"),
-            top_k=column("top_k", torch.long),
-            top_p=column("top_p"),
-            min_p=column("min_p"),
-            repetition_penalty=column("repetition_penalty"),
-            frequency_penalty=column("frequency_penalty"),
-            presence_penalty=column("presence_penalty"),
+            temperature=temperature,
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device),
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
             prompt_token_ids=[c.prompt_token_ids for c in chunks],
             output_token_ids=[c.output_token_ids for c in chunks],
             banned_token_ids=[_banned_tokens(c) for c in chunks],
@@ -305,6 +304,9 @@ class ModelRunner:
         for request_id, (first_pos, first, count, n) in batch.prompt_spans.items():
             rows = range(first, first + count)
             out.prompt_logprobs[request_id] = (first_pos + 1, [PositionLogprobs(ids[j][:n + 1], values[j][:n + 1], ranks[j]) for j in rows])
+
+
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 def _banned_tokens(chunk: ScheduledChunk) -> list[int]:

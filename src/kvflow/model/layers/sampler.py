@@ -9,10 +9,12 @@ and draws exactly `vocab` numbers a step: its tokens do not depend on what else 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from kvflow.model.layers import cpu_ops
 from kvflow.sampling_params import GREEDY_TEMPERATURE
 
 
@@ -99,8 +101,17 @@ class Sampler:
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value (the first of equals), as argmax: torch's CPU argmax
-    over a vocabulary-wide row is 2-3× slower than max's indices (4 ms of a 64-decode step)."""
+    over a vocabulary-wide row is 2-3× slower than max's indices (4 ms of a 64-decode step), and
+    the C++ kernel ~6× faster than those (batch-1 decode samples one row a token)."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1
+            and cpu_ops.enabled() and _cpu_argmax_built()):
+        return cpu_ops.first_argmax(x)
     return x.max(dim=-1).indices
+
+
+@functools.cache
+def _cpu_argmax_built() -> bool:
+    return cpu_ops.load() is not None
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

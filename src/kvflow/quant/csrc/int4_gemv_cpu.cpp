@@ -702,12 +702,50 @@ void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const a
   });
 }
 
+// Rows `ids` of W as `out` [len(ids), K] (float32 or bfloat16): an embedding lookup. Each weight
+// is s·(u − c) rounded to float, plus z rounded to float (as int4_gemv.py's dequantize, two
+// roundings: no fused multiply-add), then to out's dtype.
+void rows(at::Tensor out, const at::Tensor& ids, const at::Tensor& w, const at::Tensor& scale_zero, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "int4_gemv rows: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "int4_gemv rows: ids are contiguous int64 [T]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0) && out.size(1) % kGroup == 0 &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "int4_gemv rows: out is contiguous float32 or bfloat16 [T, K], K a multiple of 32");
+  const int64_t k = out.size(1), n = w.numel() / std::max<int64_t>(row_bytes(k, static_cast<int>(bits)), 1);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == n * row_bytes(k, static_cast<int>(bits)) &&
+                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous() &&
+                  scale_zero.numel() == n * padded_groups(k) * 2,
+              "int4_gemv rows: w and scale_zero are an Int4Gemv's of width ", k);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.size(0); ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < n, "int4_gemv rows: id ", id[t], " is outside [0, ", n, ")");
+  const auto* wp = w.data_ptr<uint8_t>();
+  const auto* szp = scale_zero.data_ptr<c10::BFloat16>();
+  const float c = bits == 4 ? 8.0f : 128.0f;
+  const bool to_bf16 = out.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, ids.size(0), 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t ch = 0; ch < k; ++ch) {
+        const c10::BFloat16* pair = szp + (id[t] * padded_groups(k) + ch / kGroup) * 2;
+        float scaled = (static_cast<float>(code(wp, k, static_cast<int>(bits), id[t], ch)) - c) * widen(pair[0]);
+        asm volatile("" : "+x"(scaled));  // rounded here, as torch's mul_: never fused with the add
+        const float value = scaled + widen(pair[1]);
+        if (to_bf16) out.data_ptr<c10::BFloat16>()[t * k + ch] = static_cast<c10::BFloat16>(value);
+        else out.data_ptr<float>()[t * k + ch] = value;
+      }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvflow_int4_gemv, m) {
   m.def("int4_gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor scale_zero, int bits, int path) -> ()");
+  m.def("rows(Tensor(a!) out, Tensor ids, Tensor w, Tensor scale_zero, int bits) -> ()");
   m.def("fast() -> bool", &fast);
   m.def("has_int8_levels() -> bool", &has_int8_levels);
 }
 
-TORCH_LIBRARY_IMPL(kvflow_int4_gemv, CPU, m) { m.impl("int4_gemv", &int4_gemv); }
+TORCH_LIBRARY_IMPL(kvflow_int4_gemv, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("rows", &rows);
+}

@@ -8,6 +8,7 @@
 // passes -ffp-contract=off for this reason: a fused multiply-add would round once, not twice.
 // Rows are spread over torch's thread pool; the loops over a row are left to the vectoriser.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -16,6 +17,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -199,16 +204,57 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at:
   }
 }
 
+// The index of a row's largest value, the first of equals; where the row has a NaN, the first
+// NaN's (torch's max(dim) does the same). One pass finds the maximum, a second its first place.
+int64_t first_argmax_row(const float* row, int64_t width) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  __m512 best16 = _mm512_set1_ps(best);
+  __mmask16 unordered = 0;
+  for (; c + 16 <= width; c += 16) {
+    const __m512 v = _mm512_loadu_ps(row + c);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best16 = _mm512_max_ps(best16, v);
+  }
+  nan = unordered != 0;
+  best = _mm512_reduce_max_ps(best16);
+#endif
+  for (; c < width; ++c) {
+    nan |= row[c] != row[c];
+    best = std::max(best, row[c]);
+  }
+  for (int64_t i = 0; i < width; ++i)
+    if (nan ? row[i] != row[i] : row[i] == best) return i;
+  return 0;
+}
+
+void first_argmax(at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "first_argmax: x is float32 [rows, width], rows contiguous");
+  TORCH_CHECK(x.size(1) > 0, "first_argmax: rows must not be empty");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == x.size(0) && out.is_contiguous(),
+              "first_argmax: out is contiguous int64 [rows]");
+  const float* rows = x.data_ptr<float>();
+  int64_t* idx = out.data_ptr<int64_t>();
+  const int64_t width = x.size(1), stride = x.stride(0);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) idx[r] = first_argmax_row(rows + r * stride, width);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvflow_cpu_ops, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("first_argmax(Tensor(a!) out, Tensor x) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow_cpu_ops, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
+  m.impl("first_argmax", &first_argmax);
 }
