@@ -211,21 +211,36 @@ int64_t first_argmax_row(const float* row, int64_t width) {
   bool nan = false;
   int64_t c = 0;
 #if defined(__AVX512F__)
-  __m512 best16 = _mm512_set1_ps(best);
+  __m512 best16[4] = {_mm512_set1_ps(best), _mm512_set1_ps(best), _mm512_set1_ps(best), _mm512_set1_ps(best)};
   __mmask16 unordered = 0;
+  for (; c + 64 <= width; c += 64)  // four independent maxima: the loop is not one latency chain
+    for (int j = 0; j < 4; ++j) {
+      const __m512 v = _mm512_loadu_ps(row + c + 16 * j);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      best16[j] = _mm512_max_ps(best16[j], v);
+    }
   for (; c + 16 <= width; c += 16) {
     const __m512 v = _mm512_loadu_ps(row + c);
     unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    best16 = _mm512_max_ps(best16, v);
+    best16[0] = _mm512_max_ps(best16[0], v);
   }
   nan = unordered != 0;
-  best = _mm512_reduce_max_ps(best16);
+  best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(best16[0], best16[1]), _mm512_max_ps(best16[2], best16[3])));
 #endif
   for (; c < width; ++c) {
     nan |= row[c] != row[c];
     best = std::max(best, row[c]);
   }
-  for (int64_t i = 0; i < width; ++i)
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(best);
+  for (; i + 16 <= width; i += 16) {
+    const __m512 v = _mm512_loadu_ps(row + i);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < width; ++i)
     if (nan ? row[i] != row[i] : row[i] == best) return i;
   return 0;
 }
