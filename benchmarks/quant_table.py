@@ -2,7 +2,8 @@
 
 For each method: weight bytes held by the linear layers and the embedding/head, perplexity on the
 shipped text (`kvflow eval ppl`'s measure) and its change against float32, greedy agreement with
-float32 over a fixed prompt set, and batch-1 decode tokens/s (bf16 activations). The float
+float32 over a fixed prompt set, batch-1 decode tokens/s (bf16 activations) and the effective
+bandwidth that implies (weight bytes × tokens/s). The float
 reference is the default GGUF dequantized to float (tests' `.cache/hf-smollm2-135m`, written by
 tests/hf_oracle.py); "gguf" is the same file run on its own Q4_1/Q8_0 blocks.
 
@@ -94,11 +95,12 @@ def main() -> None:
                "ppl_change_pct": 100 * (ppl / reference[0] - 1), "greedy_agreement": agree, "decode_tok_s": speed}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| method | weight MB | perplexity | vs float32 | greedy agreement | batch-1 decode tok/s |")
-    print("|---|---|---|---|---|---|")
+    # Effective GB/s: the weights batch-1 decode reads per token (all of them, once) times tokens/s.
+    print("\n| method | weight MB | perplexity | vs float32 | greedy agreement | batch-1 decode tok/s | effective GB/s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['weight_mb']:.0f} | {r['ppl']:.3f} | {r['ppl_change_pct']:+.2f}% | "
-              f"{100 * r['greedy_agreement']:.1f}% | {r['decode_tok_s']:.1f} |")
+              f"{100 * r['greedy_agreement']:.1f}% | {r['decode_tok_s']:.1f} | {r['weight_mb'] * r['decode_tok_s'] / 1e3:.1f} |")
 
 
 if __name__ == "__main__":

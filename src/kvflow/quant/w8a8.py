@@ -27,7 +27,7 @@ class W8A8Channel(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.q_t[:, ids].t().float() * self.scale[ids, None]).to(self.dtype)
+        return (self.q_t.t()[ids].float() * self.scale[ids, None]).to(self.dtype)  # contiguous rows
 
 
 class W8A8Method(Int8Method):
