@@ -22,6 +22,7 @@ def _layer(method: str, n: int, k: int, group: int | None = None):
     w = torch.randn(n, k) * 0.05
     layer.weight_loader(layer.weight, w[: n // 2], 0)
     layer.weight_loader(layer.weight, w[n // 2:], 1)
+    layer.calibrated = True  # w8a8 waits for calibration's scales; here it rounds the weights as they are
     layer.quant_method.process_weights_after_loading(layer)
     return layer, w
 
@@ -66,6 +67,5 @@ def test_embedding_rows_and_tied_head(method):
     embed.quant_method.process_weights_after_loading(embed)
     ids = torch.tensor([0, 1, 63, 64, 999])
     rows = embed(ids)
-    deq = _dequantized(embed) if method != "w8a8" else embed.quant_runtime.q_t.t().float() * embed.quant_runtime.scale[:, None]
-    torch.testing.assert_close(rows, deq[ids])
+    torch.testing.assert_close(rows, _dequantized(embed)[ids])  # (w8a8's embedding and head: int8, weight-only)
     assert embed.compute_logits(torch.randn(2, 576)).shape == (2, 1000)

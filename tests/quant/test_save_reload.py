@@ -10,6 +10,9 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.entrypoints.cli import main
+from kvflow.quant.awq import AWQConfig
+from kvflow.quant.calibration import InputStats
+from kvflow.quant.w8a8 import W8A8Config
 from tiny_models import make_tiny_model
 
 PROMPTS = [[1, 5, 9, 22, 40, 3, 7, 8], [11, 12]]
@@ -22,7 +25,7 @@ def _run(path, **kw):
             for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)], llm
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "fp8", "mxfp4", "w8a8"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8", "mxfp4"])  # (awq and w8a8 calibrate: below)
 def test_saved_checkpoint_reloads_with_identical_logits(method, tmp_path):
     make_tiny_model("qwen2-bias", tmp_path / "float")  # q/k/v biases and a tied head
     assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--method", method]) == 0
@@ -46,13 +49,20 @@ def _char_tokenizer(directory, vocab_size: int) -> None:
     tok.save(str(directory / "tokenizer.json"))
 
 
-def test_awq_calibrates_and_reloads(tmp_path):
+@pytest.mark.parametrize("method, recorded", [
+    ("awq", {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
+             "embedding": "int8"}),
+    ("w8a8", {"quant_method": "w8a8"}),
+])
+def test_calibrated_method_reloads_without_calibrating_again(method, recorded, tmp_path):
+    """AWQ and w8a8 (SmoothQuant) fold calibration's scales into the norms and rows that feed each
+    layer before rounding it: the saved checkpoint holds the folded model, and reloads to the same
+    numbers as calibrating at load."""
     make_tiny_model("llama-mha-tied", tmp_path / "float")  # one value head per query head: o_proj is scaled too
     _char_tokenizer(tmp_path / "float", 97)
-    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--method", "awq"]) == 0
+    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--method", method]) == 0
     config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert config == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
-                      "embedding": "int8"}
+    assert config == recorded
     prompts = [{"prompt_token_ids": list(range(1, 60))}]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
 
@@ -61,19 +71,24 @@ def test_awq_calibrates_and_reloads(tmp_path):
         out = llm.generate(prompts, params, use_tqdm=False)[0]
         return -sum(lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompts[0]["prompt_token_ids"][1:]))
 
-    assert nll(tmp_path / "q") == nll(tmp_path / "float", quantization="awq")
+    assert nll(tmp_path / "q") == nll(tmp_path / "float", quantization=method)
+
+
+def _outlier_inputs():
+    """Weights and inputs whose first 4 channels are 20× the others, as calibration would see them."""
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 128), torch.randn(512, 128)
+    x[:, :4] *= 20
+    return w, x, InputStats(x.abs().mean(0), x)
 
 
 def test_awq_search_protects_salient_channels():
     """Inputs with a few large channels: the searched scale beats plain rounding (α = 0) on the
     layer's output error, and never loses to it (α = 0 is in the grid)."""
-    from kvflow.quant.awq_search import search_scale
     from kvflow.quant.formats import int4_per_group
 
-    torch.manual_seed(0)
-    w, x = torch.randn(256, 128), torch.randn(512, 128)
-    x[:, :4] *= 20
-    s, alpha = search_scale(w, x.abs().mean(0), x, 32, "w")
+    w, x, inputs = _outlier_inputs()
+    s, alpha = AWQConfig(32).get_quant_method("linear", "w").search_scale(w, inputs, "w")
 
     def error(scale):
         u, sc, mn = int4_per_group(w * scale, 32, "w")
@@ -81,6 +96,23 @@ def test_awq_search_protects_salient_channels():
         return (x @ dq.t() - x @ w.t()).pow(2).mean().item()
 
     assert alpha > 0 and error(s) < 0.8 * error(torch.ones(128))
+
+
+def test_smoothquant_search_moves_outliers_into_the_weights():
+    """w8a8 on inputs with a few large channels: per-token int8 rounds the small channels to a
+    few levels; the searched smoothing beats no smoothing (which is among the candidates)."""
+    from kvflow.quant.formats import int8_per_channel
+    from kvflow.quant.w8a8 import quantize_rows
+
+    w, x, inputs = _outlier_inputs()
+    s, alpha = W8A8Config().get_quant_method("linear", "w").search_scale(w, inputs, "w")
+
+    def error(scale):
+        q, w_scale = int8_per_channel(w * scale, "w")
+        xq, x_scale = quantize_rows(x / scale)
+        return ((xq.float() @ q.float().t()) * x_scale * w_scale - x @ w.t()).pow(2).mean().item()
+
+    assert alpha >= 0 and error(s) < 0.5 * error(torch.ones(128))
 
 
 def test_group_size_is_recorded_and_a_mismatch_is_refused(tmp_path):
@@ -102,3 +134,18 @@ def test_unknown_method_is_named(tmp_path):
     make_tiny_model("llama-mqa", tmp_path)
     with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
         LLM(str(tmp_path), skip_tokenizer_init=True, quantization="int3")
+
+
+@pytest.mark.parametrize("method", ["awq", "w8a8"])
+def test_calibrated_methods_refuse_what_they_cannot_calibrate(method, tmp_path):
+    """Without a tokenizer there is no calibration text; under tensor parallelism each rank would
+    see its own slices. Both are refused before any worker starts, with the way out named."""
+    from kvflow.config import EngineArgs
+    from kvflow.engine.llm_engine import LLMEngine
+
+    make_tiny_model("llama-mha-tied", tmp_path)
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        LLMEngine(EngineArgs(str(tmp_path), quantization=method, skip_tokenizer_init=True))
+    _char_tokenizer(tmp_path, 97)
+    with pytest.raises(ValueError, match=f"kvflow quantize MODEL OUT --method {method}"):
+        LLMEngine(EngineArgs(str(tmp_path), quantization=method, tensor_parallel_size=2))

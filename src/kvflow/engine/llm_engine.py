@@ -32,7 +32,7 @@ from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
-AWQ_CALIBRATION_TOKENS = 2048  # from the end of the shipped text; perplexity reads its start
+CALIBRATION_TOKENS = 2048  # AWQ's and w8a8's, from the end of the shipped text; perplexity reads its start
 
 
 class LLMEngine:
@@ -48,6 +48,8 @@ class LLMEngine:
         self.hf_config = checkpoint.hf_config
         self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
+        if getattr(self.quant_config, "needs_calibration", False):  # before any worker starts
+            self._check_calibration()
         # The workers load the model and size and allocate the KV pool; the engine schedules.
         self.model_executor = create_executor(self.config, self.arch, self.quant_config, checkpoint)
         self.num_kv_blocks, num_host_blocks = self.model_executor.num_kv_blocks, self.model_executor.num_host_blocks
@@ -75,28 +77,35 @@ class LLMEngine:
         self._kv_transfer_bytes_total, self._kv_transfer_seconds_total = 0, 0.0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
         if getattr(self.quant_config, "needs_calibration", False):
-            self._calibrate_awq()
-        # LoRA wraps the linear layers once they are final: AWQ's calibration rescales bare ones.
+            self._calibrate()
+        # LoRA wraps the linear layers once they are final: calibration rescales bare ones.
         lora = self.config.lora
         self.lora = None if lora is None else LoRAManager(
             self.runner.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.config.model.dtype,
             self.config.device, in_use=self._adapters_in_use)
         self.runner.lora = self.lora
 
-    def _calibrate_awq(self) -> None:
-        """AWQ on a float checkpoint: run calibration text through the float model, then quantize."""
-        from kvflow.data import english_text
-        from kvflow.quant.awq_search import calibrate_and_quantize
-
+    def _check_calibration(self) -> None:
+        name = self.quant_config.name
         if self.tokenizer is None:
-            raise ValueError("quantization='awq' calibrates on text and needs the model's tokenizer")
-        ids = self.tokenizer.encode(english_text(), add_special_tokens=False)[-AWQ_CALIBRATION_TOKENS:]
+            raise ValueError(f"quantization='{name}' calibrates on text and needs the model's tokenizer")
+        if self.config.parallel.tensor_parallel_size > 1:  # the hooks and folds would see rank 0's slices only
+            raise ValueError(f"quantization='{name}' calibrates in one process: write the checkpoint with `kvflow "
+                             f"quantize MODEL OUT --method {name}`, then load OUT with tensor_parallel_size > 1")
+
+    def _calibrate(self) -> None:
+        """AWQ or w8a8 on a float checkpoint: run calibration text through the float model, fold
+        the searched scales, then quantize (quant/calibration.py)."""
+        from kvflow.data import english_text
+        from kvflow.quant.calibration import calibrate_and_quantize
+
+        ids = self.tokenizer.encode(english_text(), add_special_tokens=False)[-CALIBRATION_TOKENS:]
         windows = [ids[i:i + 256] for i in range(0, len(ids), 256)]
         params = SamplingParams(max_tokens=1, temperature=0)
 
         def run(prompts: list[list[int]]) -> None:
             for i, prompt in enumerate(prompts):
-                self.add_request(f"awq-calibration-{i}", {"prompt_token_ids": prompt}, params)
+                self.add_request(f"calibration-{i}", {"prompt_token_ids": prompt}, params)
             while self.has_unfinished_requests():
                 self.step()
 

@@ -4,10 +4,7 @@ Input channels that see large activations matter more, so before rounding W to i
 scale those columns up by s (and divide the layer's input by s, which is folded into the op that
 produces it, so the model's function is unchanged): W·x = (W·diag(s)) · (x / s). With s =
 mean|x|^α, α is searched per layer on calibration activations for the smallest output error of
-the quantized layer. Folds, for the llama family: input_layernorm → qkv_proj,
-post_attention_layernorm → gate_up_proj, the up rows of gate_up_proj → down_proj, and the v rows
-of qkv_proj → o_proj when every query head has its own value head (with grouped heads one v
-channel feeds several o_proj inputs, which could not take different scales).
+the quantized layer (the pass, the folds and the order: quant/calibration.py).
 
 Saved and loaded as AutoAWQ's GEMM layout: qweight int32 [K, N/8] and qzeros int32 [K/G, N/8]
 (eight 4-bit values per int32, in the order 0 2 4 6 1 3 5 7), scales [K/G, N]; w = (q − z)·s.
@@ -18,14 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.quant.calibration import ALPHAS, InputStats
 from kvflow.quant.formats import int4_per_group
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
 from kvflow.quant.int8 import Int8Method
-from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
-from kvflow.quant.unquantized import UnquantizedMethod
-
-ALPHAS = [i / 10 for i in range(11)]
-CALIBRATION_ROWS = 512  # activation rows kept per layer for the search
+from kvflow.quant.online import CalibratedMethod, OnlineQuantConfig
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k of an int32 holds column _AWQ_ORDER[k] of its 8
 
 
@@ -50,7 +44,7 @@ class AWQConfig(OnlineQuantConfig):
                 "embedding": "int8" if self.int8_embedding else "float"}
 
 
-class AWQMethod(OnlineQuantMethod):
+class AWQMethod(CalibratedMethod):
     def __init__(self, config: AWQConfig) -> None:
         super().__init__(config)
         self.stored_spec = {"qweight": (torch.int32, None), "qzeros": (torch.int32, None), "scales": (torch.float32, None)}
@@ -74,15 +68,22 @@ class AWQMethod(OnlineQuantMethod):
     def stored_tensors(self, layer):
         return {name: (getattr(layer, name), 1, 1 if name == "scales" else 8) for name in self.stored_spec}
 
-    def process_weights_after_loading(self, layer):
-        if self.config.from_saved or getattr(layer, "awq_ready", False):
-            super().process_weights_after_loading(layer)
-        # else: wait for calibrate_and_quantize, the float weight serves until then
-
-    def apply(self, layer, x, bias=None):
-        if not hasattr(layer, "quant_runtime"):  # calibrating: still float
-            return UnquantizedMethod().apply(layer, x, bias)
-        return super().apply(layer, x, bias)
+    def search_scale(self, weight: torch.Tensor, inputs: InputStats, name: str) -> tuple[torch.Tensor, float]:
+        """s = mean|x|^α (normalised), α from `ALPHAS`, that minimises ‖x·Wᵀ − x·(Q(W·s)/s)ᵀ‖ on the
+        sample rows for round-to-nearest int4 Q with the configured group size."""
+        x, group = inputs.sample, self._g
+        reference = x @ weight.t()
+        best = (float("inf"), None, 0.0)
+        for alpha in ALPHAS:
+            s = inputs.abs_mean.clamp(min=1e-4).pow(alpha)
+            s = s / (s.max() * s.min()).sqrt()
+            u, scale, minimum = int4_per_group(weight * s, group, name)
+            n, k = weight.shape
+            dq = (u.view(n, k // group, group).float() * scale[..., None] + minimum[..., None]).view(n, k) / s
+            err = (x @ dq.t() - reference).pow(2).mean().item()
+            if err < best[0]:
+                best = (err, s, alpha)
+        return best[1], best[2]
 
     def quantize(self, weight, name):
         u, scale, minimum = int4_per_group(weight, self._g, name)

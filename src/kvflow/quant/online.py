@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kvflow.quant.base import QuantizationConfig, QuantMethod, set_weight_attrs
+from kvflow.quant.unquantized import UnquantizedMethod
 
 
 class OnlineQuantMethod(QuantMethod):
@@ -87,3 +88,25 @@ class OnlineQuantConfig(QuantizationConfig):
     def to_dict(self) -> dict:
         """What a saved checkpoint's config.json records as "quantization_config"."""
         return {"quant_method": self.name} | ({"group_size": self.group_size} if self.group_size else {})
+
+
+class CalibratedMethod(OnlineQuantMethod):
+    """A method whose layers are rounded only after calibration (quant/calibration.py) has folded
+    a searched per-input-channel scale into them: AWQ, w8a8's SmoothQuant. Until then (or when the
+    engine runs the calibration text through the model) a layer is float; a checkpoint `kvflow
+    quantize` wrote was calibrated before it was saved."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.config.from_saved or getattr(layer, "calibrated", False):
+            super().process_weights_after_loading(layer)
+        # else: wait for calibrate_and_quantize, the float weight serves until then
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not hasattr(layer, "quant_runtime"):  # calibrating: still float
+            return UnquantizedMethod().apply(layer, x, bias)
+        return super().apply(layer, x, bias)
+
+    @abstractmethod
+    def search_scale(self, weight: torch.Tensor, inputs, name: str) -> tuple[torch.Tensor, float]:
+        """The scale s [K] to fold into the layer (W·diag(s), its input divided by s) given what
+        calibration saw at its input (calibration.InputStats), and the choice made (for reports)."""

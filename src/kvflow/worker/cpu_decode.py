@@ -174,7 +174,7 @@ def _weights(layer: LinearBase) -> nn.Module | None:
         return None
     if isinstance(layer.quant_method, GGUFMethod) and len(layer.gguf_parts) == 1:
         return layer.gguf_parts[0]
-    if isinstance(layer.quant_method, OnlineQuantMethod):  # AWQ has no runtime until it is calibrated
+    if isinstance(layer.quant_method, OnlineQuantMethod):  # AWQ and w8a8 have none until they are calibrated
         return getattr(layer, "quant_runtime", None)
     return None
 

@@ -1,24 +1,38 @@
-"""AWQ's calibration: one float pass over calibration text records each linear layer's input
-activations, a grid search picks each layer's exponent α, the scales are folded into the ops that
-feed the layers, and only then is every layer rounded to int4.
+"""Activation-aware calibration, shared by AWQ and w8a8 (SmoothQuant): one float pass over
+calibration text records each linear layer's input activations, each layer's method searches a
+per-input-channel scale s, the scales are folded into the ops that feed the layers (W·x =
+(W·diag(s)) · (x / s): the model's function is unchanged), and only then is every layer rounded.
 
 The model is walked by the llama family's module names (decoder layers with `input_layernorm`,
-`self_attn.qkv_proj`, `mlp.gate_up_proj`, ...), as AutoAWQ walks each architecture it knows."""
+`self_attn.qkv_proj`, `mlp.gate_up_proj`, ...), as AutoAWQ walks each architecture it knows.
+Folds: input_layernorm → qkv_proj, post_attention_layernorm → gate_up_proj, the up rows of
+gate_up_proj → down_proj, and the v rows of qkv_proj → o_proj when every query head has its own
+value head (with grouped heads one v channel feeds several o_proj inputs, which could not take
+different scales)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from kvflow.quant.awq import ALPHAS, CALIBRATION_ROWS, AWQMethod
-from kvflow.quant.formats import int4_per_group
+from kvflow.quant.online import CalibratedMethod
+
+ALPHAS = [i / 10 for i in range(11)]
+CALIBRATION_ROWS = 512  # activation rows kept per layer for the search
+
+
+@dataclass
+class InputStats:
+    """What calibration saw at one layer's input, per input channel."""
+
+    abs_mean: torch.Tensor  # [K] mean |x| over every row
+    sample: torch.Tensor  # [≤ CALIBRATION_ROWS, K] rows to measure a choice's output error on
 
 
 class _InputRecorder:
-    """Mean |x| per input channel over every calibration row, and a sample of rows."""
-
     def __init__(self, generator: torch.Generator) -> None:
         self.abs_sum, self.count, self.rows, self.gen = None, 0, [], generator
 
@@ -29,17 +43,19 @@ class _InputRecorder:
         keep = torch.randperm(x.shape[0], generator=self.gen)[:CALIBRATION_ROWS]
         self.rows.append(x[keep])
 
-    def sample(self) -> torch.Tensor:
+    def stats(self) -> InputStats:
         rows = torch.cat(self.rows)
-        return rows[torch.randperm(rows.shape[0], generator=self.gen)[:CALIBRATION_ROWS]]
+        sample = rows[torch.randperm(rows.shape[0], generator=self.gen)[:CALIBRATION_ROWS]]
+        return InputStats(self.abs_sum / self.count, sample)
 
 
 def calibrate_and_quantize(model: nn.Module, run_prompts: Callable[[list[list[int]]], None],
                            windows: list[list[int]], seed: int = 0) -> dict[str, float]:
-    """Run `windows` through the float model, search and fold the scales, quantize every AWQ layer.
-    Returns the chosen α per layer (for reports)."""
+    """Run `windows` through the float model, search and fold the scales, quantize every layer
+    whose method calibrates. Returns each searched layer's choice (an exponent α, for reports)."""
     gen = torch.Generator().manual_seed(seed)
-    layers = {name: m for name, m in model.named_modules() if isinstance(getattr(m, "quant_method", None), AWQMethod)}
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(getattr(m, "quant_method", None), CalibratedMethod)}
     recorders = {name: _InputRecorder(gen) for name in layers}
     hooks = [m.register_forward_pre_hook(recorders[name]) for name, m in layers.items()]
     try:
@@ -50,33 +66,16 @@ def calibrate_and_quantize(model: nn.Module, run_prompts: Callable[[list[list[in
     chosen = {}
     with torch.no_grad():
         for name, prev, linear in _scaling_pairs(model):
-            rec = recorders[name]
-            scale, chosen[name] = search_scale(linear.weight.data.float(), rec.abs_sum / rec.count, rec.sample(),
-                                               linear.quant_method.config.group_size, name)
+            if name not in layers:
+                continue
+            scale, chosen[name] = linear.quant_method.search_scale(linear.weight.data.float(), recorders[name].stats(),
+                                                                   name)
             linear.weight.data.mul_(scale.to(linear.weight.dtype))
             prev(1 / scale)
         for layer in layers.values():
-            layer.awq_ready = True
+            layer.calibrated = True
             layer.quant_method.process_weights_after_loading(layer)
     return chosen
-
-
-def search_scale(weight: torch.Tensor, x_mean: torch.Tensor, x: torch.Tensor, group: int,
-                 name: str) -> tuple[torch.Tensor, float]:
-    """The per-input-channel scale s = x_mean^α (normalised), α from `ALPHAS`, that minimises
-    ‖x·Wᵀ − x·(Q(W·s)/s)ᵀ‖ for round-to-nearest int4 Q with `group` channels per scale."""
-    reference = x @ weight.t()
-    best = (float("inf"), None, 0.0)
-    for alpha in ALPHAS:
-        s = x_mean.clamp(min=1e-4).pow(alpha)
-        s = s / (s.max() * s.min()).sqrt()
-        u, scale, minimum = int4_per_group(weight * s, group, name)
-        n, k = weight.shape
-        dq = (u.view(n, k // group, group).float() * scale[..., None] + minimum[..., None]).view(n, k) / s
-        err = (x @ dq.t() - reference).pow(2).mean().item()
-        if err < best[0]:
-            best = (err, s, alpha)
-    return best[1], best[2]
 
 
 def _scaling_pairs(model: nn.Module):
