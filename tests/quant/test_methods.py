@@ -69,3 +69,32 @@ def test_embedding_rows_and_tied_head(method):
     rows = embed(ids)
     torch.testing.assert_close(rows, _dequantized(embed)[ids])  # (w8a8's embedding and head: int8, weight-only)
     assert embed.compute_logits(torch.randn(2, 576)).shape == (2, 1000)
+
+
+def test_int8_takes_the_few_row_gemv_in_bfloat16():
+    """int8 rows in a bfloat16 model: calls of ≤ 4 rows run kvflow's GEMV (codes + 128, (s, 0) per
+    group: the same weights exactly), more rows int8pack; both the dequantized product within the
+    bf16 output's rounding (and the one-row int8 levels' bound, far below it)."""
+    from kvflow.quant import int4_gemv
+
+    if not int4_gemv.fast():
+        pytest.skip("no AVX-512 BF16 here: the GEMV does not run")
+    torch.manual_seed(0)
+    config = get_quantization_config("int8", None, None)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # the model's dtype, as the loader sets it
+    try:
+        layer = MergedColumnParallelLinear(576, [480, 480], quant_config=config, prefix="int8.bf16")
+    finally:
+        torch.set_default_dtype(before)
+    w = torch.randn(960, 576) * 0.05
+    layer.weight_loader(layer.weight, w[:480].bfloat16(), 0)
+    layer.weight_loader(layer.weight, w[480:].bfloat16(), 1)
+    layer.quant_method.process_weights_after_loading(layer)
+    runtime = layer.quant_runtime
+    exact = runtime.q.float() * runtime.scale.float()[:, None]  # q·s, as int8pack applies it
+    assert runtime.gemv is not None and torch.equal(runtime.gemv.dequantize(), exact)
+    for rows in (1, 4, 5):
+        x = torch.randn(rows, 576).bfloat16()
+        reference = x.float() @ exact.t()
+        assert (layer(x).float() - reference).abs().max() <= 2**-7 * reference.abs().max()

@@ -3,7 +3,10 @@
 Decode (few rows) runs aten's `_weight_int8pack_mm`; above `KERNEL_MAX_ROWS` rows the weights are
 dequantized and multiplied densely (the int8pack kernel is a GEMV-style loop; measured with
 `benchmarks/quant_kernels.py`: at M=128 it took 6.0 ms for gate_up 3072×576 against 2.0 ms for
-the bf16 matmul, at M=1 0.05 ms against 0.27 ms; one thread, medians of interleaved runs)."""
+the bf16 matmul, at M=1 0.05 ms against 0.27 ms; one thread, medians of interleaved runs).
+bfloat16 calls of up to `int4_gemv.MAX_ROWS` rows take kvflow's GEMV where the CPU has AVX-512
+BF16: the same codes as 8-bit affine ones, u = q + 128 with (s, 0) per group of 32 (batch-1
+decode ~2.5× int8pack's on the default model: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.quant import int4_gemv
 from kvflow.quant.formats import int8_per_channel
 from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
 
@@ -22,9 +26,12 @@ class Int8Channel(nn.Module):
         super().__init__()
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.to(dtype))
+        self.gemv = _gemv_form(q, self.scale)  # an attribute, not a buffer: derived from q and scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        if self.gemv is not None and x2.dtype == torch.bfloat16 and x2.shape[0] <= int4_gemv.MAX_ROWS:
+            return self.gemv(x2).reshape(*x.shape[:-1], -1)
         if x2.shape[0] <= KERNEL_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
         else:
@@ -36,6 +43,17 @@ class Int8Channel(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.q[ids].to(self.scale.dtype) * self.scale[ids, None]
+
+
+def _gemv_form(q: torch.Tensor, scale: torch.Tensor) -> int4_gemv.Int4Gemv | None:
+    """q [N, K] int8 with a bfloat16 scale per row as kvflow's GEMV weights (u = q + 128, w = s·(u − 128)
+    + 0, exactly), or None where that kernel does not run here."""
+    n, k = q.shape
+    if (q.dtype != torch.int8 or scale.dtype != torch.bfloat16 or q.device.type != "cpu" or k % int4_gemv.GROUP
+            or not int4_gemv.enabled() or not int4_gemv.fast()):
+        return None
+    s = scale[:, None].expand(n, k // int4_gemv.GROUP)
+    return int4_gemv.Int4Gemv(q.to(torch.int32) + 128, torch.stack([s, torch.zeros_like(s)], -1), 8)
 
 
 class Int8Method(OnlineQuantMethod):

@@ -14,7 +14,8 @@ loaded, one KV group, no window, no LoRA, one rank. Anything else runs through t
 `KVFLOW_CPU_DECODE_LOOP=0` switches it off (A/B measurements).
 
 Where every projection has kvflow's few-row GEMV form (int4 planes: the default GGUF, or
-`--quantization int4`) and the step has at most `int4_gemv.MAX_ROWS` rows, the loop runs as one
+`--quantization int4`; int8 rows: `--quantization int8`) and the step has at most
+`int4_gemv.MAX_ROWS` rows, the loop runs as one
 C++ call (`csrc/cpu_decode_step.cpp`): the same operators in the same order on the same kinds of
 buffers, so the same numbers, without ~2 ms of interpreter a SmolLM2 token.
 `KVFLOW_CPU_DECODE_STEP=0` keeps the Python loop.
@@ -40,7 +41,6 @@ from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, RopeAttention
 from kvflow.quant import int4_gemv
 from kvflow.quant.gguf import GGUFMethod
-from kvflow.quant.int4pack import Int4Planes
 from kvflow.quant.online import OnlineQuantMethod
 
 DISABLE_ENV = "KVFLOW_CPU_DECODE_LOOP"
@@ -180,9 +180,9 @@ def _weights(layer: LinearBase) -> nn.Module | None:
 
 
 def _gemv(layer: LinearBase) -> int4_gemv.Int4Gemv | None:
-    """The few-row GEMV form of the layer's weights (held by int4 planes), or None."""
-    weights = _weights(layer)
-    return weights.gemv if isinstance(weights, Int4Planes) else None
+    """The few-row GEMV form of the layer's weights (held by int4 planes or int8 rows), or None."""
+    gemv = getattr(_weights(layer), "gemv", None)
+    return gemv if isinstance(gemv, int4_gemv.Int4Gemv) else None
 
 
 def _linear(layer: LinearBase) -> Linear:
