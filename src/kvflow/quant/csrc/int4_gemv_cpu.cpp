@@ -430,12 +430,36 @@ Int8Levels int8_levels(const c10::BFloat16* x, int64_t k, int bits) {
   return out;
 }
 
-void rows1_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* w, const c10::BFloat16* sz, int64_t n0,
-                   int64_t n1, int64_t k) {
-  const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 4);
-  const int64_t chunks = (groups + 3) / 4, blocked = blocked_groups(k);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+// The end of block b for R weight rows: each lane holds one group's exact integer sums, one per
+// level (i1, i2), which meet a and a/254, then the group's s; and the zeros' term (z − c·s)·Σx
+// over the levels' x. Once for 16 groups.
+template <int R>
+inline void add_block(__m512* acc, const __m512i* i1, const __m512i* i2, const float* all_a, const float* level_sums,
+                      const uint16_t* szr, int64_t pairs, int64_t b, float c) {
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512 a1 = _mm512_loadu_ps(all_a + b * 128), a2 = _mm512_loadu_ps(all_a + b * 128 + 16);
+  const __m512 sums = _mm512_loadu_ps(level_sums + b * 16);
+  for (int r = 0; r < R; ++r) {
+    const __m512i pair = _mm512_loadu_si512(szr + r * pairs * 4 + b * 32);  // 16 groups' (s, z)
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+    const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2[r]), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1[r]), a1));
+    acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(c), s, z), sums, _mm512_fmadd_ps(dot, s, acc[r]));
+  }
+}
+
+// BITS = 4: a block is 4 runs of 64 code bytes, each byte's nibbles against their own partners
+// (x[4t..] and x[16 + 4t..]); the groups after the blocks go 4 at a time (a chunk: 4 lanes a
+// group). BITS = 8 (the Q8_0 head): 8 runs on the code bytes as they are; after the blocks, two
+// groups per 64 bytes.
+template <int BITS>
+void rows1_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* w, const c10::BFloat16* sz, int64_t n0,
+                int64_t n1, int64_t k) {
+  constexpr int64_t kRuns = BITS == 4 ? 4 : 8, kRunLevels = BITS == 4 ? 256 : 128;  // a run's levels, bytes
+  constexpr float kCenter = BITS == 4 ? 8.0f : 128.0f;
+  const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, BITS);
+  const int64_t blocked = blocked_groups(k);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane i: group i / 4
   const int8_t* all_xq = levels.xq.data();
   const float *all_a = levels.a.data(), *level_sums = levels.sums.data();
@@ -443,111 +467,71 @@ void rows1_u4_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* 
     constexpr int R = decltype(rows)::value;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    // A block: four runs of dot products leave each lane one group's exact sum per level; then,
+    // A block: its runs of dot products leave each lane one group's exact sum per level; then,
     // once for the 16 groups, a·(sum) + a2·(sum) times s, and the zeros' term.
     for (int64_t b = 0; b < blocked / 16; ++b) {
       __m512i i1[R], i2[R];
       for (int r = 0; r < R; ++r) i1[r] = i2[r] = _mm512_setzero_si512();
-      for (int64_t t = 0; t < 4; ++t) {
-        const int8_t* xq = all_xq + b * 1024 + t * 256;
-        const __m512i x1_lo = _mm512_loadu_si512(xq), x1_hi = _mm512_loadu_si512(xq + 64);
-        const __m512i x2_lo = _mm512_loadu_si512(xq + 128), x2_hi = _mm512_loadu_si512(xq + 192);
+      for (int64_t t = 0; t < kRuns; ++t) {
+        // The run's levels: 4-bit, level 1's low- and high-nibble partners, then level 2's; 8-bit,
+        // level 1's, then level 2's.
+        __m512i x[kRunLevels / 64];
+        for (int64_t j = 0; j < kRunLevels / 64; ++j)
+          x[j] = _mm512_loadu_si512(all_xq + b * 1024 + t * kRunLevels + 64 * j);
         for (int r = 0; r < R; ++r) {
-          const __m512i bytes = _mm512_loadu_si512(wr + r * w_stride + b * 256 + t * 64);
-          const __m512i lo = _mm512_and_si512(bytes, low4);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-          i1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1[r], lo, x1_lo), hi, x1_hi);
-          i2[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i2[r], lo, x2_lo), hi, x2_hi);
+          const __m512i bytes = _mm512_loadu_si512(wr + r * w_stride + b * kRuns * 64 + t * 64);
+          if constexpr (BITS == 4) {
+            const __m512i lo = _mm512_and_si512(bytes, low4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+            i1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1[r], lo, x[0]), hi, x[1]);
+            i2[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i2[r], lo, x[2]), hi, x[3]);
+          } else {
+            i1[r] = _mm512_dpbusd_epi32(i1[r], bytes, x[0]);
+            i2[r] = _mm512_dpbusd_epi32(i2[r], bytes, x[1]);
+          }
         }
       }
-      const __m512 a1 = _mm512_loadu_ps(all_a + b * 128), a2 = _mm512_loadu_ps(all_a + b * 128 + 16);
-      const __m512 sums = _mm512_loadu_ps(level_sums + b * 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512i pair = _mm512_loadu_si512(szr + r * pairs * 4 + b * 32);  // 16 groups' (s, z)
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2[r]), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1[r]), a1));
-        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z), sums, _mm512_fmadd_ps(dot, s, acc[r]));
-      }
+      add_block<R>(acc, i1, i2, all_a, level_sums, szr, pairs, b, kCenter);
     }
-    // The groups after the blocks, 4 at a time (a chunk: 4 lanes a group).
-    for (int64_t c = blocked / 4; c < chunks; ++c) {
-      const int8_t* xq = all_xq + c * 256;
-      const __m512i x1_lo = _mm512_loadu_si512(xq), x1_hi = _mm512_loadu_si512(xq + 64);
-      const __m512i x2_lo = _mm512_loadu_si512(xq + 128), x2_hi = _mm512_loadu_si512(xq + 192);
-      const __m512 a1 = _mm512_loadu_ps(all_a + c * 32), a2 = _mm512_loadu_ps(all_a + c * 32 + 16);
-      const int64_t live_groups = std::min<int64_t>(4, groups - 4 * c);
-      const __mmask64 live = live_groups == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * live_groups)) - 1;
-      for (int r = 0; r < R; ++r) {
-        const __m512i bytes = _mm512_maskz_loadu_epi8(live, wr + r * w_stride + c * 64);
-        const __m512i lo = _mm512_and_si512(bytes, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-        const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x1_lo), hi, x1_hi);
-        const __m512i i2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x2_lo), hi, x2_hi);
-        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1), a1));
-        // The 4 groups' (s, z) pairs, 16 bytes; lane i takes group i / 4's s as a float.
-        const __m512i four = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi32(static_cast<__mmask8>((1u << live_groups) - 1),
-                                                                          szr + r * pairs * 4 + c * 8));
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(spread, four), 16));
-        acc[r] = _mm512_fmadd_ps(dot, s, acc[r]);
+    if constexpr (BITS == 4) {
+      for (int64_t c = blocked / 4; c < (groups + 3) / 4; ++c) {  // 4 groups at a time
+        const int8_t* xq = all_xq + c * 256;
+        const __m512i x1_lo = _mm512_loadu_si512(xq), x1_hi = _mm512_loadu_si512(xq + 64);
+        const __m512i x2_lo = _mm512_loadu_si512(xq + 128), x2_hi = _mm512_loadu_si512(xq + 192);
+        const __m512 a1 = _mm512_loadu_ps(all_a + c * 32), a2 = _mm512_loadu_ps(all_a + c * 32 + 16);
+        const int64_t live_groups = std::min<int64_t>(4, groups - 4 * c);
+        const __mmask64 live = live_groups == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * live_groups)) - 1;
+        for (int r = 0; r < R; ++r) {
+          const __m512i bytes = _mm512_maskz_loadu_epi8(live, wr + r * w_stride + c * 64);
+          const __m512i lo = _mm512_and_si512(bytes, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+          const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x1_lo), hi, x1_hi);
+          const __m512i i2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x2_lo), hi, x2_hi);
+          const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1), a1));
+          // The 4 groups' (s, z) pairs, 16 bytes; lane i takes group i / 4's s as a float.
+          const __m512i four = _mm512_broadcast_i32x4(
+              _mm_maskz_loadu_epi32(static_cast<__mmask8>((1u << live_groups) - 1), szr + r * pairs * 4 + c * 8));
+          const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(spread, four), 16));
+          acc[r] = _mm512_fmadd_ps(dot, s, acc[r]);
+        }
+      }
+    } else {
+      for (int64_t p = blocked / 2; p < pairs; ++p) {  // groups 2p and 2p + 1 (a padding one: zeros)
+        const int8_t* xq = all_xq + p * 128;
+        const __m512i x1 = _mm512_loadu_si512(xq), x2 = _mm512_loadu_si512(xq + 64);
+        const __m512 a1 = _mm512_loadu_ps(all_a + p * 32), a2 = _mm512_loadu_ps(all_a + p * 32 + 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512i bytes = _mm512_loadu_si512(wr + r * w_stride + p * 64);
+          const __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes, x1);
+          const __m512i i2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes, x2);
+          const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1), a1));
+          acc[r] = _mm512_fmadd_ps(dot, pair_scales(szr + r * pairs * 4, p), acc[r]);
+        }
       }
     }
     for (int r = 0; r < R; ++r)  // the zeros' term over the levels' x, for the groups after the blocks
       out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(
-          add_zeros_term(acc[r], szr + r * pairs * 4 + 2 * blocked, level_sums + blocked, groups - blocked, 8.0f)));
-  });
-}
-
-// One row against 8-bit codes (the Q8_0 head), as rows1_u4_int8: in a block, 8 runs of dot
-// products on the code bytes as they are; after the blocks, two groups per 64 bytes.
-void rows1_u8_int8(c10::BFloat16* out, const Int8Levels& levels, const uint8_t* w, const c10::BFloat16* sz, int64_t n0,
-                   int64_t n1, int64_t k) {
-  const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, 8);
-  const int64_t blocked = blocked_groups(k);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  const int8_t* all_xq = levels.xq.data();
-  const float *all_a = levels.a.data(), *level_sums = levels.sums.data();
-  in_fours(n0, n1, w, sz, w_stride, pairs, [=](auto rows, int64_t n, const uint8_t* wr, const uint16_t* szr) {
-    constexpr int R = decltype(rows)::value;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocked / 16; ++b) {
-      __m512i i1[R], i2[R];
-      for (int r = 0; r < R; ++r) i1[r] = i2[r] = _mm512_setzero_si512();
-      for (int64_t t = 0; t < 8; ++t) {
-        const int8_t* xq = all_xq + b * 1024 + t * 128;
-        const __m512i x1 = _mm512_loadu_si512(xq), x2 = _mm512_loadu_si512(xq + 64);
-        for (int r = 0; r < R; ++r) {
-          const __m512i bytes = _mm512_loadu_si512(wr + r * w_stride + b * 512 + t * 64);
-          i1[r] = _mm512_dpbusd_epi32(i1[r], bytes, x1);
-          i2[r] = _mm512_dpbusd_epi32(i2[r], bytes, x2);
-        }
-      }
-      const __m512 a1 = _mm512_loadu_ps(all_a + b * 128), a2 = _mm512_loadu_ps(all_a + b * 128 + 16);
-      const __m512 sums = _mm512_loadu_ps(level_sums + b * 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512i pair = _mm512_loadu_si512(szr + r * pairs * 4 + b * 32);  // 16 groups' (s, z)
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2[r]), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1[r]), a1));
-        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, z), sums, _mm512_fmadd_ps(dot, s, acc[r]));
-      }
-    }
-    for (int64_t p = blocked / 2; p < pairs; ++p) {  // groups 2p and 2p + 1 (a padding one: zeros)
-      const int8_t* xq = all_xq + p * 128;
-      const __m512i x1 = _mm512_loadu_si512(xq), x2 = _mm512_loadu_si512(xq + 64);
-      const __m512 a1 = _mm512_loadu_ps(all_a + p * 32), a2 = _mm512_loadu_ps(all_a + p * 32 + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512i bytes = _mm512_loadu_si512(wr + r * w_stride + p * 64);
-        const __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes, x1);
-        const __m512i i2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes, x2);
-        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), a2, _mm512_mul_ps(_mm512_cvtepi32_ps(i1), a1));
-        acc[r] = _mm512_fmadd_ps(dot, pair_scales(szr + r * pairs * 4, p), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      out[n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(
-          add_zeros_term(acc[r], szr + r * pairs * 4 + 2 * blocked, level_sums + blocked, groups - blocked, 128.0f)));
+          add_zeros_term(acc[r], szr + r * pairs * 4 + 2 * blocked, level_sums + blocked, groups - blocked, kCenter)));
   });
 }
 #endif
@@ -641,7 +625,7 @@ bool fast() {
 
 // How a call computes (quant/int4_gemv.py: SCALAR, BF16_PRODUCTS, INT8_LEVELS): the scalar loop;
 // bfloat16 products throughout; or, for one row of 4-bit codes where the CPU has AVX-512 VNNI,
-// the two int8 levels (rows1_u4_int8; other calls take the bfloat16 products).
+// the two int8 levels (rows1_int8; other calls take the bfloat16 products).
 constexpr int64_t kScalar = 0, kBf16Products = 1, kInt8Levels = 2;
 
 // out [M, N] = x [M, K] · Wᵀ, bfloat16, W as at the top, computed as `path` says.
@@ -671,8 +655,8 @@ void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const a
   if (path == kInt8Levels && m == 1) {  // its zeros' term takes the levels' own sums
     const Int8Levels levels = int8_levels(xp, k, static_cast<int>(bits));
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      if (bits == 4) rows1_u4_int8(o, levels, wp, szp, n0, n1, k);
-      else rows1_u8_int8(o, levels, wp, szp, n0, n1, k);
+      if (bits == 4) rows1_int8<4>(o, levels, wp, szp, n0, n1, k);
+      else rows1_int8<8>(o, levels, wp, szp, n0, n1, k);
     });
     return;
   }
