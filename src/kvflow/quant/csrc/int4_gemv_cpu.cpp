@@ -157,7 +157,8 @@ constexpr float kLowBias = 128.0f, kHighBias = 2048.0f;
 // of 8 groups, lanes 2i and 2i + 1 group i's. szr: the row's (s, z) pairs; units_per_block: 8 at
 // 4 bits, 16 at 8.
 inline __m512 block_unit_scales(const uint16_t* szr, int64_t u, int64_t units_per_block) {
-  const __m256i eight = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szr + 2 * (16 * (u / units_per_block) + 8 * (u % 2))));
+  const uint16_t* first = szr + 2 * (16 * (u / units_per_block) + 8 * (u % 2));  // the unit's first group
+  const __m256i eight = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first));
   const __m512i lanes = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
                                                  _mm512_castsi256_si512(eight));
   return _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));  // s, the pair's low half, as a float
@@ -566,7 +567,8 @@ void rows1_u8_f32(c10::BFloat16* out, const float* xf, const float* sums, const 
         }
       for (int r = 0; r < R; ++r)
         for (int q = 0; q < 4; ++q) {
-          const __m512i four = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(szr + r * pairs * 4 + (16 * b + 4 * q) * 2)));
+          const uint16_t* quarter = szr + r * pairs * 4 + (16 * b + 4 * q) * 2;  // groups 4q..4q + 3's (s, z)
+          const __m512i four = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quarter)));
           const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(spread, four), 16));
           acc[r] = _mm512_fmadd_ps(part[r][q], s, acc[r]);
         }
