@@ -26,7 +26,8 @@ two exact kernels, ours and aten's, differ by up to 0.09%; one int8 level, llama
 A row's whole blocks of 16 groups are stored lane by lane (`_blocks_lane_by_lane`): one integer
 dot product then takes 4 bytes of each of 16 groups, and each of its lanes sums one group, so the
 scales are applied once per 16 groups instead of once per 4 (4-bit) or 2 (8-bit). That, not
-memory, was the limit: batch-1 decode 1.11–1.31× on top of the int8 levels (docs/performance.md).
+memory, was the limit: batch-1 decode 1.18× for the layers' blocks, more with the head's
+(docs/performance.md, "2026-11-26, night").
 """
 
 from __future__ import annotations
@@ -170,7 +171,6 @@ class Int4Gemv:
     @property
     def nbytes(self) -> int:
         return self.weight.numel() + self.scale_zero.numel() * 2
-
 
 
 # A row's whole blocks of 16 groups are laid out lane by lane for the kernel (csrc's top): byte

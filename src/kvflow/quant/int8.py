@@ -6,7 +6,7 @@ dequantized and multiplied densely (the int8pack kernel is a GEMV-style loop; me
 the bf16 matmul, at M=1 0.05 ms against 0.27 ms; one thread, medians of interleaved runs).
 bfloat16 calls of up to `int4_gemv.MAX_ROWS` rows take kvflow's GEMV where the CPU has AVX-512
 BF16: the same codes as 8-bit affine ones, u = q + 128 with (s, 0) per group of 32 (batch-1
-decode ~2.5× int8pack's on the default model: docs/performance.md)."""
+decode ~2× int8pack's on the default model: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ class Int8Channel(nn.Module):
 
 
 def _gemv_form(q: torch.Tensor, scale: torch.Tensor) -> int4_gemv.Int4Gemv | None:
-    """q [N, K] int8 with a bfloat16 scale per row as kvflow's GEMV weights (u = q + 128, w = s·(u − 128)
-    + 0, exactly), or None where that kernel does not run here."""
+    """q [N, K] int8 with a bfloat16 scale per row as kvflow's GEMV weights (u = q + 128,
+    w = s·(u − 128) + 0, exactly), or None where that kernel does not run here."""
     n, k = q.shape
     if (q.dtype != torch.int8 or scale.dtype != torch.bfloat16 or q.device.type != "cpu" or k % int4_gemv.GROUP
             or not int4_gemv.enabled() or not int4_gemv.fast()):

@@ -1,6 +1,6 @@
 """C++ kernels for the elementwise work between the matmuls on CPU: residual add + RMSNorm, RoPE
 on q and k, SiLU(gate)·up (`csrc/fused_ops_cpu.cpp`); and greedy sampling's argmax over the
-vocabulary (torch's max(dim) took ~65 µs a 49,152-wide row, this ~10).
+vocabulary (torch's max(dim) took 28–66 µs a 49,152-wide row, this ~4).
 
 On a small model these memory-bound chains, run as torch ops over float32 temporaries, cost
 more than the matmuls (W1 on SmolLM2-135M: casts, mul, add, pow and sum were over half the CPU
