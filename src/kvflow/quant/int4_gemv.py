@@ -155,16 +155,13 @@ class Int4Gemv:
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] in float32 (the reference the tests hold the kernel to)."""
-        return self._dequantize_rows(self.weight, self.scale_zero)
-
-    def _dequantize_rows(self, weight: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-        n, k = weight.shape[0], self.in_features
+        n, k = self.out_features, self.in_features
         if self.bits == 4:
-            b = _blocks_group_by_group(weight, 4).view(n, -1, GROUP // 2)
+            b = _blocks_group_by_group(self.weight, 4).view(n, -1, GROUP // 2)
             u = torch.cat([b & 0x0F, b >> 4], dim=2).view(n, -1, GROUP)
         else:
-            u = _blocks_group_by_group(weight, 8).view(n, -1, GROUP)
-        s, z = scale_zero.float().unbind(-1)
+            u = _blocks_group_by_group(self.weight, 8).view(n, -1, GROUP)
+        s, z = self.scale_zero.float().unbind(-1)
         w = (u.float() - (8 if self.bits == 4 else 128)).mul_(s[..., None]).add_(z[..., None])
         return w.view(n, -1)[:, :k]
 

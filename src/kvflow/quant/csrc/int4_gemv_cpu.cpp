@@ -689,8 +689,9 @@ void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const a
 }
 
 // Rows `ids` of W as `out` [len(ids), K] (float32 or bfloat16): an embedding lookup. Each weight
-// is s·(u − c) rounded to float, plus z rounded to float (as int4_gemv.py's dequantize, two
-// roundings: no fused multiply-add), then to out's dtype.
+// is s·(u − c) + z in float, then out's dtype: the numbers of int4_gemv.py's dequantize, since
+// (u − c)·s, an integer of ≤ 8 bits times a bfloat16, is exact in float and only the add rounds
+// (fused or not).
 void rows(at::Tensor out, const at::Tensor& ids, const at::Tensor& w, const at::Tensor& scale_zero, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "int4_gemv rows: bits must be 4 or 8, not ", bits);
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "int4_gemv rows: ids are contiguous int64 [T]");
@@ -708,16 +709,16 @@ void rows(at::Tensor out, const at::Tensor& ids, const at::Tensor& w, const at::
   const auto* wp = w.data_ptr<uint8_t>();
   const auto* szp = scale_zero.data_ptr<c10::BFloat16>();
   const float c = bits == 4 ? 8.0f : 128.0f;
-  const bool to_bf16 = out.scalar_type() == at::kBFloat16;
+  float* out_f = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  c10::BFloat16* out_bf16 = out_f == nullptr ? out.data_ptr<c10::BFloat16>() : nullptr;
   at::parallel_for(0, ids.size(0), 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t ch = 0; ch < k; ++ch) {
         const c10::BFloat16* pair = szp + (id[t] * padded_groups(k) + ch / kGroup) * 2;
-        float scaled = (static_cast<float>(code(wp, k, static_cast<int>(bits), id[t], ch)) - c) * widen(pair[0]);
-        asm volatile("" : "+x"(scaled));  // rounded here, as torch's mul_: never fused with the add
-        const float value = scaled + widen(pair[1]);
-        if (to_bf16) out.data_ptr<c10::BFloat16>()[t * k + ch] = static_cast<c10::BFloat16>(value);
-        else out.data_ptr<float>()[t * k + ch] = value;
+        const float value = (static_cast<float>(code(wp, k, static_cast<int>(bits), id[t], ch)) - c) * widen(pair[0]) +
+                            widen(pair[1]);
+        if (out_f != nullptr) out_f[t * k + ch] = value;
+        else out_bf16[t * k + ch] = static_cast<c10::BFloat16>(value);
       }
   });
 }
