@@ -152,6 +152,29 @@ void rows_scalar(c10::BFloat16* out, const c10::BFloat16* x, int64_t m, const fl
 // back. Each biased product is still exact in float.
 constexpr float kLowBias = 128.0f, kHighBias = 2048.0f;
 
+// The weights and (s, z) pairs of R rows kPrefetchRows ahead of `wr` / `szr`, requested now:
+// the hardware prefetcher alone left the loops waiting on memory at half the bandwidth.
+inline void prefetch_ahead(const uint8_t* wr, const uint16_t* szr, int64_t w_stride, int64_t pairs, int rows) {
+  for (int64_t ahead = 0; ahead < rows * w_stride; ahead += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
+  for (int64_t ahead = 0; ahead < rows * pairs * 8; ahead += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4) + ahead, _MM_HINT_T0);
+}
+
+// acc + Σ_g (z − offset_per_s·s)·sums[g] for one weight row's (s, z) pairs, 16 groups at a time (a
+// 32-bit lane holds one group's pair).
+inline __m512 add_zeros_term(__m512 acc, const uint16_t* szr, const float* sums, int64_t groups, float offset_per_s) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
+    const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + 2 * g0);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+    acc = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z), _mm512_maskz_loadu_ps(live, sums + g0), acc);
+  }
+  return acc;
+}
+
 // s of the groups a row's 32-byte unit u of its blocks holds, as floats, one per lane of
 // vdpbf16ps's output (a lane sums two adjacent bytes' products): the unit holds 4 bytes of each
 // of 8 groups, lanes 2i and 2i + 1 group i's. szr: the row's (s, z) pairs; units_per_block: 8 at
@@ -201,7 +224,6 @@ void rows_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const 
   const int64_t groups = k / kGroup, pairs = padded_groups(k) / 2, w_stride = row_bytes(k, BITS);
   const __m512i low4 = _mm512_set1_epi16(0x0F), low_bias = _mm512_set1_epi16(0x4300),
                 high_bias = _mm512_set1_epi16(0x4500);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   // z − c·s per group, less the codes' bias: s·Σ(bias + u)·x = s·Σu·x + bias·s·Σx.
   const float offset_per_s = (BITS == 4 ? 8.0f + kLowBias : 128.0f + kLowBias + kHighBias);
   const int64_t x_stride = pairs * 64;  // bf16 values per rearranged row (a partial pair padded)
@@ -209,11 +231,7 @@ void rows_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const 
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * w_stride;
     const uint16_t* szr = reinterpret_cast<const uint16_t*>(sz) + n * pairs * 4;
-    // The rows a few ahead, fetched now: the hardware prefetcher alone left this loop waiting on
-    // memory at half the bandwidth aten's kernel reaches.
-    for (int64_t ahead = 0; ahead < w_stride; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4), _MM_HINT_T0);
+    prefetch_ahead(wr, szr, w_stride, pairs, 1);
     __m512 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < block_units; ++u) block_unit_bf16<M, BITS>(acc, wr, xr, x_stride, szr, u);
@@ -249,41 +267,10 @@ void rows_bf16(c10::BFloat16* out, const uint16_t* xr, const float* sums, const 
         acc[r] = _mm512_fmadd_ps(dot, s16, acc[r]);
       }
     }
-    // Σ_g (z − (c + bias)·s)·Σx, 16 groups at a time: a 32-bit lane holds one group's (s, z).
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
-      const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + 2 * g0);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z);
-      for (int r = 0; r < M; ++r)
-        acc[r] = _mm512_fmadd_ps(offset, _mm512_maskz_loadu_ps(live, sums + r * groups + g0), acc[r]);
-    }
-    for (int r = 0; r < M; ++r) out[r * n_out + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
+    for (int r = 0; r < M; ++r)  // Σ_g (z − (c + bias)·s)·Σx
+      out[r * n_out + n] = static_cast<c10::BFloat16>(
+          _mm512_reduce_add_ps(add_zeros_term(acc[r], szr, sums + r * groups, groups, offset_per_s)));
   }
-}
-
-// The weights and (s, z) pairs of R rows kPrefetchRows ahead of `wr` / `szr`, requested now:
-// the hardware prefetcher alone left the loops waiting on memory at half the bandwidth.
-inline void prefetch_ahead(const uint8_t* wr, const uint16_t* szr, int64_t w_stride, int64_t pairs, int rows) {
-  for (int64_t ahead = 0; ahead < rows * w_stride; ahead += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * w_stride + ahead), _MM_HINT_T0);
-  for (int64_t ahead = 0; ahead < rows * pairs * 8; ahead += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(szr + kPrefetchRows * pairs * 4) + ahead, _MM_HINT_T0);
-}
-
-// acc + Σ_g (z − offset_per_s·s)·sums[g] for one weight row's (s, z) pairs, 16 groups at a time (a
-// 32-bit lane holds one group's pair).
-inline __m512 add_zeros_term(__m512 acc, const uint16_t* szr, const float* sums, int64_t groups, float offset_per_s) {
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-    const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g0)) - 1);
-    const __m512i pair = _mm512_maskz_loadu_epi32(live, szr + 2 * g0);
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-    acc = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(offset_per_s), s, z), _mm512_maskz_loadu_ps(live, sums + g0), acc);
-  }
-  return acc;
 }
 
 // Weight rows n0..n1 for one activation row: `block(rows, n, wr, szr)` takes rows n..n+R together
