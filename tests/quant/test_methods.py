@@ -67,6 +67,7 @@ def test_embedding_rows_and_tied_head(method):
     embed.quant_method.process_weights_after_loading(embed)
     ids = torch.tensor([0, 1, 63, 64, 999])
     rows = embed(ids)
+    assert rows.is_contiguous()  # the CPU decode loop's C++ kernels take the embedding's rows as they are
     torch.testing.assert_close(rows, _dequantized(embed)[ids])  # (w8a8's embedding and head: int8, weight-only)
     assert embed.compute_logits(torch.randn(2, 576)).shape == (2, 1000)
 

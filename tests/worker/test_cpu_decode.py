@@ -83,7 +83,8 @@ def test_cpp_step_matches_the_python_loop_and_the_modules(llama_dir, num_prompts
 @pytest.mark.parametrize("method", ["int8", "w8a8", "fp8", "mxfp4"])
 def test_every_weight_format_matches_the_modules(tmp_path, method, monkeypatch):
     """The loop takes the quantized embedding's rows as they come (w8a8's were a transposed view,
-    which the loop's C++ RMSNorm refused mid-step)."""
+    which the loop's C++ RMSNorm refused mid-step; tests/quant/test_methods.py holds every method's
+    rows contiguous)."""
     make_tiny_model("llama-gqa-llama3-rope", tmp_path)
     write_tiny_tokenizer(tmp_path)  # w8a8 calibrates on text
     kw = dict(quantization=method, skip_tokenizer_init=False)

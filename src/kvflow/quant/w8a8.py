@@ -30,24 +30,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class W8A8Channel(nn.Module):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """A linear layer's runtime only: the embedding and head are int8 weight-only (W8A8Config)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("q_t", q.t().contiguous())  # [K, N]: _int_mm's right operand
         self.register_buffer("scale", scale.float())
-        self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]).float())
         y = torch._int_mm(xq, self.q_t).float() * x_scale * self.scale
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.q_t.t()[ids].float() * self.scale[ids, None]).to(self.dtype)  # contiguous rows
-
 
 class W8A8Method(CalibratedMethod, Int8Method):
     def runtime(self, stored, dtype, name):
-        return W8A8Channel(stored["weight"], stored["weight_scale"], dtype)
+        return W8A8Channel(stored["weight"], stored["weight_scale"])
 
     def search_scale(self, weight: torch.Tensor, inputs: InputStats, name: str) -> tuple[torch.Tensor, float]:
         """SmoothQuant's s for the α in `ALPHAS` (or none: α reported as -1) whose w8a8 product is

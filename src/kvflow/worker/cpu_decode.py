@@ -97,7 +97,7 @@ class CpuDecodeLoop:
         """As model(input_ids, positions, kv_caches, attn) for a step of one-token decodes (one KV
         group and no LoRA rows: `build` takes no model that could have others)."""
         meta = attn[0]
-        hidden = self.embed(input_ids).contiguous()  # the kernels take contiguous rows
+        hidden = self.embed(input_ids)
         rows, dtype = hidden.shape[0], hidden.dtype
         if self.native is not None and rows <= int4_gemv.MAX_ROWS:
             return self._run_native(hidden, positions, meta)
