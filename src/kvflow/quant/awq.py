@@ -28,10 +28,10 @@ class AWQConfig(OnlineQuantConfig):
     "embedding": "int8"); AutoAWQ's own checkpoints keep them float."""
 
     name = "awq"
+    calibrates = True
 
     def __init__(self, group_size: int | None = None, from_saved: bool = False, int8_embedding: bool = True) -> None:
         super().__init__(group_size or 32, from_saved)
-        self.needs_calibration = not from_saved
         self.int8_embedding = int8_embedding
 
     def get_quant_method(self, kind: str, prefix: str):

@@ -77,10 +77,17 @@ class OnlineQuantMethod(QuantMethod):
 
 class OnlineQuantConfig(QuantizationConfig):
     method_class: type[OnlineQuantMethod]
+    calibrates = False  # AWQ, w8a8: layers rounded only after calibration (CalibratedMethod below)
 
     def __init__(self, group_size: int | None = None, from_saved: bool = False) -> None:
         self.group_size = group_size
         self.from_saved = from_saved  # loading tensors `kvflow quantize` wrote, not a float checkpoint
+
+    @property
+    def needs_calibration(self) -> bool:
+        """The engine calibrates at load: a float checkpoint of a calibrating method (a saved one
+        was calibrated before it was written)."""
+        return self.calibrates and not self.from_saved
 
     def get_quant_method(self, kind: str, prefix: str) -> QuantMethod:
         return self.method_class(self)

@@ -70,10 +70,7 @@ class W8A8Method(CalibratedMethod, Int8Method):
 class W8A8Config(OnlineQuantConfig):
     name = "w8a8"
     method_class = W8A8Method
-
-    def __init__(self, group_size: int | None = None, from_saved: bool = False) -> None:
-        super().__init__(group_size, from_saved)
-        self.needs_calibration = not from_saved
+    calibrates = True
 
     def get_quant_method(self, kind: str, prefix: str):
         return W8A8Method(self) if kind == "linear" else Int8Method(self)
