@@ -4,7 +4,10 @@
     PYTHONPATH=src .venv/bin/python benchmarks/cpu_attention.py [--rounds 7]
 
 Each case times one layer's attention for a batch of decodes whose contexts are drawn like W1's
-(prompts of 32..512 tokens, up to 128 generated), over a shuffled block pool. Both paths run in
+(prompts of 32..512 tokens, up to 128 generated), over a shuffled block pool allocated as the
+engine's is (`zeros_untouched`: transparent huge pages where the kernel offers them). With
+`--layers 30` each case holds 30 layers' pools and times them in turn, so that K/V stream from
+memory as in a model's step; with 1 (the default) one layer's pool stays in the caches. Both paths run in
 turn within each round, and the table reports the median of the rounds and their ratio; the
 machine's load is printed beside it (a shared machine makes every absolute number noisy).
 """
@@ -23,6 +26,7 @@ import torch
 from kvflow.attention import cpu_paged
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.attention.torch_sdpa import TorchSDPABackend
+from kvflow.worker.kv_cache import zeros_untouched
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
 
@@ -35,7 +39,8 @@ def decode_batch(batch: int, seed: int, dtype: torch.dtype, max_context: int):
     rng.shuffle(physical)
     tables = [[physical.pop() for _ in range(b)] for b in blocks_each]
     width = max(blocks_each)
-    cache = torch.randn(2, sum(blocks_each), KV_HEADS, BLOCK, HEAD_DIM).to(dtype)
+    cache = zeros_untouched((2, sum(blocks_each), KV_HEADS, BLOCK, HEAD_DIM), dtype, "cpu")
+    cache.copy_(torch.randn(cache.shape))
     meta = AttentionMetadata(
         query_start_loc=torch.arange(batch + 1), seq_lens=torch.tensor(lens),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
@@ -47,19 +52,21 @@ def decode_batch(batch: int, seed: int, dtype: torch.dtype, max_context: int):
     return q, k, v, cache, meta, AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, None)
 
 
-def time_layer(backend, batch, repeats: int) -> float:
-    q, k, v, cache, meta, layer = batch
+def time_layer(backend, layers, repeats: int) -> float:
+    """Seconds a layer: `repeats` passes over `layers` (one batch's pools, the same metadata)."""
     start = time.perf_counter()
     for _ in range(repeats):
-        meta.plans.clear()  # planned once per step, as in a real step (one plan, many layers)
-        backend.forward(q, k, v, cache, meta, layer)
-    return (time.perf_counter() - start) / repeats
+        for q, k, v, cache, meta, layer in layers:
+            meta.plans.clear()  # planned once per step, as in a real step (one plan, many layers)
+            backend.forward(q, k, v, cache, meta, layer)
+    return (time.perf_counter() - start) / repeats / len(layers)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--layers", type=int, default=1, help="pools per case, timed in turn (30: from memory)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     in_place = TorchSDPABackend()
@@ -69,17 +76,20 @@ def main() -> None:
     gather = TorchSDPABackend()
     rows = []
     for batch_size, max_context in ((1, 160), (16, 640), (64, 640), (128, 640)):
-        batch = decode_batch(batch_size, 0, dtype, max_context)
-        repeats = max(3, 200 // batch_size)
+        torch.manual_seed(0)
+        layers = [decode_batch(batch_size, 0, dtype, max_context) for _ in range(args.layers)]
+        batch = layers[0]
+        repeats = max(1, max(3, 200 // batch_size) // args.layers)
         times = {"kernel": [], "torch": []}
         for _ in range(args.rounds):
-            times["kernel"].append(time_layer(in_place, batch, repeats))
-            times["torch"].append(time_layer(gather, batch, repeats))
+            times["kernel"].append(time_layer(in_place, layers, repeats))
+            times["torch"].append(time_layer(gather, layers, repeats))
         kernel_ms, torch_ms = (statistics.median(times[k]) * 1e3 for k in ("kernel", "torch"))
         rows.append({"batch": batch_size, "mean_context": sum(batch[4].seq_lens_cpu) / batch_size,
                      "kernel_ms": round(kernel_ms, 4), "torch_ms": round(torch_ms, 4),
                      "speedup": round(torch_ms / kernel_ms, 2)})
-    print(f"dtype {args.dtype}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+    print(f"dtype {args.dtype}, {torch.get_num_threads()} threads, {args.layers} layers' pools, "
+          f"load average {os.getloadavg()[0]:.1f}")
     print("| decodes | mean context | in-place kernel ms/layer | gather + bmm ms/layer | speed-up |")
     print("|---|---|---|---|---|")
     for r in rows:

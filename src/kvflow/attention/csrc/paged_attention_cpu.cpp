@@ -1,14 +1,17 @@
 // Attention over the paged KV cache on CPU, reading K and V in place from their blocks.
 //
-// One work item is (request, KV head): the G = H / Hkv query heads that share the KV head, for
-// every query of the request, walk the request's blocks once, the next block requested from
-// memory while this one is used (blocks lie anywhere in the pool). Scores over a block come 16
-// keys at a time for bfloat16 caches (`scores16`: keys transposed in registers, widened to float
-// by a shift or a mask, float multiply-adds) and one key at a time from keys widened to float
-// otherwise; each query's scores over the keys it may see (causal, and its sliding window) get an
-// online softmax (running max and sum, rescaled once per block), and the probability-weighted
-// values accumulate in float (bfloat16 caches: each value row widened once for the query's G
-// heads, `accumulate_rows`; others: values widened to float first). On the AVX-512 CPUs tuned
+// One work item is (request, KV head): the G = H / Hkv query heads that share the KV head, for up
+// to 16 queries of the request at a time, in three passes over the keys they see: (1) the scores,
+// walking the key blocks; (2) each row's softmax over all its scores at once (one max, one sum);
+// (3) the probability-weighted values, walking the value blocks. Blocks lie anywhere in the pool,
+// where the hardware prefetcher, which follows addresses, never sees the next one coming, so each
+// pass requests the block three ahead of the one in use, a line between each of its own loads
+// (`Prefetcher`). Scores over a block come 16 keys at a time for bfloat16 caches (`scores16`: keys
+// transposed in registers, widened to float by a shift or a mask, float multiply-adds) and one key
+// at a time from keys widened to float otherwise; the values accumulate in float (bfloat16 caches:
+// each value row widened once for the query's G heads, `accumulate_rows`; others: values widened
+// to float first). A running softmax, rescaled block by block, had spent more time in its short
+// reductions than the scores took. On the AVX-512 CPUs tuned
 // for, bfloat16 dot products (`vdpbf16ps`) were the slower way: one occupies the vector ports ~4.5×
 // as long as a float multiply-add. Values and scores of keys no query sees are never used: a
 // block's unwritten tail, padding entries of the block table and blocks a window released hold
@@ -34,7 +37,13 @@
 
 namespace {
 
-constexpr int64_t kPrefetchBlocks = 1;  // how far ahead a request's blocks are requested
+// How far ahead a pass requests blocks: at one block ahead, a block's compute (~1,000 cycles)
+// ended before its successor had arrived from memory (2026-11-27, 128 W1-shaped decodes, one
+// layer, two threads, pool from DRAM: 1, 2, 3, 4 blocks ahead 2.41, 2.33, 2.23, 2.28 ms).
+constexpr int64_t kPrefetchBlocks = 3;
+// Queries attended together: their scores over every key they see stay in a per-thread buffer
+// (16 queries x G heads x the context, in float).
+constexpr int64_t kQueryChunk = 16;
 constexpr int64_t kMaxBlock = 128;  // the largest block size (config.py)
 
 inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -112,6 +121,28 @@ inline void accumulate_values(float* ar, const float* p, const float* values, in
     for (int64_t d = d0; d < head_dim; ++d) ar[d] += p[t] * values[t * head_dim + d];
 }
 
+// The lines of one block of one KV head, requested a line at a time between the loads of the block
+// in use: requested all at once, they stalled the core while they waited for free line-fill
+// buffers.
+struct Prefetcher {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  void start(const void* block, int64_t bytes) {
+    next = static_cast<const char*>(block);
+    end = next + bytes;
+  }
+  void stop() { next = end = nullptr; }
+  void step() {
+    if (next < end) {
+      __builtin_prefetch(next, 0, 3);
+      next += 64;
+    }
+  }
+  void rest() {
+    while (next < end) step();
+  }
+};
+
 #ifdef KVFLOW_AVX512
 // r[i] = row i of a 16 x 16 matrix of 32-bit elements, transposed in place.
 inline void transpose16(__m512i r[16]) {
@@ -166,12 +197,15 @@ inline void score_rows(float* scores, int64_t scores_stride, const __m512i* k, c
 // broadcast query value: no horizontal sum per key. (vdpbf16ps on the pairs as they are issued
 // ~1.5× the work here: it occupies the vector ports ~4.5× as long as a multiply-add.)
 inline void scores16(float* scores, int64_t scores_stride, const c10::BFloat16* keys, int64_t pos_stride,
-                     const float* q, int64_t n_rows, int64_t head_dim) {
+                     const float* q, int64_t n_rows, int64_t head_dim, Prefetcher& prefetch) {
   const int64_t pairs = head_dim / 2;
   for (int64_t r = 0; r < n_rows; ++r) _mm512_storeu_ps(scores + r * scores_stride, _mm512_setzero_ps());
   for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
     __m512i k[16];
-    for (int t = 0; t < 16; ++t) k[t] = _mm512_loadu_si512(keys + t * pos_stride + 2 * j0);
+    for (int t = 0; t < 16; ++t) {
+      k[t] = _mm512_loadu_si512(keys + t * pos_stride + 2 * j0);
+      prefetch.step();
+    }
     transpose16(k);  // k[j]: dimension pair j0 + j of keys 0..15
     for (int64_t r0 = 0; r0 < n_rows; r0 += 4) {
       float* sc = scores + r0 * scores_stride;
@@ -235,7 +269,8 @@ inline float exp16(const float* sc, float* pr, int64_t t_lo, int64_t t_hi, float
 // pos_stride apart; head_dim a multiple of 32.
 template <int R>
 inline void accumulate_rows_upto4(float* acc, const float* p, int64_t p_stride, const c10::BFloat16* values,
-                                  int64_t pos_stride, int64_t t_lo, int64_t t_hi, int64_t head_dim) {
+                                  int64_t pos_stride, int64_t t_lo, int64_t t_hi, int64_t head_dim,
+                                  Prefetcher& prefetch) {
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
     __m512 even[R], odd[R];
@@ -245,6 +280,7 @@ inline void accumulate_rows_upto4(float* acc, const float* p, int64_t p_stride, 
     }
     for (int64_t t = t_lo; t < t_hi; ++t) {
       const __m512i v = _mm512_loadu_si512(values + t * pos_stride + d0);
+      prefetch.step();
       const __m512 v_even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       const __m512 v_odd = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
       for (int r = 0; r < R; ++r) {
@@ -261,27 +297,30 @@ inline void accumulate_rows_upto4(float* acc, const float* p, int64_t p_stride, 
 }
 
 inline void accumulate_rows(float* acc, const float* p, int64_t p_stride, int64_t rows, const c10::BFloat16* values,
-                            int64_t pos_stride, int64_t t_lo, int64_t t_hi, int64_t head_dim) {
+                            int64_t pos_stride, int64_t t_lo, int64_t t_hi, int64_t head_dim, Prefetcher& prefetch) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     float* a = acc + r0 * head_dim;
     const float* pr = p + r0 * p_stride;
     switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: accumulate_rows_upto4<1>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim); break;
-      case 2: accumulate_rows_upto4<2>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim); break;
-      case 3: accumulate_rows_upto4<3>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim); break;
-      default: accumulate_rows_upto4<4>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim);
+      case 1: accumulate_rows_upto4<1>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim, prefetch); break;
+      case 2: accumulate_rows_upto4<2>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim, prefetch); break;
+      case 3: accumulate_rows_upto4<3>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim, prefetch); break;
+      default: accumulate_rows_upto4<4>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim, prefetch);
     }
   }
 }
 #endif
 
+// Queries [q0, q1) of one work item (see the file's comment). Rows r: query q0 + r / group, head
+// kv_head * group + r % group.
 template <typename scalar_t>
-void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
-                 const int64_t* table, int64_t table_width, int64_t num_blocks, int64_t seq_len, int64_t q_start, int64_t q_len, int64_t kv_head,
-                 int64_t group, int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                 int64_t q_token_stride, int64_t q_head_stride, int64_t o_token_stride, int64_t o_head_stride,
-                 int64_t c_block_stride, int64_t c_head_stride, int64_t c_pos_stride) {
-  const int64_t n_rows = q_len * group;  // row r: query r / group, head kv_head * group + r % group
+void attend_queries(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
+                    const int64_t* table, int64_t table_width, int64_t num_blocks, int64_t seq_len, int64_t q_start,
+                    int64_t q_len, int64_t q0, int64_t q1, int64_t kv_head, int64_t group, int64_t head_dim,
+                    int64_t block_size, int64_t window, float scale, int64_t q_token_stride, int64_t q_head_stride,
+                    int64_t o_token_stride, int64_t o_head_stride, int64_t c_block_stride, int64_t c_head_stride,
+                    int64_t c_pos_stride) {
+  const int64_t n_rows = (q1 - q0) * group;
   const int64_t first_pos = seq_len - q_len;
   // bfloat16 caches are read where they lie, 16 keys at a time for the scores (scores16) and a key
   // for all of a query's G rows at a time for the values (accumulate_rows); other dtypes widen keys
@@ -292,13 +331,26 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
   constexpr bool bf16 = false;
 #endif
   const bool in_sixteens = bf16 && block_size % 16 == 0 && block_size <= kMaxBlock && head_dim % 32 == 0;
-  // acc: the bfloat16 path keeps each 32 dimensions as its even ones, then its odd ones (see
-  // accumulate_rows); the output is written back in order. scores, probs: a block's, per row.
-  std::vector<float> acc(n_rows * head_dim, 0.f), scores(n_rows * block_size), probs(n_rows * block_size);
-  std::vector<float> run_max(n_rows, -std::numeric_limits<float>::infinity()), run_sum(n_rows, 0.f);
-  std::vector<float> q(n_rows * head_dim), keys, values;  // q in float, scaled; keys, values: the widening path's
+  // Query i (position first_pos + i) sees keys [visible_from(i), first_pos + i] (causal, and its
+  // window); these queries together see [lowest, highest).
+  const auto visible_from = [&](int64_t query_index) {
+    return window > 0 ? std::max<int64_t>(0, first_pos + query_index - window + 1) : int64_t{0};
+  };
+  const int64_t lowest = visible_from(q0), highest = first_pos + q1;
+  const int64_t first_block = lowest / block_size, end_block = (highest + block_size - 1) / block_size;
+  const int64_t base = first_block * block_size, span = end_block * block_size - base;
+  for (int64_t block = first_block; block < end_block; ++block)
+    TORCH_CHECK(block < table_width && table[block] >= 0 && table[block] < num_blocks, "paged_attention: block table entry ",
+                table[block], " for visible keys is not a block of the cache");
+  // scores: row r's scores, then probabilities, over keys [base, base + span) at r * span (whole
+  // sixteens of each block: scores16's stores). acc: the bfloat16 path keeps each 32 dimensions as
+  // its even ones, then its odd ones (see accumulate_rows); the output is written back in order.
+  thread_local std::vector<float> scores, q, keys, values;
+  scores.resize(n_rows * span);
+  q.resize(n_rows * head_dim);
+  std::vector<float> acc(n_rows * head_dim, 0.f), row_sum(n_rows, 0.f);
   for (int64_t r = 0; r < n_rows; ++r) {
-    const scalar_t* row = query + (q_start + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
+    const scalar_t* row = query + (q_start + q0 + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
     widen(row, q.data() + r * head_dim, head_dim);
     for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
   }
@@ -306,103 +358,122 @@ void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache
     keys.resize(block_size * head_dim);
     values.resize(block_size * head_dim);
   }
-  // Keys any query of this request sees: [lowest, seq_len); query i (position first_pos + i) sees
-  // [visible_from(i), first_pos + i] of them (causal, and its window).
-  const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-  const auto visible_from = [&](int64_t query_index) {
-    return window > 0 ? first_pos + query_index - window + 1 : int64_t{0};
+  const auto block_of = [&](const scalar_t* cache, int64_t block) {
+    return cache + table[block] * c_block_stride + kv_head * c_head_stride;
   };
-  for (int64_t block = lowest / block_size; block * block_size < seq_len; ++block) {
+  const int64_t block_bytes = ((block_size - 1) * c_pos_stride + head_dim) * static_cast<int64_t>(sizeof(scalar_t));
+  // The block `kPrefetchBlocks` after `block` in the walk over the keys' blocks and then the
+  // values', requested over the loads of `block` (the first ones at once).
+  Prefetcher prefetch;
+  const auto prefetch_ahead = [&](const scalar_t* cache, int64_t block) {
+    const int64_t ahead = block + kPrefetchBlocks;
+    if (ahead < end_block) prefetch.start(block_of(cache, ahead), block_bytes);
+    else if (cache == key_cache && ahead - end_block + first_block < end_block)
+      prefetch.start(block_of(value_cache, ahead - end_block + first_block), block_bytes);
+    else prefetch.stop();
+  };
+  for (int64_t block = first_block; block < std::min(end_block, first_block + kPrefetchBlocks); ++block) {
+    prefetch.start(block_of(key_cache, block), block_bytes);
+    prefetch.rest();
+  }
+  // 1. Scores of every row against the keys, block by block.
+  for (int64_t block = first_block; block < end_block; ++block) {
     const int64_t start = block * block_size;
-    const int64_t lo = std::max(start, lowest), hi = std::min(start + block_size, seq_len);
-    TORCH_CHECK(block < table_width && table[block] >= 0 && table[block] < num_blocks, "paged_attention: block table entry ", table[block],
-                " for visible keys is not a block of the cache");
-    const int64_t offset = table[block] * c_block_stride + kv_head * c_head_stride;
-    // The next block's keys and values, requested now: blocks lie anywhere in the pool, so the
-    // hardware prefetcher, which follows addresses, never sees them coming, and each block's
-    // first read would wait the full memory latency.
-    const int64_t next = block + kPrefetchBlocks;
-    if (next * block_size < seq_len && next < table_width && table[next] >= 0 && table[next] < num_blocks) {
-      const int64_t next_offset = table[next] * c_block_stride + kv_head * c_head_stride;
-      const int64_t bytes = ((block_size - 1) * c_pos_stride + head_dim) * static_cast<int64_t>(sizeof(scalar_t));
-      for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(key_cache + next_offset) + b, 0, 2);
-        __builtin_prefetch(reinterpret_cast<const char*>(value_cache + next_offset) + b, 0, 2);
-      }
-    }
-    for (int64_t t = lo; t < hi && !in_sixteens; ++t) {
-      widen(key_cache + offset + (t - start) * c_pos_stride, keys.data() + (t - start) * head_dim, head_dim);
-      widen(value_cache + offset + (t - start) * c_pos_stride, values.data() + (t - start) * head_dim, head_dim);
-    }
+    const int64_t lo = std::max(start, lowest) - start, hi = std::min(start + block_size, highest) - start;
+    const scalar_t* block_keys = block_of(key_cache, block);
+    float* sc = scores.data() + (start - base);
+    prefetch_ahead(key_cache, block);
 #ifdef KVFLOW_AVX512
     if constexpr (bf16) {
       if (in_sixteens) {
         // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
         // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
-        for (int64_t t0 = (lo - start) / 16 * 16; t0 < hi - start; t0 += 16)
-          scores16(scores.data() + t0, block_size, key_cache + offset + t0 * c_pos_stride, c_pos_stride,
-                   q.data(), n_rows, head_dim);
+        for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16)
+          scores16(sc + t0, span, block_keys + t0 * c_pos_stride, c_pos_stride, q.data(), n_rows, head_dim, prefetch);
+        prefetch.rest();
+        continue;
       }
     }
 #endif
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const int64_t k_lo = std::max(lo, visible_from(r / group)), k_hi = std::min(hi, first_pos + r / group + 1);
+    prefetch.rest();
+    for (int64_t t = lo; t < hi; ++t) widen(block_keys + t * c_pos_stride, keys.data() + t * head_dim, head_dim);
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t t = lo; t < hi; ++t) sc[r * span + t] = dot(q.data() + r * head_dim, keys.data() + t * head_dim, head_dim);
+  }
+  // 2. Each row's softmax over the keys it sees, in place.
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t k_lo = visible_from(q0 + r / group) - base, k_hi = first_pos + q0 + r / group + 1 - base;
+    if (k_lo >= k_hi) continue;
+    float* s = scores.data() + r * span;
+#ifdef KVFLOW_AVX512
+    if (in_sixteens) {
+      row_sum[r] = exp16(s, s, k_lo, k_hi, max16(s, k_lo, k_hi));
+      continue;
+    }
+#endif
+    float row_max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = k_lo; t < k_hi; ++t) row_max = std::max(row_max, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = k_lo; t < k_hi; ++t) {
+      s[t] = exp_nonpositive(s[t] - row_max);
+      sum += s[t];
+    }
+    row_sum[r] = sum;
+  }
+  // 3. The probability-weighted values, block by block: once per query for its G rows (they see
+  // the same keys).
+  for (int64_t block = first_block; block < end_block; ++block) {
+    const int64_t start = block * block_size;
+    const int64_t lo = std::max(start, lowest), hi = std::min(start + block_size, highest);
+    const scalar_t* block_values = block_of(value_cache, block);
+    const float* pr = scores.data() + (start - base);
+    prefetch_ahead(value_cache, block);
+    if (!in_sixteens) {
+      prefetch.rest();
+      for (int64_t t = lo; t < hi; ++t)
+        widen(block_values + (t - start) * c_pos_stride, values.data() + (t - start) * head_dim, head_dim);
+    }
+    for (int64_t query_index = q0; query_index < q1; ++query_index) {
+      const int64_t k_lo = std::max(lo, visible_from(query_index)), k_hi = std::min(hi, first_pos + query_index + 1);
       if (k_lo >= k_hi) continue;
-      const int64_t t_lo = k_lo - start, t_hi = k_hi - start;
-      float* sc = scores.data() + r * block_size;
-      float* pr = probs.data() + r * block_size;
-      if (!in_sixteens)
-        for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = dot(q.data() + r * head_dim, keys.data() + t * head_dim, head_dim);
-      float block_max = -std::numeric_limits<float>::infinity();
+      const int64_t r0 = (query_index - q0) * group;
 #ifdef KVFLOW_AVX512
-      if (in_sixteens) block_max = max16(sc, t_lo, t_hi);
-      else
-#endif
-        for (int64_t t = t_lo; t < t_hi; ++t) block_max = std::max(block_max, sc[t]);
-      float* ar = acc.data() + r * head_dim;
-      const float new_max = std::max(run_max[r], block_max);
-      const float correction = std::exp(run_max[r] - new_max);  // exp(-inf) = 0 on the first block
-      float block_sum = 0.f;
-#ifdef KVFLOW_AVX512
-      if (in_sixteens) block_sum = exp16(sc, pr, t_lo, t_hi, new_max);
-      else
-#endif
-      {
-#pragma omp simd reduction(+ : block_sum)
-        for (int64_t t = t_lo; t < t_hi; ++t) {
-          pr[t] = exp_nonpositive(sc[t] - new_max);
-          block_sum += pr[t];
+      if constexpr (bf16) {
+        if (in_sixteens) {
+          accumulate_rows(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c_pos_stride,
+                          k_lo - start, k_hi - start, head_dim, prefetch);
+          continue;
         }
       }
-      run_sum[r] = run_sum[r] * correction + block_sum;
-      if (correction != 1.f) {  // the running max moved (usually in the first blocks only)
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) ar[d] *= correction;
-      }
-      if (!in_sixteens) accumulate_values(ar, pr, values.data(), t_lo, t_hi, head_dim);
-      run_max[r] = new_max;
-    }
-#ifdef KVFLOW_AVX512
-    if constexpr (bf16) {
-      // The values, once per query for its G rows (they see the same keys).
-      for (int64_t query_index = 0; query_index < q_len && in_sixteens; ++query_index) {
-        const int64_t k_lo = std::max(lo, visible_from(query_index)), k_hi = std::min(hi, first_pos + query_index + 1);
-        if (k_lo >= k_hi) continue;
-        const int64_t r0 = query_index * group;
-        accumulate_rows(acc.data() + r0 * head_dim, probs.data() + r0 * block_size, block_size, group,
-                        value_cache + offset, c_pos_stride, k_lo - start, k_hi - start, head_dim);
-      }
-    }
 #endif
+      for (int64_t r = r0; r < r0 + group; ++r)
+        accumulate_values(acc.data() + r * head_dim, pr + r * span, values.data(), k_lo - start, k_hi - start, head_dim);
+    }
+    prefetch.rest();
   }
   for (int64_t r = 0; r < n_rows; ++r) {
-    scalar_t* dst = out + (q_start + r / group) * o_token_stride + (kv_head * group + r % group) * o_head_stride;
-    const float inv = run_sum[r] > 0.f ? 1.f / run_sum[r] : 0.f;
+    scalar_t* dst = out + (q_start + q0 + r / group) * o_token_stride + (kv_head * group + r % group) * o_head_stride;
+    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
     for (int64_t d = 0; d < head_dim; ++d) {
       const int64_t at = in_sixteens ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d;
       dst[d] = static_cast<scalar_t>(acc[r * head_dim + at] * inv);
     }
   }
+}
+
+// One work item: every query of request `b`'s chunk for one KV head, kQueryChunk at a time.
+template <typename scalar_t>
+void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
+                 const int64_t* table, int64_t table_width, int64_t num_blocks, int64_t seq_len, int64_t q_start,
+                 int64_t q_len, int64_t kv_head, int64_t group, int64_t head_dim, int64_t block_size, int64_t window,
+                 float scale, int64_t q_token_stride, int64_t q_head_stride, int64_t o_token_stride,
+                 int64_t o_head_stride, int64_t c_block_stride, int64_t c_head_stride, int64_t c_pos_stride) {
+  for (int64_t q0 = 0; q0 < q_len; q0 += kQueryChunk)
+    attend_queries<scalar_t>(out, query, key_cache, value_cache, table, table_width, num_blocks, seq_len, q_start, q_len,
+                             q0, std::min(q_len, q0 + kQueryChunk), kv_head, group, head_dim, block_size, window, scale,
+                             q_token_stride, q_head_stride, o_token_stride, o_head_stride, c_block_stride,
+                             c_head_stride, c_pos_stride);
 }
 
 template <typename scalar_t>
