@@ -99,19 +99,25 @@ def test_kernel_matches_reference_bf16(kernel, seed, window, block_size, dim):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("window", [None, 7])
-def test_backend_dispatch_matches_reference_on_nan_pool(kernel, seed, window):
-    """The torch_sdpa backend with the kernel: few-query requests in place, the rest on the torch
-    paths (a 24-query chunk, fresh prompts), none of them touched by the NaN in unwritten slots."""
-    q, k, v, cache, meta, layer = nan_pool_batch(seed, 16, 6, 2, torch.float32, window, max_new=cpu_paged.MAX_QUERIES)
+@pytest.mark.parametrize("dim", [32, 128])
+def test_backend_dispatch_matches_reference_on_nan_pool(kernel, seed, window, dim):
+    """The torch_sdpa backend with the kernel: the requests `cpu_paged.takes` in place (few-query
+    ones; narrow heads' chunks after a cached prefix), the rest on the torch paths (wide heads'
+    24-query chunk, fresh prompts), none of them touched by the NaN in unwritten slots."""
+    q, k, v, cache, meta, layer = nan_pool_batch(seed, 16, 6, 2, torch.float32, window, dim=dim)
     expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), meta, layer)
     backend = TorchSDPABackend()
     assert backend.kernel is not None
     got = backend.forward(q, k, v, cache, meta, layer)
     plan = next(p for key, p in meta.plans.items() if key[0] == "torch_sdpa")
     in_place = set(plan.in_place.tolist())
-    assert in_place == {i for i, n in enumerate(meta.query_lens_cpu) if n <= cpu_paged.MAX_QUERIES
-                        and not (n == meta.seq_lens_cpu[i] and window is None)}
-    assert len(in_place) < meta.num_requests  # the torch paths ran too
+    lens = list(zip(meta.query_lens_cpu, meta.seq_lens_cpu))
+    assert in_place == {i for i, (n, s) in enumerate(lens) if not (n == s and window is None)
+                        and cpu_paged.takes(n, s, dim)}
+    long_chunk = next(i for i, (n, s) in enumerate(lens) if n == 24)  # after a cached prefix
+    assert (long_chunk in in_place) == (dim <= cpu_paged.LONG_CHUNK_MAX_HEAD_DIM)
+    if window is None:
+        assert len(in_place) < meta.num_requests  # the fresh prompt: SDPA
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 

@@ -25,9 +25,20 @@ from kvflow.attention import cpu_kv_write
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-# Requests with at most this many queries are attended in place; longer chunks are compute-bound
-# and run faster through the matmul path (the kernel works one query row at a time).
+# Requests with at most this many queries are attended in place (decodes, speculative
+# verifications). Longer chunks are compute-bound: the kernel's float multiply-adds grow with the
+# head's width, the matmul path's gather, masks and softmax much less. Measured on W1
+# (`kvflow bench throughput`, 2026-11-27, alternated): chunks after a cached prefix in place,
+# SmolLM2 (head_dim 64) 604.9, 632.0 -> 638.4, 641.8 tok/s; Gemma-3-270M (256) 385.3, 371.9 ->
+# 372.8, 336.7. So those go in place up to LONG_CHUNK_MAX_HEAD_DIM. Fresh prompts never do:
+# SDPA's flash kernel beat the kernel there (680.2 against 660.5 tok/s, SmolLM2).
 MAX_QUERIES = 16
+LONG_CHUNK_MAX_HEAD_DIM = 64
+
+
+def takes(query_len: int, seq_len: int, head_dim: int) -> bool:
+    """Whether a request that is not a fresh prompt is attended in place."""
+    return query_len <= MAX_QUERIES or (query_len < seq_len and head_dim <= LONG_CHUNK_MAX_HEAD_DIM)
 DISABLE_ENV = "KVFLOW_CPU_ATTENTION_KERNEL"
 _OP_NAMESPACE = "kvflow_cpu"
 

@@ -69,12 +69,12 @@ class TorchSDPABackend:
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         if layer.writes_kv:
             write_kv(k, v, kv_cache, meta)
-        key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.writes_kv)  # layers may differ in all
+        key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.head_dim, layer.writes_kv)  # layers may differ in all
         plan = meta.plans.get(key)
         if plan is None:
             in_place = self.kernel is not None and q.device.type == "cpu" and kv_cache.dtype == q.dtype
-            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv, in_place,
-                                                self.batch_invariant)
+            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv,
+                                                layer.head_dim if in_place else None, self.batch_invariant)
         out = torch.empty_like(q)
         if plan.fresh_prompts and kv_quant.is_quantized(kv_cache):
             # A prompt sees its own keys as every later read will: quantized.
@@ -92,14 +92,16 @@ class TorchSDPABackend:
 
 
 def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer_writes: bool,
-               in_place: bool = False, all_in_place: bool = False) -> _Plan:
+               in_place_head_dim: int | None = None, all_in_place: bool = False) -> _Plan:
     """A fresh prompt attends to its own new keys, unless the layer writes none (it reads a
     shared layer's cache) or has a window (the masked path keeps only the window's blocks).
-    `in_place`: the other requests with few queries (decodes, speculative verifications) go to
-    the CPU kernel (`cpu_paged`); otherwise those of equal query length are batched together.
-    `all_in_place`: every request goes to the kernel (batch-invariant mode)."""
+    `in_place_head_dim` (the layer's head_dim where the CPU kernel can read the cache, else
+    None): the other requests the kernel takes (`cpu_paged.takes`: decodes, speculative
+    verifications, narrow heads' chunks after a cached prefix) go to it; otherwise those of equal
+    query length are batched together. `all_in_place`: every request goes to the kernel
+    (batch-invariant mode)."""
     if all_in_place:
-        if not in_place:
+        if in_place_head_dim is None:
             raise ValueError("batch_invariant: the paged-attention kernel cannot read this cache "
                              f"(device {meta.seq_lens.device.type}, a quantized or other-dtype KV cache)")
         return _Plan([], [], torch.arange(len(meta.query_lens_cpu), device=meta.seq_lens.device))
@@ -107,8 +109,8 @@ def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer
     fresh, groups, short, kernel = [], [], {}, []
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         is_fresh = q_len == seq_len and window is None and layer_writes
-        if in_place and q_len <= cpu_paged.MAX_QUERIES and not is_fresh:
-            kernel.append(i)  # decodes and speculative verifications
+        if in_place_head_dim is not None and not is_fresh and cpu_paged.takes(q_len, seq_len, in_place_head_dim):
+            kernel.append(i)
         elif q_len == 1 or (q_len <= SHORT_QUERY and not is_fresh):
             short.setdefault(q_len, []).append(i)
         elif is_fresh:
