@@ -76,6 +76,22 @@ def test_greedy_and_banned_tokens():
     assert sampler(logits.clone(), banned).token_ids.tolist() == [2]
 
 
+def test_a_greedy_batch_with_nothing_to_adjust_takes_the_argmax_of_the_logits_as_they_are():
+    """all_greedy, no penalties, logprobs, grammar or bans: the argmax of the bfloat16 logits
+    without their float32 copy, the same tokens; a ban still goes through the adjustments."""
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(3)).bfloat16()
+    logits[2, [5, 700]] = logits[2].max() + 1  # a tie: the first place
+    logits[0, 5] = logits[0].max() + 2  # row 0's best, banned below
+    plain = _batch(8, 1000, temperature=torch.zeros(8), all_greedy=True, any_penalties=False)
+    assert torch.equal(sampler(logits, plain).token_ids, logits.float().argmax(dim=-1))
+    banned = _batch(8, 1000, temperature=torch.zeros(8), all_greedy=True, any_penalties=False,
+                    banned_token_ids=[[5]] + [[] for _ in range(7)])
+    first = logits[0].float().clone()
+    first[5] = NEG_INF
+    assert sampler(logits, plain).token_ids[0] == 5 and sampler(logits, banned).token_ids[0] == first.argmax() != 5
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     sampler = Sampler(torch.Generator().manual_seed(0))
@@ -151,3 +167,5 @@ def test_cpu_argmax_kernel_is_torch_max_indices():
         x[6] = 2.0  # all equal
         x[7, [0, width - 1]] = float(x[7].max()) + 5  # a tie between the first and last places
         assert torch.equal(cpu_ops.first_argmax(x), x.max(dim=-1).indices), width
+        bf16 = x.bfloat16()  # ties where float32 values round together
+        assert torch.equal(cpu_ops.first_argmax(bf16), bf16.float().max(dim=-1).indices), width

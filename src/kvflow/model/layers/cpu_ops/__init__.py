@@ -84,8 +84,8 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
 
 
 def first_argmax(x: Tensor) -> Tensor:
-    """As x.max(dim=-1).indices on float32 x [rows, width] (rows with unit stride): the first of
-    equal maxima, or the first NaN."""
+    """As x.max(dim=-1).indices on float32 or bfloat16 x [rows, width] (rows with unit stride): the
+    first of equal maxima, or the first NaN."""
     out = torch.empty(x.shape[0], dtype=torch.int64)
     torch.ops.kvflow_cpu_ops.first_argmax(out, x)
     return out

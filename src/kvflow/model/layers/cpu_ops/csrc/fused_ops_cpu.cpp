@@ -204,9 +204,19 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at:
   }
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // widened: a bfloat16 is a float's top half
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
 // The index of a row's largest value, the first of equals; where the row has a NaN, the first
 // NaN's (torch's max(dim) does the same). One pass finds the maximum, a second its first place.
-int64_t first_argmax_row(const float* row, int64_t width) {
+// bfloat16 rows are compared widened, which keeps their order: no float copy of the logits.
+template <typename scalar_t>
+int64_t first_argmax_row(const scalar_t* row, int64_t width) {
   float best = -std::numeric_limits<float>::infinity();
   bool nan = false;
   int64_t c = 0;
@@ -215,12 +225,12 @@ int64_t first_argmax_row(const float* row, int64_t width) {
   __mmask16 unordered = 0;
   for (; c + 64 <= width; c += 64)  // four independent maxima: the loop is not one latency chain
     for (int j = 0; j < 4; ++j) {
-      const __m512 v = _mm512_loadu_ps(row + c + 16 * j);
+      const __m512 v = load16(row + c + 16 * j);
       unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       best16[j] = _mm512_max_ps(best16[j], v);
     }
   for (; c + 16 <= width; c += 16) {
-    const __m512 v = _mm512_loadu_ps(row + c);
+    const __m512 v = load16(row + c);
     unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     best16[0] = _mm512_max_ps(best16[0], v);
   }
@@ -228,33 +238,38 @@ int64_t first_argmax_row(const float* row, int64_t width) {
   best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(best16[0], best16[1]), _mm512_max_ps(best16[2], best16[3])));
 #endif
   for (; c < width; ++c) {
-    nan |= row[c] != row[c];
-    best = std::max(best, row[c]);
+    const float v = widen(row[c]);
+    nan |= v != v;
+    best = std::max(best, v);
   }
   int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 target = _mm512_set1_ps(best);
   for (; i + 16 <= width; i += 16) {
-    const __m512 v = _mm512_loadu_ps(row + i);
+    const __m512 v = load16(row + i);
     const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif
-  for (; i < width; ++i)
-    if (nan ? row[i] != row[i] : row[i] == best) return i;
+  for (; i < width; ++i) {
+    const float v = widen(row[i]);
+    if (nan ? v != v : v == best) return i;
+  }
   return 0;
 }
 
 void first_argmax(at::Tensor& out, const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "first_argmax: x is float32 [rows, width], rows contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "first_argmax: x is [rows, width], rows contiguous");
   TORCH_CHECK(x.size(1) > 0, "first_argmax: rows must not be empty");
   TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == x.size(0) && out.is_contiguous(),
               "first_argmax: out is contiguous int64 [rows]");
-  const float* rows = x.data_ptr<float>();
   int64_t* idx = out.data_ptr<int64_t>();
   const int64_t width = x.size(1), stride = x.stride(0);
-  at::parallel_for(0, x.size(0), 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) idx[r] = first_argmax_row(rows + r * stride, width);
+  DISPATCH(x.scalar_type(), "first_argmax", {
+    const scalar_t* rows = x.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) idx[r] = first_argmax_row(rows + r * stride, width);
+    });
   });
 }
 
