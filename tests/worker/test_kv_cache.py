@@ -3,6 +3,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import threading
 import time
 
 import pytest
@@ -78,6 +79,18 @@ def test_the_pool_is_mapped_in_behind_the_writes(monkeypatch):
         time.sleep(0.05)
     assert _resident_pages(pool) * os.sysconf("SC_PAGE_SIZE") >= pool.nbytes
     assert pool[7].eq(1.5).all() and not pool[:7].any() and not pool[8:].any()
+
+
+def test_every_layer_pool_is_mapped_in_by_one_thread(monkeypatch):
+    """allocate_kv_caches starts one populate thread for all the layers' pools (a thread each
+    stalled the start), and it reaches every pool."""
+    monkeypatch.setenv(POPULATE_ENV, "1")
+    before = {t.ident for t in threading.enumerate()}
+    caches = allocate_kv_caches(SMOLLM2.kv_layout, 200, 16, torch.bfloat16, "cpu")  # 2.4 MB a layer
+    started = [t for t in threading.enumerate() if t.ident not in before and t.name == "kv-pool-populate"]
+    assert len(started) == 1
+    started[0].join(timeout=60)
+    assert all(_resident_pages(c) * os.sysconf("SC_PAGE_SIZE") >= c.nbytes for c in caches)
 
 
 def test_without_populate_pages_wait_for_their_first_write(monkeypatch):

@@ -104,13 +104,17 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     codes = kv_quant.storage_dtype(kv_cache_dtype)
     quantized = codes is not None
     first = layout.groups[0].spec
-    pool = [zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device)
-            for _ in range(layout.group_size)]
+    pool = [zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device,
+                            populate=False) for _ in range(layout.group_size)]
+    if torch.device(device).type == "cpu":
+        # One thread for every layer's pool: a thread each (30 for SmolLM2) made the start wait
+        # ~75 ms per thread.start() while the earlier ones held both cores (3.2 s of a 5.5 s start).
+        populate_in_background([p for p in pool if p.nbytes >= _HUGE_PAGE])
     return [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
             for group, slot in layout.places]
 
 
-def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device, populate: bool = True) -> torch.Tensor:
     """A zero tensor whose pages the OS maps on first write, on CPU: fresh anonymous memory is zero
     by contract and untouched, where torch.zeros writes every byte (seconds for a GiB-sized pool,
     paid at every start). Attention never depends on the zeros (it masks what no one wrote,
@@ -119,8 +123,8 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     A first write to a page still costs a fault, and in a KV write that is on the step's path: on
     the 2026-11-26 VM a first write to a 2 MiB page cost 6-10 ms, and W1 (1.2 GB of KV written)
     took 31.4 s faulting in its writes, 28.9 s with the pages mapped beforehand (docs/performance.md).
-    So a background thread maps the pool's pages in after the start
-    (`populate_in_background`), and the pool asks for transparent huge pages (2 MiB: 512x fewer
+    So a background thread maps the pool's pages in after the start (`populate_in_background`;
+    `populate=False`: the caller starts it, for several pools at once), and the pool asks for transparent huge pages (2 MiB: 512x fewer
     faults and TLB entries) where the kernel offers them on request (`madvise` mode, the common
     default); elsewhere madvise is a no-op."""
     if torch.device(device).type != "cpu":
@@ -134,28 +138,30 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     whole = torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps `memory` alive
     start = -whole.data_ptr() % _HUGE_PAGE  # huge pages need 2 MiB-aligned addresses
     pool = whole[start:start + nbytes]
-    populate_in_background(pool)
+    if populate:
+        populate_in_background([pool])
     return pool.view(dtype).view(shape)
 
 
-def populate_in_background(pool: torch.Tensor) -> threading.Thread | None:
-    """Map every page of `pool` (contiguous, page-aligned) on a low-priority daemon thread with
-    madvise(MADV_POPULATE_WRITE): the pages fault in as a write would fault them, and their
-    contents are left as they are, so KV writes racing with it are safe. One call for the whole
-    pool: ctypes releases the GIL around it, and a thread that took the GIL back between chunks
-    could stall the engine's thread while waiting, at low priority, for a core. None where the
-    kernel has no MADV_POPULATE_WRITE (Linux < 5.14): pages then fault on first write."""
+def populate_in_background(pools: list[torch.Tensor]) -> threading.Thread | None:
+    """Map every page of `pools` (each contiguous, page-aligned) on one low-priority daemon thread
+    with madvise(MADV_POPULATE_WRITE): the pages fault in as a write would fault them, and their
+    contents are left as they are, so KV writes racing with it are safe. One call per pool:
+    ctypes releases the GIL around it, and a thread that took the GIL back between chunks could
+    stall the engine's thread while waiting, at low priority, for a core. None where the kernel
+    has no MADV_POPULATE_WRITE (Linux < 5.14): pages then fault on first write."""
     libc = _libc()
-    if libc is None or os.environ.get(POPULATE_ENV, "1") == "0":
+    if libc is None or not pools or os.environ.get(POPULATE_ENV, "1") == "0":
         return None
-    address, nbytes = pool.data_ptr(), pool.numel() * pool.element_size()
+    spans = [(pool.data_ptr(), pool.numel() * pool.element_size()) for pool in pools]
 
-    def populate(keep_alive: torch.Tensor) -> None:  # the mapping stays while the thread works on it
+    def populate(keep_alive: list[torch.Tensor]) -> None:  # the mappings stay while the thread works on them
         with contextlib.suppress(OSError):  # a thread's nice value is a hint
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        libc.madvise(ctypes.c_void_p(address), nbytes, _MADV_POPULATE_WRITE)  # fails harmlessly on old kernels
+        for address, nbytes in spans:
+            libc.madvise(ctypes.c_void_p(address), nbytes, _MADV_POPULATE_WRITE)  # fails harmlessly on old kernels
 
-    thread = threading.Thread(target=populate, args=(pool,), name="kv-pool-populate", daemon=True)
+    thread = threading.Thread(target=populate, args=(pools,), name="kv-pool-populate", daemon=True)
     thread.start()
     return thread
 
