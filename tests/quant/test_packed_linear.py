@@ -42,3 +42,66 @@ def test_float32_and_switched_off_layers_stay_unpacked(monkeypatch):
     assert getattr(_layer(torch.float32), "packed_weight", None) is None
     monkeypatch.setenv(packed_linear.DISABLE_ENV, "0")
     assert getattr(_layer(torch.bfloat16), "packed_weight", None) is None
+
+
+# -- SiLU(gate) * up in one pass (GatedPair) and where it runs ----------------------------------------------
+def _silu_mul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 130])
+def test_gated_pair_is_silu_of_gate_times_up(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(2 * 48, 64, generator=gen) * 0.2).bfloat16()
+    x = torch.randn(2, rows, 64, generator=gen).bfloat16()
+    out = packed_linear.GatedPair(weight)(x)
+    assert out.shape == (2, rows, 48) and out.dtype == torch.bfloat16
+    reference = _silu_mul_reference(x, weight)
+    # one rounding of the result, where the unfused chain rounds gate, up, SiLU and the product
+    torch.testing.assert_close(out.float(), reference, rtol=2**-7, atol=1e-3)
+
+
+def test_the_mlp_takes_the_one_pass_form_and_leaves_it_to_hooks_tiles_and_lora():
+    from kvflow.lora.layers import LoRAContext, LoRALinear
+    from kvflow.model.layers.batch_invariant import RowTiledMethod
+    from kvflow.model.layers.mlp import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 48, None, "mlp")
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.weight.data = (torch.randn_like(layer.weight) * 0.2).bfloat16()
+        layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(7, 64).bfloat16()
+    gate, up = mlp.gate_up_proj(x).chunk(2, -1)
+    unfused = mlp.down_proj(F.silu(gate) * up)  # the bf16 chain, rounded at every step
+    reference = F.linear(_silu_mul_reference(x, mlp.gate_up_proj.weight), mlp.down_proj.weight.float())
+    out = mlp(x)
+    assert getattr(mlp.gate_up_proj, "gated_pair", None) is not None  # it ran
+    assert (out.float() - reference).abs().max() <= (unfused.float() - reference).abs().max()  # no worse
+
+    seen = []
+    hook = mlp.gate_up_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
+    mlp(x)
+    assert seen == [x.shape]  # a hooked layer (calibration's) is called, not bypassed
+    hook.remove()
+    assert RowTiledMethod(mlp.gate_up_proj.quant_method).silu_and_mul(mlp.gate_up_proj, x) is None
+    assert LoRALinear(mlp.gate_up_proj, 1, 4, LoRAContext(), torch.bfloat16, torch.device("cpu")).silu_and_mul(x) is None
+    float_mlp = GatedMLP(64, 48, None, "mlp")
+    float_mlp.gate_up_proj.quant_method.process_weights_after_loading(float_mlp.gate_up_proj)
+    assert float_mlp.gate_up_proj.silu_and_mul(x.float()) is None  # float32: the reference path
+
+
+def test_int4_planes_take_the_one_pass_form_only_where_they_would_take_the_dense_copy():
+    from kvflow.quant.int4pack import KERNEL_MAX_ROWS, Int4Planes, planes_from_affine
+
+    gen = torch.Generator().manual_seed(5)
+    u = torch.randint(0, 16, (96, 64), generator=gen, dtype=torch.uint8)
+    scale, minimum = torch.rand(96, 2, generator=gen) * 0.02, -torch.rand(96, 2, generator=gen) * 0.15
+    planes = Int4Planes(planes_from_affine(u, scale, minimum, 4), 32, torch.bfloat16, "mlp.gate_up_proj")
+    assert planes.silu_and_mul(torch.randn(KERNEL_MAX_ROWS, 64).bfloat16()) is None  # the GEMV's rows
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 64, generator=gen).bfloat16()
+    torch.testing.assert_close(planes.silu_and_mul(x).float(), _silu_mul_reference(x, planes.dequantize()),
+                               rtol=2**-7, atol=1e-3)
+    planes.use_kernel_at_any_rows()  # batch-invariant: the int4 kernel, whatever the rows
+    assert planes.silu_and_mul(x) is None

@@ -88,6 +88,9 @@ class LoRALinear(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("base_layer"), name)
 
+    def silu_and_mul(self, x: torch.Tensor) -> None:
+        return None  # the deltas go into gate/up before the activation: forward, then the MLP's act
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         batch = self.context.batch

@@ -37,6 +37,12 @@ class QuantMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ bias) for x [T, input_size]."""
 
+    def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(x W_gate^T) * (x W_up^T) for a [gate; up] layer, in one pass where the method has
+        one for this x (packed bf16 weights on CPU: `packed_linear.GatedPair`); None: the caller
+        runs `apply` and the activation."""
+        return None
+
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W, in the model dtype (only for methods an embedding can use)."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve as an embedding")

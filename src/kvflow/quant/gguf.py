@@ -112,6 +112,10 @@ class GGUFMethod(QuantMethod):
         y = parts[0](x) if len(parts) == 1 else torch.cat([part(x) for part in parts], dim=-1)
         return y if bias is None else y + bias
 
+    def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        parts = layer.gguf_parts
+        return parts[0].silu_and_mul(x) if len(parts) == 1 else None
+
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return layer.gguf_parts[0].rows(ids)
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.quant import int4_gemv
-from kvflow.quant.packed_linear import linear, prepack
+from kvflow.quant.packed_linear import GatedPair, linear, prepack
 
 KERNEL_MAX_ROWS = 4  # above: the dense copy
 # The kernel is vectorised for bf16 only: in float32 or float16 it took 2.6 ms at M = 1 and 10 ms
@@ -104,6 +104,7 @@ class Int4Planes(nn.Module):
         self._unbind_planes()
         # An attribute, not a buffer: derived from the planes, so out of state_dict.
         self.dense = None
+        self.gated = None  # packed_linear.GatedPair of a [gate; up] weight, made by its first silu_and_mul
         self.kernel_at_any_rows = False  # batch-invariant mode: one kernel, whatever the row count
         if os.environ.get(DENSE_COPY_ENV, "1") != "0":
             self.dense = prepack(dense if dense is not None else self.dequantize())
@@ -135,6 +136,19 @@ class Int4Planes(nn.Module):
             y = y[:, :self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of this [gate; up] weight in one pass (`packed_linear.GatedPair`, built
+        from the dense copy's weights on first use) where `forward` would take the dense copy; None
+        elsewhere (few rows: the GEMV; batch-invariant: the int4 kernel), and the caller runs
+        `forward` and the activation."""
+        m = x.numel() // self.in_features
+        if (x.dtype != torch.bfloat16 or m <= KERNEL_MAX_ROWS or self.kernel_at_any_rows or self.dense is None
+                or not self.dense.is_mkldnn or x.dtype != self._scale_dtype):
+            return None
+        if self.gated is None:
+            self.gated = GatedPair(self.dequantize())
+        return self.gated(x)
+
     def _unbind_planes(self) -> None:
         """(packed, scale_zero) per plane as plain attributes, made once, and the scales' dtype:
         reading buffers goes through nn.Module.__getattr__, and unbinding at every call cost more
@@ -151,7 +165,7 @@ class Int4Planes(nn.Module):
         """Every bfloat16 call through aten's int4 kernel, which computes each row on its own
         whatever the row count (tests/engine/test_batch_invariant.py holds it to that), so a row's
         result never depends on the batch; the dense copy is then dropped."""
-        self.kernel_at_any_rows, self.dense, self.gemv = True, None, None
+        self.kernel_at_any_rows, self.dense, self.gemv, self.gated = True, None, None, None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [N, K] in `dtype` (the scales' dtype by default), computed in float32 and rounded once."""

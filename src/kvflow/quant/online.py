@@ -71,6 +71,10 @@ class OnlineQuantMethod(QuantMethod):
         y = layer.quant_runtime(x)
         return y if bias is None else y + bias
 
+    def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        fused = getattr(getattr(layer, "quant_runtime", None), "silu_and_mul", None)  # int4 planes have one
+        return fused(x) if fused is not None else None
+
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return layer.quant_runtime.rows(ids)
 

@@ -56,6 +56,7 @@ class _Layer:
     o: Linear
     post_norm: torch.Tensor
     gate_up: Linear
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor | None]  # gate_up and SiLU·up in one pass, or None
     down: Linear
     key_cache: torch.Tensor
     value_cache: torch.Tensor
@@ -74,7 +75,7 @@ class CpuDecodeLoop:
         self.layers = [
             _Layer(layer.input_layernorm.weight, _linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
                    layer.post_attention_layernorm.weight, _linear(layer.mlp.gate_up_proj),
-                   _linear(layer.mlp.down_proj), cache[0], cache[1])
+                   _silu_and_mul(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj), cache[0], cache[1])
             for layer, cache in zip(decoder.layers, kv_caches)]
         self.rms_norm = torch.ops.kvflow_cpu_ops.rms_norm
         self.rotate = torch.ops.kvflow_cpu_ops.rotary
@@ -107,7 +108,7 @@ class CpuDecodeLoop:
         eps, heads, kv_heads, d = self.eps, self.heads, self.kv_heads, self.head_dim
         normed = torch.empty_like(hidden)
         attended = torch.empty(rows, heads, d, dtype=dtype)
-        mlp_width = None
+        act = None
         residual = None
         for layer in self.layers:
             self.rms_norm(normed, hidden, residual, layer.input_norm, eps)
@@ -122,12 +123,13 @@ class CpuDecodeLoop:
             self.attend(attended, q, layer.key_cache, layer.value_cache, meta.block_tables, meta.seq_lens,
                         meta.query_start_loc, requests, 0, self.scale)
             self.rms_norm(normed, layer.o(attended.view(rows, heads * d)), residual, layer.post_norm, eps)
-            gate_up = layer.gate_up(normed)
-            if mlp_width is None:
-                mlp_width = gate_up.shape[1] // 2
-                act = torch.empty(rows, mlp_width, dtype=dtype)
-            self.silu_and_mul(act, gate_up)
-            hidden = layer.down(act)
+            fused = layer.silu_and_mul(normed)
+            if fused is None:
+                gate_up = layer.gate_up(normed)
+                if act is None:
+                    act = torch.empty(rows, gate_up.shape[1] // 2, dtype=dtype)
+                self.silu_and_mul(act, gate_up)
+            hidden = layer.down(act if fused is None else fused)
         out = torch.empty_like(hidden)
         self.rms_norm(out, hidden, residual, self.final_norm, eps)
         return out
@@ -190,6 +192,19 @@ def _linear(layer: LinearBase) -> Linear:
     the quant method around it, where there is one."""
     weights = _weights(layer)
     return layer if weights is None else weights.forward
+
+
+def _silu_and_mul(layer: LinearBase) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """The layer's one-pass gate/up and SiLU·up, as `GatedMLP` calls it: its weights' own where
+    `_linear` calls the weights directly, else the layer's."""
+    weights = _weights(layer)
+    if weights is None:
+        return layer.silu_and_mul
+    return getattr(weights, "silu_and_mul", None) or _no_fused_pass
+
+
+def _no_fused_pass(x: torch.Tensor) -> None:
+    return None
 
 
 def _takes(model: nn.Module, kv_caches: list[torch.Tensor]) -> bool:

@@ -46,6 +46,9 @@ class RowTiledMethod:
         out = torch.cat([self.method.apply(layer, tile, bias) for tile in rows.split(ROW_TILE)])
         return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
+    def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> None:
+        return None  # the fused pass would see every row at once: apply's tiles instead
+
     def __getattr__(self, name: str):
         return getattr(self.method, name)
 

@@ -125,6 +125,13 @@ class MergedColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_sizes, bias, quant_config, prefix,
                          shard_ids=tuple(range(len(output_sizes))), **tp)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of a gate/up layer in one pass where its method has one for x, else None
+        (`QuantMethod.silu_and_mul`)."""
+        if len(self.output_sizes) != 2 or self.bias is not None or self._forward_pre_hooks or self._forward_hooks:
+            return None  # hooks (calibration's) must see the layer's call
+        return self.quant_method.silu_and_mul(self, x)
+
 
 class QKVParallelLinear(LinearBase):
     """q, k and v as one matmul (shard ids "q", "k", "v"); a rank keeps whole heads of each: its

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvflow.model.layers.activation import ACTIVATIONS
+from kvflow.model.layers.activation import ACTIVATIONS, silu_and_mul
 from kvflow.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from kvflow.quant.base import QuantizationConfig
 
@@ -22,4 +22,5 @@ class GatedMLP(nn.Module):
         self.act_and_mul = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        act = self.gate_up_proj.silu_and_mul(x) if self.act_and_mul is silu_and_mul else None
+        return self.down_proj(act if act is not None else self.act_and_mul(self.gate_up_proj(x)))
