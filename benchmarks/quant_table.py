@@ -8,6 +8,7 @@ reference is the default GGUF dequantized to float (tests' `.cache/hf-smollm2-13
 tests/hf_oracle.py); "gguf" is the same file run on its own Q4_1/Q8_0 blocks.
 
 Usage: .venv/bin/python benchmarks/quant_table.py [--max-tokens 4096] [--methods gguf int8 ...]
+       [--model gemma3-270m]  (Gemma-3-270M's GGUF, dequantized the same way, instead of SmolLM2)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from hf_oracle import default_gguf_path, default_model_hf_dir  # noqa: E402
+from hf_oracle import default_gguf_path, default_model_hf_dir, gemma3_270m_hf_dir  # noqa: E402
 from kvflow.config import EngineArgs  # noqa: E402
 from kvflow.engine.llm_engine import LLMEngine  # noqa: E402
 from kvflow.eval.perplexity import perplexity  # noqa: E402
@@ -72,15 +73,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--methods", nargs="+", default=["float32", "bf16", "gguf", "int8", "w8a8", "fp8", "int4",
                                                      "int4-g64", "awq-g64", "mxfp4"])
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3-270m"])
     args = ap.parse_args()
-    float_dir = str(default_model_hf_dir())
+    if args.model == "gemma3-270m":
+        from kvflow.model.packaged_models import gemma3_270m_path
+
+        float_dir, gguf = str(gemma3_270m_hf_dir()), str(gemma3_270m_path())
+    else:
+        float_dir, gguf = str(default_model_hf_dir()), str(default_gguf_path())
     rows, reference = [], None
     for method in args.methods:
         kw = dict(model=float_dir, dtype="bfloat16", disable_log_stats=True)
         if method == "float32":
             kw["dtype"] = "float32"
         elif method == "gguf":
-            kw["model"] = str(default_gguf_path())
+            kw["model"] = gguf
         elif method != "bf16":
             name, _, group = method.partition("-g")
             kw.update(quantization=name, group_size=int(group) if group else None)
