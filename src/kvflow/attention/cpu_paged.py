@@ -34,13 +34,12 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 # SDPA's flash kernel beat the kernel there (680.2 against 660.5 tok/s, SmolLM2).
 MAX_QUERIES = 16
 LONG_CHUNK_MAX_HEAD_DIM = 64
+DISABLE_ENV = "KVFLOW_CPU_ATTENTION_KERNEL"
 
 
 def takes(query_len: int, seq_len: int, head_dim: int) -> bool:
     """Whether a request that is not a fresh prompt is attended in place."""
     return query_len <= MAX_QUERIES or (query_len < seq_len and head_dim <= LONG_CHUNK_MAX_HEAD_DIM)
-DISABLE_ENV = "KVFLOW_CPU_ATTENTION_KERNEL"
-_OP_NAMESPACE = "kvflow_cpu"
 
 
 def load_kernel():

@@ -390,15 +390,15 @@ void attend_queries(scalar_t* out, const scalar_t* query, const scalar_t* key_ca
         // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
         for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16)
           scores16(sc + t0, span, block_keys + t0 * c_pos_stride, c_pos_stride, q.data(), n_rows, head_dim, prefetch);
-        prefetch.rest();
-        continue;
       }
     }
 #endif
-    prefetch.rest();
-    for (int64_t t = lo; t < hi; ++t) widen(block_keys + t * c_pos_stride, keys.data() + t * head_dim, head_dim);
-    for (int64_t r = 0; r < n_rows; ++r)
-      for (int64_t t = lo; t < hi; ++t) sc[r * span + t] = dot(q.data() + r * head_dim, keys.data() + t * head_dim, head_dim);
+    if (!in_sixteens) {
+      for (int64_t t = lo; t < hi; ++t) widen(block_keys + t * c_pos_stride, keys.data() + t * head_dim, head_dim);
+      for (int64_t r = 0; r < n_rows; ++r)
+        for (int64_t t = lo; t < hi; ++t) sc[r * span + t] = dot(q.data() + r * head_dim, keys.data() + t * head_dim, head_dim);
+    }
+    prefetch.rest();  // what the loads of this block left to request
   }
   // 2. Each row's softmax over the keys it sees, in place.
   for (int64_t r = 0; r < n_rows; ++r) {
@@ -430,7 +430,6 @@ void attend_queries(scalar_t* out, const scalar_t* query, const scalar_t* key_ca
     const float* pr = scores.data() + (start - base);
     prefetch_ahead(value_cache, block);
     if (!in_sixteens) {
-      prefetch.rest();
       for (int64_t t = lo; t < hi; ++t)
         widen(block_values + (t - start) * c_pos_stride, values.data() + (t - start) * head_dim, head_dim);
     }
