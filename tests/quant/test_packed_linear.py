@@ -77,7 +77,7 @@ def test_the_mlp_takes_the_one_pass_form_and_leaves_it_to_hooks_tiles_and_lora()
     unfused = mlp.down_proj(F.silu(gate) * up)  # the bf16 chain, rounded at every step
     reference = F.linear(_silu_mul_reference(x, mlp.gate_up_proj.weight), mlp.down_proj.weight.float())
     out = mlp(x)
-    assert getattr(mlp.gate_up_proj, "gated_pair", None) is not None  # it ran
+    assert getattr(mlp.gate_up_proj, "gated", None) is not None  # it ran
     assert (out.float() - reference).abs().max() <= (unfused.float() - reference).abs().max()  # no worse
 
     seen = []

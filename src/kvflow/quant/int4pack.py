@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.quant import int4_gemv
-from kvflow.quant.packed_linear import GatedPair, linear, prepack
+from kvflow.quant.packed_linear import gated_silu_and_mul, linear, prepack
 
 KERNEL_MAX_ROWS = 4  # above: the dense copy
 # The kernel is vectorised for bf16 only: in float32 or float16 it took 2.6 ms at M = 1 and 10 ms
@@ -104,9 +104,8 @@ class Int4Planes(nn.Module):
         self._unbind_planes()
         # An attribute, not a buffer: derived from the planes, so out of state_dict.
         self.dense = None
-        self.gated = None  # packed_linear.GatedPair of a [gate; up] weight, made by its first silu_and_mul
-        # The cache's dequantized weights (memory-mapped from its file) where they came from it:
-        # the GatedPair is then packed from them in ~0.4 ms a layer, where dequantize() takes ~40.
+        # The cache's dequantized weights (a view of its memory-mapped file) where they came from it:
+        # a GatedPair is then packed from them in ~0.4 ms a layer, where dequantize() takes ~40.
         self._dense_source = dense
         self.kernel_at_any_rows = False  # batch-invariant mode: one kernel, whatever the row count
         if os.environ.get(DENSE_COPY_ENV, "1") != "0":
@@ -148,10 +147,8 @@ class Int4Planes(nn.Module):
         if (x.dtype != torch.bfloat16 or m <= KERNEL_MAX_ROWS or self.kernel_at_any_rows or self.dense is None
                 or not self.dense.is_mkldnn or x.dtype != self._scale_dtype):
             return None
-        if self.gated is None:
-            self.gated = GatedPair(self._dense_source if self._dense_source is not None else self.dequantize())
-            self._dense_source = None
-        return self.gated(x)
+        return gated_silu_and_mul(
+            self, x, lambda: self._dense_source if self._dense_source is not None else self.dequantize())
 
     def _unbind_planes(self) -> None:
         """(packed, scale_zero) per plane as plain attributes, made once, and the scales' dtype:

@@ -10,6 +10,7 @@ equal to F.linear's (tests/quant/test_packed_linear.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,14 @@ class GatedPair:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def gated_silu_and_mul(owner, x: torch.Tensor, weight: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """SiLU(gate) * up of x by `owner.gated`, the GatedPair packed from `weight()` on the first call:
+    only SiLU MLPs ask, so no other [gate; up] layer holds the halves."""
+    if getattr(owner, "gated", None) is None:
+        owner.gated = GatedPair(weight())
+    return owner.gated(x)
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor:
     """W in the form `linear` multiplies fastest: packed where `should_pack` says so, else W itself."""
     return pack_weight(weight) if should_pack(weight) else weight
@@ -72,7 +81,6 @@ class DenseWeight(nn.Module):
         self.register_buffer("weight", weight)
         # An attribute, not a buffer: the opaque tensor stays out of state_dict.
         self.packed_weight = pack_weight(weight) if should_pack(weight) else None
-        self.gated = None  # GatedPair of a [gate; up] weight, made by its first silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None and x.dtype == torch.bfloat16:
@@ -84,9 +92,7 @@ class DenseWeight(nn.Module):
         weight is packed; None: the caller runs the product and the activation."""
         if self.packed_weight is None or x.dtype != torch.bfloat16:
             return None
-        if self.gated is None:
-            self.gated = GatedPair(self.weight)
-        return self.gated(x)
+        return gated_silu_and_mul(self, x, lambda: self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

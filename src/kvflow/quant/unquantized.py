@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.quant.base import QuantMethod, set_weight_attrs
-from kvflow.quant.packed_linear import GatedPair, pack_weight, packed_linear, should_pack
+from kvflow.quant.packed_linear import gated_silu_and_mul, pack_weight, packed_linear, should_pack
 
 
 class UnquantizedMethod(QuantMethod):
@@ -32,9 +32,7 @@ class UnquantizedMethod(QuantMethod):
     def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         if getattr(layer, "packed_weight", None) is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             return None
-        if getattr(layer, "gated_pair", None) is None:  # made on first use: only SiLU MLPs ask
-            layer.gated_pair = GatedPair(layer.weight)
-        return layer.gated_pair(x)
+        return gated_silu_and_mul(layer, x, lambda: layer.weight)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)
