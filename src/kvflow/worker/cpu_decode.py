@@ -56,7 +56,7 @@ class _Layer:
     o: Linear
     post_norm: torch.Tensor
     gate_up: Linear
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor | None]  # gate_up and SiLU·up in one pass, or None
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor | None]  # gate_up and SiLU·up in one pass, or None: the layer's own
     down: Linear
     key_cache: torch.Tensor
     value_cache: torch.Tensor
@@ -75,7 +75,7 @@ class CpuDecodeLoop:
         self.layers = [
             _Layer(layer.input_layernorm.weight, _linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
                    layer.post_attention_layernorm.weight, _linear(layer.mlp.gate_up_proj),
-                   _silu_and_mul(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj), cache[0], cache[1])
+                   layer.mlp.gate_up_proj.silu_and_mul, _linear(layer.mlp.down_proj), cache[0], cache[1])
             for layer, cache in zip(decoder.layers, kv_caches)]
         self.rms_norm = torch.ops.kvflow_cpu_ops.rms_norm
         self.rotate = torch.ops.kvflow_cpu_ops.rotary
@@ -192,19 +192,6 @@ def _linear(layer: LinearBase) -> Linear:
     the quant method around it, where there is one."""
     weights = _weights(layer)
     return layer if weights is None else weights.forward
-
-
-def _silu_and_mul(layer: LinearBase) -> Callable[[torch.Tensor], torch.Tensor | None]:
-    """The layer's one-pass gate/up and SiLU·up, as `GatedMLP` calls it: its weights' own where
-    `_linear` calls the weights directly, else the layer's."""
-    weights = _weights(layer)
-    if weights is None:
-        return layer.silu_and_mul
-    return getattr(weights, "silu_and_mul", None) or _no_fused_pass
-
-
-def _no_fused_pass(x: torch.Tensor) -> None:
-    return None
 
 
 def _takes(model: nn.Module, kv_caches: list[torch.Tensor]) -> bool:
