@@ -106,10 +106,9 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     first = layout.groups[0].spec
     pool = [zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device,
                             populate=False) for _ in range(layout.group_size)]
-    if torch.device(device).type == "cpu":
-        # One thread for every layer's pool: a thread each (30 for SmolLM2) made the start wait
-        # ~75 ms per thread.start() while the earlier ones held both cores (3.2 s of a 5.5 s start).
-        populate_in_background([p for p in pool if p.nbytes >= _HUGE_PAGE])
+    # One thread for every layer's pool: a thread each (30 for SmolLM2) made the start wait ~75 ms
+    # per thread.start() while the earlier ones held both cores (3.2 s of a 5.5 s start).
+    populate_in_background(pool)
     return [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
             for group, slot in layout.places]
 
@@ -124,9 +123,9 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device, populate
     the 2026-11-26 VM a first write to a 2 MiB page cost 6-10 ms, and W1 (1.2 GB of KV written)
     took 31.4 s faulting in its writes, 28.9 s with the pages mapped beforehand (docs/performance.md).
     So a background thread maps the pool's pages in after the start (`populate_in_background`;
-    `populate=False`: the caller starts it, for several pools at once), and the pool asks for transparent huge pages (2 MiB: 512x fewer
-    faults and TLB entries) where the kernel offers them on request (`madvise` mode, the common
-    default); elsewhere madvise is a no-op."""
+    `populate=False`: the caller starts it, for several pools at once), and the pool asks for
+    transparent huge pages (2 MiB: 512x fewer faults and TLB entries) where the kernel offers them
+    on request (`madvise` mode, the common default); elsewhere madvise is a no-op."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -144,16 +143,18 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device, populate
 
 
 def populate_in_background(pools: list[torch.Tensor]) -> threading.Thread | None:
-    """Map every page of `pools` (each contiguous, page-aligned) on one low-priority daemon thread
-    with madvise(MADV_POPULATE_WRITE): the pages fault in as a write would fault them, and their
-    contents are left as they are, so KV writes racing with it are safe. One call per pool:
+    """Map every page of `pools` (each contiguous) on one low-priority daemon thread with
+    madvise(MADV_POPULATE_WRITE): the pages fault in as a write would fault them, and their
+    contents are left as they are, so KV writes racing with it are safe. Pools madvise cannot take
+    are left to fault on first write: a device's, and small ones from the heap (not page-aligned). One call per pool:
     ctypes releases the GIL around it, and a thread that took the GIL back between chunks could
     stall the engine's thread while waiting, at low priority, for a core. None where the kernel
     has no MADV_POPULATE_WRITE (Linux < 5.14): pages then fault on first write."""
     libc = _libc()
-    if libc is None or not pools or os.environ.get(POPULATE_ENV, "1") == "0":
+    spans = [(pool.data_ptr(), pool.numel() * pool.element_size()) for pool in pools
+             if pool.device.type == "cpu" and pool.data_ptr() % mmap.PAGESIZE == 0]
+    if libc is None or not spans or os.environ.get(POPULATE_ENV, "1") == "0":
         return None
-    spans = [(pool.data_ptr(), pool.numel() * pool.element_size()) for pool in pools]
 
     def populate(keep_alive: list[torch.Tensor]) -> None:  # the mappings stay while the thread works on them
         with contextlib.suppress(OSError):  # a thread's nice value is a hint
