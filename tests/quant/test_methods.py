@@ -58,7 +58,7 @@ def test_int4_group_sizes(group):
     torch.testing.assert_close(layer(x), x @ _dequantized(layer).t(), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "fp8"])  # fp8's: below
 def test_embedding_rows_and_tied_head(method):
     config = get_quantization_config(method, None, None)
     embed = VocabParallelEmbedding(1000, 576, quant_config=config, prefix="model.embed_tokens")
@@ -70,6 +70,17 @@ def test_embedding_rows_and_tied_head(method):
     assert rows.is_contiguous()  # the CPU decode loop's C++ kernels take the embedding's rows as they are
     torch.testing.assert_close(rows, _dequantized(embed)[ids])  # (w8a8's embedding and head: int8, weight-only)
     assert embed.compute_logits(torch.randn(2, 576)).shape == (2, 1000)
+
+
+def test_fp8_leaves_the_embedding_and_head_float():
+    """As vLLM's fp8 does: only the linear layers are E4M3."""
+    embed = VocabParallelEmbedding(1000, 576, quant_config=get_quantization_config("fp8", None, None),
+                                   prefix="model.embed_tokens")
+    w = torch.randn(1000, 576)
+    embed.weight_loader(embed.weight, w)
+    ids = torch.tensor([0, 63, 999])
+    assert embed.weight.dtype == torch.float32 and not hasattr(embed, "quant_runtime")
+    torch.testing.assert_close(embed(ids), w[ids], rtol=0, atol=0)
 
 
 def test_int8_takes_the_few_row_gemv_in_bfloat16():

@@ -53,11 +53,12 @@ def _char_tokenizer(directory, vocab_size: int) -> None:
     ("awq", {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
              "embedding": "int8"}),
     ("w8a8", {"quant_method": "w8a8"}),
+    ("fp8", {"quant_method": "fp8"}),
 ])
 def test_calibrated_method_reloads_without_calibrating_again(method, recorded, tmp_path):
     """AWQ and w8a8 (SmoothQuant) fold calibration's scales into the norms and rows that feed each
-    layer before rounding it: the saved checkpoint holds the folded model, and reloads to the same
-    numbers as calibrating at load."""
+    layer before rounding it, fp8 rounds by its inputs (GPTQ): the saved checkpoint holds the
+    result, and reloads to the same numbers as calibrating at load."""
     make_tiny_model("llama-mha-tied", tmp_path / "float")  # one value head per query head: o_proj is scaled too
     _char_tokenizer(tmp_path / "float", 97)
     assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--method", method]) == 0
@@ -149,3 +150,23 @@ def test_calibrated_methods_refuse_what_they_cannot_calibrate(method, tmp_path):
     _char_tokenizer(tmp_path, 97)
     with pytest.raises(ValueError, match=f"kvflow quantize MODEL OUT --method {method}"):
         LLMEngine(EngineArgs(str(tmp_path), quantization=method, tensor_parallel_size=2))
+
+
+def test_fp8_rounds_to_nearest_where_it_cannot_calibrate(tmp_path, caplog):
+    """fp8 without a tokenizer still loads, as vLLM's does, its weights rounded to nearest (the
+    uncalibrated E4M3 codes), and says so; with one, calibration's rounding differs from that."""
+    from kvflow.quant.formats import fp8_per_channel
+
+    make_tiny_model("llama-mha-tied", tmp_path)
+    float_weight = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, disable_log_stats=True
+                       ).llm_engine.runner.model.model.layers[0].mlp.down_proj.weight.data.clone()
+    nearest = fp8_per_channel(float_weight, "down_proj")[0]
+    with caplog.at_level("WARNING", logger="kvflow"):
+        llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, quantization="fp8", disable_log_stats=True)
+    assert "rounding its weights to nearest" in caplog.text
+    codes = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj.weight
+    assert torch.equal(codes.view(torch.uint8), nearest.view(torch.uint8))
+    _char_tokenizer(tmp_path, 97)
+    calibrated = LLM(str(tmp_path), dtype="float32", quantization="fp8", disable_log_stats=True)
+    codes = calibrated.llm_engine.runner.model.model.layers[0].mlp.down_proj.weight
+    assert codes.dtype == torch.float8_e4m3fn and not torch.equal(codes.view(torch.uint8), nearest.view(torch.uint8))

@@ -7,6 +7,7 @@ requests and emit outputs. Nothing else drives the engine.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 from kvflow.config import EngineArgs, EngineConfig
@@ -31,8 +32,9 @@ from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.worker.model_runner import ModelRunner
 
+logger = logging.getLogger("kvflow")
+
 PromptType = str | list[int] | dict
-CALIBRATION_TOKENS = 2048  # AWQ's and w8a8's, from the end of the shipped text; perplexity reads its start
 
 
 class LLMEngine:
@@ -86,20 +88,27 @@ class LLMEngine:
         self.runner.lora = self.lora
 
     def _check_calibration(self) -> None:
-        name = self.quant_config.name
+        """Refuse what cannot be calibrated, or (fp8) round it to nearest instead, saying so."""
+        name, problem = self.quant_config.name, None
         if self.tokenizer is None:
-            raise ValueError(f"quantization='{name}' calibrates on text and needs the model's tokenizer")
-        if self.config.parallel.tensor_parallel_size > 1:  # the hooks and folds would see rank 0's slices only
-            raise ValueError(f"quantization='{name}' calibrates in one process: write the checkpoint with `kvflow "
-                             f"quantize MODEL OUT --method {name}`, then load OUT with tensor_parallel_size > 1")
+            problem = f"quantization='{name}' calibrates on text and needs the model's tokenizer"
+        elif self.config.parallel.tensor_parallel_size > 1:  # the hooks and folds would see rank 0's slices only
+            problem = (f"quantization='{name}' calibrates in one process: write the checkpoint with `kvflow "
+                       f"quantize MODEL OUT --method {name}`, then load OUT with tensor_parallel_size > 1")
+        if problem is None:
+            return
+        if not self.quant_config.rounds_uncalibrated:
+            raise ValueError(problem)
+        logger.warning("%s; rounding its weights to nearest instead (lower quality)", problem)
+        self.quant_config.calibrates = False
 
     def _calibrate(self) -> None:
-        """AWQ or w8a8 on a float checkpoint: run calibration text through the float model, fold
-        the searched scales, then quantize (quant/calibration.py)."""
+        """AWQ, w8a8 or fp8 on a float checkpoint: run calibration text through the float model, fold
+        the searched scales (AWQ, w8a8), then quantize (quant/calibration.py)."""
         from kvflow.data import english_text
         from kvflow.quant.calibration import calibrate_and_quantize
 
-        ids = self.tokenizer.encode(english_text(), add_special_tokens=False)[-CALIBRATION_TOKENS:]
+        ids = self.tokenizer.encode(english_text(), add_special_tokens=False)[-self.quant_config.calibration_tokens:]
         windows = [ids[i:i + 256] for i in range(0, len(ids), 256)]
         params = SamplingParams(max_tokens=1, temperature=0)
 

@@ -1,7 +1,8 @@
-"""Activation-aware calibration, shared by AWQ and w8a8 (SmoothQuant): one float pass over
-calibration text records each linear layer's input activations, each layer's method searches a
-per-input-channel scale s, the scales are folded into the ops that feed the layers (W·x =
-(W·diag(s)) · (x / s): the model's function is unchanged), and only then is every layer rounded.
+"""Calibration, shared by AWQ, w8a8 (SmoothQuant) and fp8 (GPTQ): one float pass over
+calibration text records each linear layer's input activations. AWQ's and w8a8's methods then
+search a per-input-channel scale s, which is folded into the ops that feed the layers (W·x =
+(W·diag(s)) · (x / s): the model's function is unchanged); only then is every layer rounded, fp8's
+with the second moment of its inputs (quant/gptq.py).
 
 The model is walked by the llama family's module names (decoder layers with `input_layernorm`,
 `self_attn.qkv_proj`, `mlp.gate_up_proj`, ...), as AutoAWQ walks each architecture it knows.
@@ -30,11 +31,13 @@ class InputStats:
 
     abs_mean: torch.Tensor  # [K] mean |x| over every row
     sample: torch.Tensor  # [≤ CALIBRATION_ROWS, K] rows to measure a choice's output error on
+    gram: torch.Tensor | None = None  # [K, K] mean x xᵀ over every row, where the method asks for it
 
 
 class _InputRecorder:
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator, gram: bool) -> None:
         self.abs_sum, self.count, self.rows, self.gen = None, 0, [], generator
+        self.gram = 0 if gram else None
 
     def __call__(self, module, args) -> None:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
@@ -42,11 +45,13 @@ class _InputRecorder:
         self.count += x.shape[0]
         keep = torch.randperm(x.shape[0], generator=self.gen)[:CALIBRATION_ROWS]
         self.rows.append(x[keep])
+        if self.gram is not None:
+            self.gram = self.gram + x.t() @ x
 
     def stats(self) -> InputStats:
         rows = torch.cat(self.rows)
         sample = rows[torch.randperm(rows.shape[0], generator=self.gen)[:CALIBRATION_ROWS]]
-        return InputStats(self.abs_sum / self.count, sample)
+        return InputStats(self.abs_sum / self.count, sample, None if self.gram is None else self.gram / self.count)
 
 
 def calibrate_and_quantize(model: nn.Module, run_prompts: Callable[[list[list[int]]], None],
@@ -56,41 +61,46 @@ def calibrate_and_quantize(model: nn.Module, run_prompts: Callable[[list[list[in
     gen = torch.Generator().manual_seed(seed)
     layers = {name: m for name, m in model.named_modules()
               if isinstance(getattr(m, "quant_method", None), CalibratedMethod)}
-    recorders = {name: _InputRecorder(gen) for name in layers}
+    recorders = {name: _InputRecorder(gen, m.quant_method.wants_gram) for name, m in layers.items()}
     hooks = [m.register_forward_pre_hook(recorders[name]) for name, m in layers.items()]
     try:
         run_prompts(windows)
     finally:
         for h in hooks:
             h.remove()
+    stats = {name: recorder.stats() for name, recorder in recorders.items()}
     chosen = {}
     with torch.no_grad():
         for name, prev, linear in _scaling_pairs(model):
-            if name not in layers:
+            if name not in layers or not linear.quant_method.folds_scale:
                 continue
-            scale, chosen[name] = linear.quant_method.search_scale(linear.weight.data.float(), recorders[name].stats(),
-                                                                   name)
+            scale, chosen[name] = linear.quant_method.search_scale(linear.weight.data.float(), stats[name], name)
             linear.weight.data.mul_(scale.to(linear.weight.dtype))
             prev(1 / scale)
-        for layer in layers.values():
-            layer.calibrated = True
-            layer.quant_method.process_weights_after_loading(layer)
+        for name, layer in layers.items():
+            layer.quant_method.finish_calibration(layer, stats[name])
     return chosen
 
 
 def _scaling_pairs(model: nn.Module):
-    """(name of the linear, a function that divides its input by s at the source, the linear)."""
+    """(name of the linear, a function that divides its input by s at the source, the linear).
+    Layers of other shapes (latent attention, expert MLPs) are rounded unscaled."""
     for prefix, block in model.named_modules():
         if not (hasattr(block, "input_layernorm") and hasattr(block, "self_attn") and hasattr(block, "mlp")):
             continue
         attn, mlp = block.self_attn, block.mlp
-        yield f"{prefix}.self_attn.qkv_proj", _scale_param(block.input_layernorm.weight), attn.qkv_proj
-        yield f"{prefix}.mlp.gate_up_proj", _scale_param(block.post_attention_layernorm.weight), mlp.gate_up_proj
-        inter = mlp.gate_up_proj.output_sizes[0]
-        yield f"{prefix}.mlp.down_proj", _scale_rows(mlp.gate_up_proj.weight, inter, inter), mlp.down_proj
-        q, kv, _ = attn.qkv_proj.output_sizes
-        if q == kv:  # one value head per query head: o_proj's inputs are v's outputs
-            yield f"{prefix}.self_attn.o_proj", _scale_rows(attn.qkv_proj.weight, q + kv, kv), attn.o_proj
+        # Gemma norms the attention's output (post_attention_layernorm) and then the MLP's input
+        mlp_norm = block.pre_feedforward_layernorm if hasattr(block, "pre_feedforward_layernorm") \
+            else block.post_attention_layernorm
+        if hasattr(attn, "qkv_proj"):
+            yield f"{prefix}.self_attn.qkv_proj", _scale_param(block.input_layernorm.weight), attn.qkv_proj
+            q, kv, _ = attn.qkv_proj.output_sizes
+            if q == kv:  # one value head per query head: o_proj's inputs are v's outputs
+                yield f"{prefix}.self_attn.o_proj", _scale_rows(attn.qkv_proj.weight, q + kv, kv), attn.o_proj
+        if hasattr(mlp, "gate_up_proj"):
+            yield f"{prefix}.mlp.gate_up_proj", _scale_param(mlp_norm.weight), mlp.gate_up_proj
+            inter = mlp.gate_up_proj.output_sizes[0]
+            yield f"{prefix}.mlp.down_proj", _scale_rows(mlp.gate_up_proj.weight, inter, inter), mlp.down_proj
 
 
 def _scale_param(param: torch.Tensor):

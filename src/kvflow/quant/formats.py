@@ -46,7 +46,12 @@ def fp8_per_channel(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Ten
     check_finite(w, name)
     scale = w.abs().amax(dim=1).float() / FP8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    return e4m3_encode(w.float() / scale[:, None]), scale
+
+
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest E4M3 value (ties to even), saturating at ±448."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:

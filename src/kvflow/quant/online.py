@@ -81,7 +81,9 @@ class OnlineQuantMethod(QuantMethod):
 
 class OnlineQuantConfig(QuantizationConfig):
     method_class: type[OnlineQuantMethod]
-    calibrates = False  # AWQ, w8a8: layers rounded only after calibration (CalibratedMethod below)
+    calibrates = False  # AWQ, w8a8, fp8: layers rounded only after calibration (CalibratedMethod below)
+    calibration_tokens = 2048  # read from the end of the shipped text (perplexity reads its start)
+    rounds_uncalibrated = False  # fp8: where it cannot calibrate (no tokenizer, several ranks), round to nearest
 
     def __init__(self, group_size: int | None = None, from_saved: bool = False) -> None:
         self.group_size = group_size
@@ -102,22 +104,32 @@ class OnlineQuantConfig(QuantizationConfig):
 
 
 class CalibratedMethod(OnlineQuantMethod):
-    """A method whose layers are rounded only after calibration (quant/calibration.py) has folded
-    a searched per-input-channel scale into them: AWQ, w8a8's SmoothQuant. Until then (or when the
-    engine runs the calibration text through the model) a layer is float; a checkpoint `kvflow
-    quantize` wrote was calibrated before it was saved."""
+    """A method whose layers are rounded only after calibration (quant/calibration.py) has seen
+    their inputs: AWQ and w8a8's SmoothQuant fold a searched per-input-channel scale into them
+    first, fp8 rounds by them (GPTQ). Until then (or when the engine runs the calibration text
+    through the model) a layer is float; a checkpoint `kvflow quantize` wrote was calibrated
+    before it was saved."""
+
+    folds_scale = True  # AWQ, w8a8: `search_scale` gives the scale to fold in
+    wants_gram = False  # fp8: calibration records the inputs' second moment (InputStats.gram)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if self.config.from_saved or getattr(layer, "calibrated", False):
+        if not self.config.needs_calibration or getattr(layer, "calibrated", False):
             super().process_weights_after_loading(layer)
         # else: wait for calibrate_and_quantize, the float weight serves until then
+
+    def finish_calibration(self, layer: nn.Module, inputs) -> None:
+        """Round the layer, its scale (if any) folded in; `inputs` (calibration.InputStats) is what
+        calibration saw at its input."""
+        layer.calibrated = True
+        self.process_weights_after_loading(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not hasattr(layer, "quant_runtime"):  # calibrating: still float
             return UnquantizedMethod().apply(layer, x, bias)
         return super().apply(layer, x, bias)
 
-    @abstractmethod
     def search_scale(self, weight: torch.Tensor, inputs, name: str) -> tuple[torch.Tensor, float]:
         """The scale s [K] to fold into the layer (W·diag(s), its input divided by s) given what
         calibration saw at its input (calibration.InputStats), and the choice made (for reports)."""
+        raise NotImplementedError(f"{type(self).__name__} folds no scale")
