@@ -2,11 +2,11 @@
 in the model's dtype, as vLLM leaves them.
 
 E4M3 keeps 3 mantissa bits, so every weight is off by up to 1/16 of itself whatever the scale.
-Rounded to nearest, that cost SmolLM2-135M 4.9% perplexity, so where the engine can calibrate
-(a tokenizer, one process) the linear layers are rounded by GPTQ (quant/gptq.py) on 8,192 tokens
-of the shipped text, and each row's scale is first shifted by a fraction of a binade to where its
-weights, weighed by their inputs, land nearest the grid. Elsewhere, and in unit tests of the
-format, they are rounded to nearest.
+Rounded to nearest, that cost SmolLM2-135M 4.3% perplexity (docs/performance.md). So where the
+engine can calibrate (a tokenizer, one process) the linear layers are rounded by GPTQ
+(quant/gptq.py) on 8,192 tokens of the shipped text, each row's scale first shifted by a fraction
+of a binade to where its weights, weighed by their inputs, land nearest the grid. Elsewhere, and
+in unit tests of the format, they are rounded to nearest.
 
 This CPU has no FP8 matmul (`torch._scaled_mm` on CPU and a plain fp8 → bf16 cast both took ~19 ms
 for a 3072×576 matrix, 80× the bf16 matmul), so each call decodes the codes to the model dtype and

@@ -8,7 +8,7 @@ H⁻¹, rounding column i by e moves e · U[i, j] / U[i, i] into every later col
 columns take the moves lazily, so the whole layer is updated once a block.
 
 Used by fp8 (quant/fp8.py), whose E4M3 grid is off by up to 1/16 of every weight: rounded to
-nearest, SmolLM2-135M's perplexity rose 4.9%; rounded this way, under 1% (docs/performance.md).
+nearest, SmolLM2-135M's perplexity rose 4.3%; rounded this way, 0.85% (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 DAMP = 0.1  # added to H's diagonal, times its mean: keeps H invertible where inputs are few or collinear
-BLOCK = 128
+BLOCK = 64
 
 
 def gptq_round(weight: torch.Tensor, gram: torch.Tensor,
@@ -35,15 +35,16 @@ def gptq_round(weight: torch.Tensor, gram: torch.Tensor,
     w, h = w[:, order], h[order][:, order]
     h.diagonal().add_(DAMP * h.diagonal().mean())
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    w = w.t().contiguous()  # [K, N]: each column of the weight a contiguous row (2-3× faster)
     rounded = torch.empty_like(w)
     for start in range(0, k, BLOCK):
         end = min(start + BLOCK, k)
-        block, u_block = w[:, start:end].clone(), u[start:end, start:end]
+        block, u_block = w[start:end].clone(), u[start:end, start:end]
         moved = torch.empty_like(block)
         for i in range(end - start):
-            column = round_column(block[:, i])
-            rounded[:, start + i] = column
-            moved[:, i] = (block[:, i] - column) / u_block[i, i]
-            block[:, i + 1:] -= moved[:, i:i + 1] * u_block[i, i + 1:]
-        w[:, end:] -= moved @ u[start:end, end:]
-    return rounded[:, torch.argsort(order)]
+            column = round_column(block[i])
+            rounded[start + i] = column
+            torch.div(block[i] - column, u_block[i, i], out=moved[i])
+            block[i + 1:].addr_(u_block[i, i + 1:], moved[i], alpha=-1)
+        w[end:].addmm_(u[start:end, end:].t(), moved, alpha=-1)
+    return rounded[torch.argsort(order)].t().contiguous()
