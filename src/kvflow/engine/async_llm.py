@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from kvflow.config import EngineArgs
 from kvflow.engine.engine_thread import (
     AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineThread, Item, RequestFailedError, StopCommand,
+    build_on_fresh_thread,
 )
 from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
@@ -81,7 +82,7 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, limits: LoadLimits = LoadLimits()) -> AsyncLLM:
-        return cls(LLMEngine(args), limits)
+        return cls(build_on_fresh_thread(lambda: LLMEngine(args)), limits)
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -25,7 +25,9 @@ import logging
 from multiprocessing.connection import Connection
 
 from kvflow.config import EngineArgs
-from kvflow.engine.engine_thread import AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineThread, StopCommand
+from kvflow.engine.engine_thread import (
+    AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineThread, StopCommand, build_on_fresh_thread,
+)
 from kvflow.engine.load_limits import LoadLimits
 from kvflow.engine.request_timing import FinishedRequest
 
@@ -42,7 +44,7 @@ def run_replica(conn: Connection, args: EngineArgs, limits: LoadLimits, num_thre
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     try:
-        engine = LLMEngine(args)
+        engine = build_on_fresh_thread(lambda: LLMEngine(args))  # the engine thread's OpenMP team alone
     except BaseException as e:  # the server reports it and stops starting
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

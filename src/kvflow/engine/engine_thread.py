@@ -17,6 +17,14 @@ fault, or too many failed steps in a row stop the thread, and then every caller 
 
 Load is bounded by `LoadLimits`: adds beyond the per-iteration quota wait in a backlog (in order;
 an abort reaches them there too), and a full waiting queue refuses new requests as overloaded.
+
+Build the engine with `build_on_fresh_thread`, not on the thread that will serve HTTP. torch's
+OpenMP (libgomp) keeps a team of worker threads for every thread that ever ran a parallel region.
+Once there are more of those workers than cores, it stops letting them spin between regions, and
+every region then waits ~80 µs for a worker to wake. Loading a model on the server's main thread
+left such a team behind. Each of a decode step's ~100 regions on the engine thread paid that:
+served decode steps took 45 ms against 30 offline (SmolLM2, 16 requests, 2 cores). A team whose
+thread has ended is freed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
@@ -38,6 +47,7 @@ from kvflow.worker.device_faults import is_device_fault
 
 logger = logging.getLogger("kvflow")
 
+T = TypeVar("T")
 Item = list[RequestOutput] | BaseException  # one step's outputs of one request, or why it ended
 Deliver = Callable[[Item], None]  # runs on the request's event loop
 
@@ -299,6 +309,27 @@ class EngineThread:
             self._outbox.post(live.loop, live.deliver, EngineDeadError(reason))
         self._live.clear()
         self._flush()
+
+
+def build_on_fresh_thread(build: Callable[[], T]) -> T:
+    """`build()` (an engine, with whatever else touches its tensors at start) run on a thread of
+    its own that then ends, so that the calling thread opens no OpenMP team (see above). Its
+    exception, if it raises, is raised here."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, build()))
+        except BaseException as e:  # handed to the caller
+            result.append((False, e))
+
+    thread = threading.Thread(target=run, name="kvflow-engine-build")
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _backlog_key(cmd: AddCommand) -> object:

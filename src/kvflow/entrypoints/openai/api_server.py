@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvflow.config import EngineArgs
 from kvflow.engine.async_llm import AsyncLLM
+from kvflow.engine.engine_thread import build_on_fresh_thread
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.openai.errors import APIError, from_exception, from_validation, install_error_handlers
 from kvflow.entrypoints.openai.limits import ServerLimits
@@ -247,10 +248,13 @@ def _start_engine(engine_args: EngineArgs, limits: ServerLimits, lora_modules: l
     """One engine, or `data_parallel_size` replicas behind a router; a bad adapter stops the
     start, naming it."""
     if engine_args.data_parallel_size == 1:
-        engine = LLMEngine(engine_args)
-        for adapter in lora_modules:
-            engine.add_lora(adapter)
-        return AsyncLLM(engine, limits.load_limits())
+        def build() -> LLMEngine:
+            engine = LLMEngine(engine_args)
+            for adapter in lora_modules:
+                engine.add_lora(adapter)
+            return engine
+
+        return AsyncLLM(build_on_fresh_thread(build), limits.load_limits())
     from kvflow.engine.dp_async_llm import DPAsyncLLM
 
     replicas = DPAsyncLLM(engine_args, limits.load_limits())
