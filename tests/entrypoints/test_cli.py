@@ -71,3 +71,16 @@ def test_bench_latency_json(tiny_dir):
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"ttft_ms", "decode_tok_s", "itl_ms_p50", "itl_ms_p99"} <= r.keys()
     assert r["ttft_ms"] > 0 and r["decode_tok_s"] > 0 and r["itl_ms_p50"] <= r["itl_ms_p99"]
+
+
+def test_serve_takes_a_smaller_token_budget_by_default_than_offline_runs():
+    """`kvflow serve` defaults to SERVE_MAX_NUM_BATCHED_TOKENS (first tokens of a burst sooner);
+    generate and the benchmarks keep EngineArgs' default, and the flag still wins."""
+    from kvflow.config import EngineArgs
+    from kvflow.entrypoints.cli import SERVE_MAX_NUM_BATCHED_TOKENS, build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
+    assert SERVE_MAX_NUM_BATCHED_TOKENS < EngineArgs.max_num_batched_tokens
+    assert parser.parse_args(["generate", "hi"]).max_num_batched_tokens == EngineArgs.max_num_batched_tokens
+    assert parser.parse_args(["serve", "--max-num-batched-tokens", "4096"]).max_num_batched_tokens == 4096
