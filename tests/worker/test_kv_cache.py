@@ -11,7 +11,9 @@ import torch
 
 from kvflow.config import CacheConfig
 from kvflow.model.arch_config import ArchConfig
-from kvflow.worker.kv_cache import POPULATE_ENV, allocate_kv_caches, num_kv_blocks, zeros_untouched
+from kvflow.worker.kv_cache import (
+    POPULATE_ENV, IdleGate, allocate_kv_caches, num_kv_blocks, populate_in_background, zeros_untouched,
+)
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64.
 SMOLLM2 = ArchConfig.from_hf({
@@ -98,3 +100,20 @@ def test_without_populate_pages_wait_for_their_first_write(monkeypatch):
     pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu")
     time.sleep(0.2)
     assert _resident_pages(pool) == 0
+
+
+def test_a_gated_populate_waits_for_the_worker_to_be_idle(monkeypatch):
+    """While a step runs (and for the gate's quiet period after it), populate maps nothing: a busy
+    server's pages fault in as its steps write them. Once idle, every page is mapped in."""
+    monkeypatch.setenv(POPULATE_ENV, "1")
+    pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu", populate=False)  # 128 MiB
+    gate = IdleGate(quiet_s=0.2)
+    with gate.busy():
+        thread = populate_in_background([pool], gate)
+        time.sleep(0.5)
+        assert _resident_pages(pool) == 0
+        pool[7].fill_(1.5)  # a step's KV write faults its own pages in
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert _resident_pages(pool) * os.sysconf("SC_PAGE_SIZE") >= pool.nbytes
+    assert pool[7].eq(1.5).all() and not pool[:7].any() and not pool[8:].any()

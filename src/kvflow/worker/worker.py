@@ -31,7 +31,7 @@ from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.worker.cpu_decode import CpuDecodeLoop
 from kvflow.worker.cuda_graphs import DecodeGraphs
-from kvflow.worker.kv_cache import allocate_kv_caches, available_memory_bytes, pool_blocks
+from kvflow.worker.kv_cache import IdleGate, allocate_kv_caches, available_memory_bytes, pool_blocks
 from kvflow.kv_store import open_kv_block_store
 from kvflow.worker.kv_connector import KVStoreConnectorWorker
 from kvflow.worker.model_runner import ModelRunner
@@ -48,6 +48,7 @@ class Worker:
         self.model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
         self.local_arch = rank_arch(arch, tp)
+        self.idle = IdleGate()  # the KV pool's populate runs only while no step does
 
     def load_model(self, checkpoint: Checkpoint) -> torch.nn.Module:
         self.model = load_model(self.config, self.arch, self.quant_config, checkpoint, self.tp)
@@ -64,9 +65,10 @@ class Worker:
         """The KV tensors, swap space and captured decode graphs; then the runner."""
         cfg, cache, dtype = self.config, self.config.cache, self.config.model.dtype
         layout = self.local_arch.kv_layout
-        kv_caches = allocate_kv_caches(layout, num_blocks, cache.block_size, dtype, self.device, cache.cache_dtype)
-        host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype)
-                       if num_host_blocks else None)
+        kv_caches = allocate_kv_caches(layout, num_blocks, cache.block_size, dtype, self.device, cache.cache_dtype,
+                                       self.idle)
+        host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype,
+                                          self.idle) if num_host_blocks else None)
         graphs = None
         # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
         if cfg.use_cuda_graphs and self.arch.moe is None:
@@ -81,7 +83,8 @@ class Worker:
             self.model_runner.kv_connector = KVStoreConnectorWorker(open_kv_block_store(cfg.kv_transfer), kv_caches)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute(sched)
+        with self.idle.busy():
+            return self.model_runner.execute(sched)
 
 
 def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint,
