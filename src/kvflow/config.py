@@ -19,6 +19,7 @@ from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_POPULATE_MODES = ("background", "when-idle", "off")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_gb: float = 0.0  # host memory for preempted requests' KV (preemption_mode="swap")
     cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" | "int8" (kvflow.attention.kv_quant)
+    populate: str = "background"  # when the pool's pages are mapped in: KV_POPULATE_MODES (worker/kv_cache.py)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,10 @@ class EngineArgs:
     quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
     group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
     kv_cache_dtype: str = "auto"  # vLLM's name: fp8 or int8 stores KV in one byte per number plus scales
+    # When the KV pool's pages are mapped in: "background" (from the start, beside the steps: best
+    # for a batch job), "when-idle" (only while no step runs: a server's first requests keep both
+    # cores; `kvflow serve`'s default), "off" (each page on its first write).
+    kv_populate: str = "background"
     structured_outputs_backend: str = "auto"  # guidance (llguidance; what auto means) or xgrammar
     structured_outputs_compile_timeout: float = 10.0  # seconds
     tensor_parallel_size: int = 1
@@ -188,6 +194,7 @@ class EngineArgs:
             raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet (each replica "
                              "runs one rank); use one of them")
         _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", "auto, fp8 or int8")
+        _require(self.kv_populate in KV_POPULATE_MODES, "kv_populate", ", ".join(KV_POPULATE_MODES))
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
@@ -223,6 +230,7 @@ class EngineArgs:
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
                 self.swap_space_gb if self.preemption_mode == "swap" else 0.0, self.kv_cache_dtype,
+                self.kv_populate,
             ),
             scheduler=SchedulerConfig(
                 self.max_num_batched_tokens, self.max_num_seqs, self.scheduling_policy, self.preemption_mode
@@ -292,6 +300,9 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
                        help="KV cache storage: auto (the model's dtype), or fp8 (E4M3) / int8 with a bfloat16 scale "
                             "per head and position: ~2x the tokens of bfloat16 in the same memory")
+        g.add_argument("--kv-populate", default=d.kv_populate, choices=KV_POPULATE_MODES,
+                       help="when the KV pool's pages are mapped in: background (from the start), when-idle (only "
+                            "while no step runs; kvflow serve's default), off (on first write)")
         g.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
                        choices=["auto", "guidance", "xgrammar"], help="grammar library (auto: guidance, i.e. llguidance)")
         g.add_argument("--structured-outputs-compile-timeout", type=float, default=d.structured_outputs_compile_timeout,

@@ -73,9 +73,10 @@ def test_bench_latency_json(tiny_dir):
     assert r["ttft_ms"] > 0 and r["decode_tok_s"] > 0 and r["itl_ms_p50"] <= r["itl_ms_p99"]
 
 
-def test_serve_takes_a_smaller_token_budget_by_default_than_offline_runs():
-    """`kvflow serve` defaults to SERVE_MAX_NUM_BATCHED_TOKENS (first tokens of a burst sooner);
-    generate and the benchmarks keep EngineArgs' default, and the flag still wins."""
+def test_serve_defaults_to_latency_first_settings_offline_runs_do_not_take():
+    """`kvflow serve` defaults to SERVE_MAX_NUM_BATCHED_TOKENS (first tokens of a burst sooner)
+    and to populating the KV pool only while idle; generate and the benchmarks keep EngineArgs'
+    defaults, and the flags still win."""
     from kvflow.config import EngineArgs
     from kvflow.entrypoints.cli import SERVE_MAX_NUM_BATCHED_TOKENS, build_parser
 
@@ -84,3 +85,8 @@ def test_serve_takes_a_smaller_token_budget_by_default_than_offline_runs():
     assert SERVE_MAX_NUM_BATCHED_TOKENS < EngineArgs.max_num_batched_tokens
     assert parser.parse_args(["generate", "hi"]).max_num_batched_tokens == EngineArgs.max_num_batched_tokens
     assert parser.parse_args(["serve", "--max-num-batched-tokens", "4096"]).max_num_batched_tokens == 4096
+    assert parser.parse_args(["serve"]).kv_populate == "when-idle"
+    assert parser.parse_args(["generate", "hi"]).kv_populate == EngineArgs.kv_populate == "background"
+    assert parser.parse_args(["serve", "--kv-populate", "off"]).kv_populate == "off"
+    with pytest.raises(ValueError, match="kv_populate"):
+        EngineArgs(kv_populate="sometimes").create_config(2048)

@@ -117,3 +117,12 @@ def test_a_gated_populate_waits_for_the_worker_to_be_idle(monkeypatch):
     assert not thread.is_alive()
     assert _resident_pages(pool) * os.sysconf("SC_PAGE_SIZE") >= pool.nbytes
     assert pool[7].eq(1.5).all() and not pool[:7].any() and not pool[8:].any()
+
+
+def test_kv_populate_off_leaves_every_page_to_its_first_write(monkeypatch):
+    monkeypatch.setenv(POPULATE_ENV, "1")
+    before = {t.ident for t in threading.enumerate()}
+    caches = allocate_kv_caches(SMOLLM2.kv_layout, 200, 16, torch.bfloat16, "cpu", populate="off")
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.name == "kv-pool-populate"]
+    time.sleep(0.2)
+    assert _resident_pages(caches[0]) == 0

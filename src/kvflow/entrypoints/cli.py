@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(serve)
     # A server's prompts come in bursts of clients: half the offline budget per step lets the first
     # of a burst stream sooner (TTFT p50 −25% for −2% throughput here, docs/performance.md), as vLLM
-    # also gives its API server a smaller default budget than its `LLM`.
-    serve.set_defaults(func=run_serve, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
+    # also gives its API server a smaller default budget than its `LLM`; and the KV pool's pages are
+    # mapped in only while no step runs, so that the first requests keep both cores.
+    serve.set_defaults(func=run_serve, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS, kv_populate="when-idle")
 
     gen = sub.add_parser("generate", help="stream a completion of one prompt")
     gen.add_argument("prompt")

@@ -99,10 +99,11 @@ def available_memory_bytes(device: torch.device) -> int | None:
 
 
 def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype, device,
-                       kv_cache_dtype: str = "auto", idle: IdleGate | None = None) -> list[torch.Tensor]:
+                       kv_cache_dtype: str = "auto", populate: str = "background",
+                       idle: IdleGate | None = None) -> list[torch.Tensor]:
     """One cache per layer (views of the G pool tensors; sharing layers get their target's).
     `dtype`: the model's, which "auto" keeps; fp8/int8 store codes of that dtype plus scales.
-    `idle`: the worker's gate, which the pages' populate waits on."""
+    `populate` (CacheConfig.populate): "when-idle" waits on `idle`, the worker's gate."""
     codes = kv_quant.storage_dtype(kv_cache_dtype)
     quantized = codes is not None
     first = layout.groups[0].spec
@@ -110,7 +111,8 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
                             populate=False) for _ in range(layout.group_size)]
     # One thread for every layer's pool: a thread each (30 for SmolLM2) made the start wait ~75 ms
     # per thread.start() while the earlier ones held both cores (3.2 s of a 5.5 s start).
-    populate_in_background(pool, idle)
+    if populate != "off":
+        populate_in_background(pool, idle if populate == "when-idle" else None)
     return [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
             for group, slot in layout.places]
 
@@ -147,11 +149,11 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device, populate
 class IdleGate:
     """When background work may take a core: once the worker has run no step for `quiet_s`.
 
-    The KV pool's populate waits on it. Ungated, it ran while the first requests did: a server
-    loaded at once after `/health` gave 234–263 output tok/s with TTFT p90 3.0–4.2 s, against
-    279–285 and 1.0–1.1 s with no populate at all; a server left idle for 10 s first did better
-    with it (283–305 against 249–273). Gated, a busy server's pages fault in as its steps first
-    write them, and an idle one's are mapped in before its first requests."""
+    The KV pool's populate waits on it where `--kv-populate when-idle` (`kvflow serve`'s default).
+    Ungated, it ran while a server's first requests did: loaded at once after `/health`, 234–263
+    output tok/s with TTFT p90 3.0–4.2 s, against 290–298 and 1.1 s gated. But a batch job (W1)
+    is 5–10% faster with it ungated, mapping pages beside the steps: a first write to a huge page
+    costs milliseconds there (the kernel compacts memory for it), and W1 writes 1.2 GB of KV."""
 
     def __init__(self, quiet_s: float = 1.0) -> None:
         self.quiet_s = quiet_s
