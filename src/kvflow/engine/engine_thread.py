@@ -22,7 +22,7 @@ Build the engine with `build_on_fresh_thread`, not on the thread that will serve
 OpenMP (libgomp) keeps a team of worker threads for every thread that ever ran a parallel region.
 Once there are more of those workers than cores, it stops letting them spin between regions, and
 every region then waits ~80 µs for a worker to wake. Loading a model on the server's main thread
-left such a team behind. Each of a decode step's ~100 regions on the engine thread paid that:
+left such a team behind. Each of a decode step's ~150 regions on the engine thread paid that:
 served decode steps took 45 ms against 30 offline (SmolLM2, 16 requests, 2 cores). A team whose
 thread has ended is freed.
 """

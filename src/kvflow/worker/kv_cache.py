@@ -153,7 +153,8 @@ class IdleGate:
     Ungated, it ran while a server's first requests did: loaded at once after `/health`, 234–263
     output tok/s with TTFT p90 3.0–4.2 s, against 290–298 and 1.1 s gated. But a batch job (W1)
     is 5–10% faster with it ungated, mapping pages beside the steps: a first write to a huge page
-    costs milliseconds there (the kernel compacts memory for it), and W1 writes 1.2 GB of KV."""
+    costs milliseconds here (THP defrag is `madvise`: the fault may compact memory), and W1 writes
+    1.2 GB of KV."""
 
     def __init__(self, quiet_s: float = 1.0) -> None:
         self.quiet_s = quiet_s
