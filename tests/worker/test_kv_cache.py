@@ -75,6 +75,7 @@ def test_the_pool_is_mapped_in_behind_the_writes(monkeypatch):
     """The background populate maps every page in and changes no byte, even of writes racing it."""
     monkeypatch.setenv(POPULATE_ENV, "1")
     pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu")  # 128 MiB
+    populate_in_background([pool])
     pool[7].fill_(1.5)  # a KV write while the thread works
     deadline = time.monotonic() + 60
     while _resident_pages(pool) * os.sysconf("SC_PAGE_SIZE") < pool.nbytes and time.monotonic() < deadline:
@@ -96,8 +97,10 @@ def test_every_layer_pool_is_mapped_in_by_one_thread(monkeypatch):
 
 
 def test_without_populate_pages_wait_for_their_first_write(monkeypatch):
+    """An untouched pool maps nothing by itself, and KVFLOW_KV_POPULATE=0 (A/B) starts no populate."""
     monkeypatch.setenv(POPULATE_ENV, "0")
     pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu")
+    assert populate_in_background([pool]) is None
     time.sleep(0.2)
     assert _resident_pages(pool) == 0
 
@@ -106,9 +109,9 @@ def test_a_gated_populate_waits_for_the_worker_to_be_idle(monkeypatch):
     """While a step runs (and for the gate's quiet period after it), populate maps nothing: a busy
     server's pages fault in as its steps write them. Once idle, every page is mapped in."""
     monkeypatch.setenv(POPULATE_ENV, "1")
-    pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu", populate=False)  # 128 MiB
+    pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu")  # 128 MiB
     gate = IdleGate(quiet_s=0.2)
-    with gate.busy():
+    with gate:
         thread = populate_in_background([pool], gate)
         time.sleep(0.5)
         assert _resident_pages(pool) == 0
@@ -120,9 +123,20 @@ def test_a_gated_populate_waits_for_the_worker_to_be_idle(monkeypatch):
 
 
 def test_kv_populate_off_leaves_every_page_to_its_first_write(monkeypatch):
+    """`--kv-populate off`: the worker asks for no populate thread."""
     monkeypatch.setenv(POPULATE_ENV, "1")
     before = {t.ident for t in threading.enumerate()}
-    caches = allocate_kv_caches(SMOLLM2.kv_layout, 200, 16, torch.bfloat16, "cpu", populate="off")
+    caches = allocate_kv_caches(SMOLLM2.kv_layout, 200, 16, torch.bfloat16, "cpu", populate=False)
     assert not [t for t in threading.enumerate() if t.ident not in before and t.name == "kv-pool-populate"]
     time.sleep(0.2)
     assert _resident_pages(caches[0]) == 0
+
+
+@pytest.mark.parametrize("mode", ["background", "when-idle", "off"])
+def test_only_a_when_idle_worker_holds_a_gate_around_its_steps(mode):
+    """The gate (and its bookkeeping on every step) exists only where the populate waits on it."""
+    from kvflow.config import EngineArgs
+    from kvflow.worker.worker import Worker
+
+    worker = Worker(EngineArgs(kv_populate=mode, device="cpu").create_config(2048), SMOLLM2, None)
+    assert isinstance(worker.idle, IdleGate) == (mode == "when-idle")

@@ -34,6 +34,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -313,23 +314,10 @@ class EngineThread:
 
 def build_on_fresh_thread(build: Callable[[], T]) -> T:
     """`build()` (an engine, with whatever else touches its tensors at start) run on a thread of
-    its own that then ends, so that the calling thread opens no OpenMP team (see above). Its
-    exception, if it raises, is raised here."""
-    result: list = []
-
-    def run() -> None:
-        try:
-            result.append((True, build()))
-        except BaseException as e:  # handed to the caller
-            result.append((False, e))
-
-    thread = threading.Thread(target=run, name="kvflow-engine-build")
-    thread.start()
-    thread.join()
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
+    its own that has ended when this returns, so that the calling thread opens no OpenMP team
+    (see above). Its exception, if it raises, is raised here."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-engine-build") as pool:
+        return pool.submit(build).result()  # leaving the block joins the thread
 
 
 def _backlog_key(cmd: AddCommand) -> object:

@@ -99,25 +99,26 @@ def available_memory_bytes(device: torch.device) -> int | None:
 
 
 def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype, device,
-                       kv_cache_dtype: str = "auto", populate: str = "background",
+                       kv_cache_dtype: str = "auto", populate: bool = True,
                        idle: IdleGate | None = None) -> list[torch.Tensor]:
     """One cache per layer (views of the G pool tensors; sharing layers get their target's).
     `dtype`: the model's, which "auto" keeps; fp8/int8 store codes of that dtype plus scales.
-    `populate` (CacheConfig.populate): "when-idle" waits on `idle`, the worker's gate."""
+    `populate`: map the pages in on a background thread (`populate_in_background`), waiting on
+    `idle` (the worker's gate) where one is given."""
     codes = kv_quant.storage_dtype(kv_cache_dtype)
     quantized = codes is not None
     first = layout.groups[0].spec
-    pool = [zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device,
-                            populate=False) for _ in range(layout.group_size)]
+    pool = [zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device)
+            for _ in range(layout.group_size)]
     # One thread for every layer's pool: a thread each (30 for SmolLM2) made the start wait ~75 ms
     # per thread.start() while the earlier ones held both cores (3.2 s of a 5.5 s start).
-    if populate != "off":
-        populate_in_background(pool, idle if populate == "when-idle" else None)
+    if populate:
+        populate_in_background(pool, idle)
     return [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
             for group, slot in layout.places]
 
 
-def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device, populate: bool = True) -> torch.Tensor:
+def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A zero tensor whose pages the OS maps on first write, on CPU: fresh anonymous memory is zero
     by contract and untouched, where torch.zeros writes every byte (seconds for a GiB-sized pool,
     paid at every start). Attention never depends on the zeros (it masks what no one wrote,
@@ -126,8 +127,8 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device, populate
     A first write to a page still costs a fault, and in a KV write that is on the step's path: on
     the 2026-11-26 VM a first write to a 2 MiB page cost 6-10 ms, and W1 (1.2 GB of KV written)
     took 31.4 s faulting in its writes, 28.9 s with the pages mapped beforehand (docs/performance.md).
-    So a background thread maps the pool's pages in after the start (`populate_in_background`;
-    `populate=False`: the caller starts it, for several pools at once), and the pool asks for
+    So a background thread maps the pools' pages in after the start (`populate_in_background`,
+    which `allocate_kv_caches` starts for all of them), and the pool asks for
     transparent huge pages (2 MiB: 512x fewer faults and TLB entries) where the kernel offers them
     on request (`madvise` mode, the common default); elsewhere madvise is a no-op."""
     if torch.device(device).type != "cpu":
@@ -140,14 +141,12 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device, populate
         memory.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps `memory` alive
     start = -whole.data_ptr() % _HUGE_PAGE  # huge pages need 2 MiB-aligned addresses
-    pool = whole[start:start + nbytes]
-    if populate:
-        populate_in_background([pool])
-    return pool.view(dtype).view(shape)
+    return whole[start:start + nbytes].view(dtype).view(shape)
 
 
 class IdleGate:
-    """When background work may take a core: once the worker has run no step for `quiet_s`.
+    """When background work may take a core: once the worker has run no step for `quiet_s`; a
+    step holds it (`with gate:`).
 
     The KV pool's populate waits on it where `--kv-populate when-idle` (`kvflow serve`'s default).
     Ungated, it ran while a server's first requests did: loaded at once after `/health`, 234–263
@@ -161,15 +160,12 @@ class IdleGate:
         self._busy = False
         self._since = time.monotonic()  # the quiet period starts at the allocation, within the start
 
-    @contextlib.contextmanager
-    def busy(self):
-        """Around a step."""
+    def __enter__(self) -> None:
         self._busy = True
-        try:
-            yield
-        finally:
-            self._busy = False
-            self._since = time.monotonic()
+
+    def __exit__(self, *exc) -> None:
+        self._busy = False
+        self._since = time.monotonic()
 
     def wait(self) -> None:
         while True:

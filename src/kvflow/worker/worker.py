@@ -48,7 +48,8 @@ class Worker:
         self.model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
         self.local_arch = rank_arch(arch, tp)
-        self.idle = IdleGate()  # with --kv-populate when-idle, the KV pool's populate runs only while no step does
+        # With --kv-populate when-idle, the KV pool's populate runs only while no step does.
+        self.idle = IdleGate() if config.cache.populate == "when-idle" else None
 
     def load_model(self, checkpoint: Checkpoint) -> torch.nn.Module:
         self.model = load_model(self.config, self.arch, self.quant_config, checkpoint, self.tp)
@@ -66,9 +67,9 @@ class Worker:
         cfg, cache, dtype = self.config, self.config.cache, self.config.model.dtype
         layout = self.local_arch.kv_layout
         kv_caches = allocate_kv_caches(layout, num_blocks, cache.block_size, dtype, self.device, cache.cache_dtype,
-                                       cache.populate, self.idle)
+                                       cache.populate != "off", self.idle)
         host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype,
-                                          cache.populate, self.idle) if num_host_blocks else None)
+                                          cache.populate != "off", self.idle) if num_host_blocks else None)
         graphs = None
         # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
         if cfg.use_cuda_graphs and self.arch.moe is None:
@@ -83,7 +84,9 @@ class Worker:
             self.model_runner.kv_connector = KVStoreConnectorWorker(open_kv_block_store(cfg.kv_transfer), kv_caches)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        with self.idle.busy():
+        if self.idle is None:
+            return self.model_runner.execute(sched)
+        with self.idle:
             return self.model_runner.execute(sched)
 
 
