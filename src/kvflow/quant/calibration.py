@@ -38,7 +38,7 @@ class InputStats:
 class _InputRecorder:
     def __init__(self, generator: torch.Generator, gram: bool) -> None:
         self.abs_sum, self.count, self.rows, self.gen = None, 0, [], generator
-        self.gram = 0 if gram else None
+        self.wants_gram, self.gram = gram, None
 
     def __call__(self, module, args) -> None:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
@@ -46,8 +46,8 @@ class _InputRecorder:
         self.count += x.shape[0]
         keep = torch.randperm(x.shape[0], generator=self.gen)[:CALIBRATION_ROWS]
         self.rows.append(x[keep])
-        if self.gram is not None:
-            self.gram = self.gram + x.t() @ x
+        if self.wants_gram:
+            self.gram = x.t() @ x if self.gram is None else self.gram.addmm_(x.t(), x)
 
     def stats(self) -> InputStats:
         rows = torch.cat(self.rows)

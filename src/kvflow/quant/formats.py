@@ -44,9 +44,14 @@ def int4_per_group(w: torch.Tensor, group: int, name: str) -> tuple[torch.Tensor
 def fp8_per_channel(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] → float8_e4m3fn [N, K] and scale [N] with w ≈ q · scale (the row max maps to 448)."""
     check_finite(w, name)
-    scale = w.abs().amax(dim=1).float() / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = fp8_channel_scale(w)
     return e4m3_encode(w.float() / scale[:, None]), scale
+
+
+def fp8_channel_scale(w: torch.Tensor) -> torch.Tensor:
+    """Each row's scale [N] that maps its largest magnitude to 448 (1 for a row of zeros)."""
+    scale = w.abs().amax(dim=1).float() / FP8_MAX
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.quant.calibration import InputStats
-from kvflow.quant.formats import check_finite, e4m3_encode, fp8_per_channel
+from kvflow.quant.formats import check_finite, e4m3_encode, fp8_channel_scale, fp8_per_channel
 from kvflow.quant.gptq import gptq_round
 from kvflow.quant.int8 import Int8Channel, Int8Method
 from kvflow.quant.online import CalibratedMethod, OnlineQuantConfig
@@ -37,7 +37,7 @@ def shifted_scales(w: torch.Tensor, input_power: torch.Tensor) -> torch.Tensor:
     """Per row of w [N, K], the scale among the max-abs scale times 2^(j / SCALE_SHIFTS) (none
     clips) whose rounded row is nearest w, each column's error weighed by input_power [K]
     (E[x²] of its input)."""
-    base = fp8_per_channel(w, "")[1]
+    base = fp8_channel_scale(w)
     best_err, best = None, base
     for j in range(SCALE_SHIFTS):
         scale = base * 2 ** (j / SCALE_SHIFTS)
@@ -55,23 +55,21 @@ class Fp8Method(CalibratedMethod, Int8Method):
     folds_scale = False
     wants_gram = True
 
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        self._gram = None  # what calibration saw at the layer's input, until it is rounded
-
     def finish_calibration(self, layer, inputs: InputStats) -> None:
-        self._gram = inputs.gram
-        super().finish_calibration(layer, inputs)
-        self._gram = None
+        layer.calibrated = True
+        self.install(layer, self.quantize_by_inputs(layer.weight.data, inputs.gram, layer.prefix))
 
     def quantize(self, weight, name):
-        if self._gram is None:  # uncalibrated: to nearest
-            q, scale = fp8_per_channel(weight, name)
-            return {"weight": q, "weight_scale": scale}
+        """Uncalibrated (no tokenizer, several ranks, unit tests of the format): to nearest."""
+        q, scale = fp8_per_channel(weight, name)
+        return {"weight": q, "weight_scale": scale}
+
+    def quantize_by_inputs(self, weight: torch.Tensor, gram: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        """Scales shifted to the grid, then GPTQ, both weighed by the inputs' second moment `gram`."""
         check_finite(weight, name)
         w = weight.float()
-        scale = shifted_scales(w, self._gram.diagonal())
-        rounded = gptq_round(w, self._gram, lambda column: e4m3_encode(column / scale).float() * scale)
+        scale = shifted_scales(w, gram.diagonal())
+        rounded = gptq_round(w, gram, lambda column: e4m3_encode(column / scale).float() * scale)
         return {"weight": e4m3_encode(rounded / scale[:, None]), "weight_scale": scale}
 
     def runtime(self, stored, dtype, name):

@@ -56,6 +56,10 @@ class OnlineQuantMethod(QuantMethod):
             stored = {name: getattr(layer, name).data for name in self.stored_spec}
         else:
             stored = self.quantize(layer.weight.data, layer.prefix)
+        self.install(layer, stored)
+
+    def install(self, layer: nn.Module, stored: dict[str, torch.Tensor]) -> None:
+        """The stored tensors replace the layer's parameters, and its runtime is built from them."""
         for name in list(self.stored_spec) + ["weight"]:
             if name in layer._parameters:
                 del layer._parameters[name]
