@@ -41,13 +41,10 @@ def test_matmul_matches_its_dequantized_weights(method):
             y = layer(x)
             if method == "w8a8":  # activations are rounded too: compare with both sides rounded
                 scale = x.abs().amax(1, keepdim=True) / 127
-                x = (x / scale).round() * scale
-                deq = layer.quant_runtime.q_t.t().float() * layer.quant_runtime.scale[:, None]
-            else:
-                deq = _dequantized(layer)
-            torch.testing.assert_close(y, x @ deq.t(), atol=2e-4, rtol=1e-4)
+                x = (x * (1 / scale)).round() * scale
+            torch.testing.assert_close(y, x @ _dequantized(layer).t(), atol=2e-4, rtol=1e-4)
         # and the quantized weights stay near the float ones (the format's own bound)
-        deq = _dequantized(layer) if method != "w8a8" else layer.quant_runtime.q_t.t().float() * layer.quant_runtime.scale[:, None]
+        deq = _dequantized(layer)
         assert (deq - w).abs().max() <= {"int8": 0.002, "int4": 0.03, "fp8": 0.016, "mxfp4": 0.1, "w8a8": 0.002}[method]
 
 
@@ -58,7 +55,7 @@ def test_int4_group_sizes(group):
     torch.testing.assert_close(layer(x), x @ _dequantized(layer).t(), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "fp8"])  # fp8's: below
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("fp8", "w8a8")])  # theirs: below
 def test_embedding_rows_and_tied_head(method):
     config = get_quantization_config(method, None, None)
     embed = VocabParallelEmbedding(1000, 576, quant_config=config, prefix="model.embed_tokens")
@@ -68,13 +65,14 @@ def test_embedding_rows_and_tied_head(method):
     ids = torch.tensor([0, 1, 63, 64, 999])
     rows = embed(ids)
     assert rows.is_contiguous()  # the CPU decode loop's C++ kernels take the embedding's rows as they are
-    torch.testing.assert_close(rows, _dequantized(embed)[ids])  # (w8a8's embedding and head: int8, weight-only)
+    torch.testing.assert_close(rows, _dequantized(embed)[ids])
     assert embed.compute_logits(torch.randn(2, 576)).shape == (2, 1000)
 
 
-def test_fp8_leaves_the_embedding_and_head_float():
-    """As vLLM's fp8 does: only the linear layers are E4M3."""
-    embed = VocabParallelEmbedding(1000, 576, quant_config=get_quantization_config("fp8", None, None),
+@pytest.mark.parametrize("method", ["fp8", "w8a8"])
+def test_fp8_and_w8a8_leave_the_embedding_and_head_float(method):
+    """As vLLM's fp8 and w8a8 do: only the linear layers are quantized."""
+    embed = VocabParallelEmbedding(1000, 576, quant_config=get_quantization_config(method, None, None),
                                    prefix="model.embed_tokens")
     w = torch.randn(1000, 576)
     embed.weight_loader(embed.weight, w)

@@ -7,14 +7,16 @@ perplexity with plain per-token rounding), so the layers are smoothed first, as 
 et al., 2023) does: s = max|x|^α / max|w|^(1−α) per input channel moves part of the activations'
 range into the weights (W·diag(s), the input divided by s at its source: quant/calibration.py),
 α searched per layer for the smallest output error on calibration rows; the identity is a
-candidate too. The embedding and the tied head are int8 per row, weight-only: the head's input
-keeps its precision (vLLM leaves the head unquantized)."""
+candidate too. The embedding and the head stay in the model's dtype, as vLLM leaves them: int8
+weight-only, the head dequantized its whole 49,152 × 576 weight at every step of more than 32
+rows (50 ms a step against bfloat16's 4–6 ms), which cost W1 half its throughput."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kvflow.quant import int8_rows
 from kvflow.quant.calibration import ALPHAS, InputStats
 from kvflow.quant.formats import int8_per_channel
 from kvflow.quant.int8 import Int8Method
@@ -23,24 +25,42 @@ from kvflow.quant.online import CalibratedMethod, OnlineQuantConfig
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float rows [M, K] → int8 codes [M, K] and each row's scale [M, 1] (max|x| / 127; 1 for a row
-    of zeros)."""
+    of zeros). x is multiplied by the scale's float reciprocal, as the C++ rounding does
+    (quant/int8_rows.py), so both give the same codes."""
     x_scale = x.abs().amax(dim=1, keepdim=True) / 127
     x_scale = torch.where(x_scale > 0, x_scale, torch.ones_like(x_scale))
-    return (x / x_scale).round_().clamp_(-127, 127).to(torch.int8), x_scale
+    return (x * (1 / x_scale)).round_().clamp_(-127, 127).to(torch.int8), x_scale
 
 
 class W8A8Channel(nn.Module):
-    """A linear layer's runtime only: the embedding and head are int8 weight-only (W8A8Config)."""
+    """A linear layer's runtime: q [N, K] int8 with a float32 scale per output channel, times
+    activations rounded to int8 per row. oneDNN's packed GEMM where it runs (int8_rows), else
+    `torch._int_mm`."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
-        self.register_buffer("q_t", q.t().contiguous())  # [K, N]: _int_mm's right operand
+        self.register_buffer("q", q)
         self.register_buffer("scale", scale.float())
+        # attributes, not buffers: derived from q and scale
+        self.onednn = int8_rows.PackedInt8Weights(q, self.scale) if int8_rows.available() else None
+        self.q_t = None if self.onednn is not None else q.t().contiguous()  # [K, N]: _int_mm's right operand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]).float())
-        y = torch._int_mm(xq, self.q_t).float() * x_scale * self.scale
-        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.onednn is not None and x.dtype in (torch.float32, torch.bfloat16) and rows.shape[0] > 0:
+            y = self.onednn(rows if rows.stride(-1) == 1 else rows.contiguous())
+        else:
+            y = self.torch_forward(rows)
+        return y.reshape(*x.shape[:-1], -1)
+
+    def torch_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        xq, x_scale = quantize_rows(rows.float())
+        q_t = self.q_t if self.q_t is not None else self.q.t().contiguous()
+        return (torch._int_mm(xq, q_t).float() * x_scale * self.scale).to(rows.dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weights alone (the activations are rounded at run time too)."""
+        return (self.q.float() * self.scale[:, None]).to(dtype or torch.float32)
 
 
 class W8A8Method(CalibratedMethod, Int8Method):
@@ -73,4 +93,4 @@ class W8A8Config(OnlineQuantConfig):
     calibrates = True
 
     def get_quant_method(self, kind: str, prefix: str):
-        return W8A8Method(self) if kind == "linear" else Int8Method(self)
+        return W8A8Method(self) if kind == "linear" else None

@@ -1,0 +1,59 @@
+"""w8a8's CPU path (quant/int8_rows.py): the C++ rounding gives the torch reference's codes, and
+oneDNN's packed GEMM the torch path's products up to float rounding, batch-invariantly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.quant import int8_rows
+from kvflow.quant.formats import int8_per_channel
+from kvflow.quant.w8a8 import W8A8Channel, quantize_rows
+
+pytestmark = pytest.mark.skipif(not int8_rows.available(), reason="no C++ compiler or oneDNN here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [576, 1536, 37])  # 37: the scalar tail after 16-wide vectors
+def test_codes_and_scales_are_the_torch_reference(dtype, width):
+    torch.manual_seed(0)
+    x = (torch.randn(70, width) * torch.rand(70, 1) * 10).to(dtype)
+    x[3] = 0  # a row of zeros: scale 1, codes 128
+    x[5, 7] = -1e4  # an outlier sets its row's scale
+    codes, scales = int8_rows.quantize_rows(x)
+    ref_codes, ref_scales = quantize_rows(x.float())
+    assert torch.equal(codes.to(torch.int32) - 128, ref_codes.to(torch.int32))
+    assert torch.equal(scales, ref_scales[:, 0])
+    assert scales[3] == 1 and torch.all(codes[3] == 128) and codes[5, 7] == 1
+
+
+def test_strided_rows_are_read_in_place():
+    x = torch.randn(8, 200)[:, :150]  # rows 200 apart, unit stride within
+    codes, scales = int8_rows.quantize_rows(x)
+    ref_codes, ref_scales = quantize_rows(x.contiguous())
+    assert torch.equal(codes.to(torch.int32) - 128, ref_codes.to(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_product_is_the_torch_paths_and_batch_invariant(dtype):
+    torch.manual_seed(1)
+    q, scale = int8_per_channel(torch.randn(960, 576) * 0.05, "qkv")
+    layer = W8A8Channel(q, scale)
+    assert layer.onednn is not None
+    x = torch.randn(100, 576).to(dtype)
+    y = layer(x)
+    reference = layer.torch_forward(x)  # _int_mm: the same codes and integer sums
+    assert y.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7  # bfloat16: the GEMM's output rounds, then the row scale
+    assert ((y.float() - reference.float()).abs() <= tolerance * reference.float().abs().amax(1, keepdim=True)).all()
+    for rows in (slice(0, 1), slice(7, 10), slice(40, 100)):  # a row's result whatever its batch
+        assert torch.equal(layer(x[rows]), y[rows])
+
+
+def test_switch_selects_the_torch_path(monkeypatch):
+    monkeypatch.setenv(int8_rows.DISABLE_ENV, "0")
+    q, scale = int8_per_channel(torch.randn(64, 32), "w")
+    layer = W8A8Channel(q, scale)
+    assert not int8_rows.available() and layer.onednn is None and layer.q_t is not None
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), layer.torch_forward(x), rtol=0, atol=0)
