@@ -57,3 +57,20 @@ def test_switch_selects_the_torch_path(monkeypatch):
     assert not int8_rows.available() and layer.onednn is None and layer.q_t is not None
     x = torch.randn(3, 32)
     torch.testing.assert_close(layer(x), layer.torch_forward(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_dense_product_in_tiles_is_the_dequantized_weights(dtype):
+    """int8 weight-only above the kernel's rows: the C++ dequantization is torch's q·scale exactly,
+    and the tiled product (a head wider than one tile) the dense one's up to float sums."""
+    torch.manual_seed(2)
+    n = int8_rows.DEQUANTIZE_ROWS * 2 + 100  # two whole tiles and a part
+    q, scale = int8_per_channel(torch.randn(n, 64), "head")
+    scale = scale.to(dtype)
+    tile = torch.empty(n, 64, dtype=dtype)
+    torch.ops.kvflow_int8_rows.dequantize_rows(tile, q, scale)
+    exact = q.to(dtype) * scale[:, None]
+    assert torch.equal(tile, exact)
+    x = torch.randn(40, 64).to(dtype)
+    y = int8_rows.dequantized_product(x, q, scale)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, exact), rtol=0, atol=0 if dtype == torch.float32 else 1e-2)

@@ -3,7 +3,8 @@
 Decode (few rows) runs aten's `_weight_int8pack_mm`; above `KERNEL_MAX_ROWS` rows the weights are
 dequantized and multiplied densely (the int8pack kernel is a GEMV-style loop; measured with
 `benchmarks/quant_kernels.py`: at M=128 it took 6.0 ms for gate_up 3072×576 against 2.0 ms for
-the bf16 matmul, at M=1 0.05 ms against 0.27 ms; one thread, medians of interleaved runs).
+the bf16 matmul, at M=1 0.05 ms against 0.27 ms; one thread, medians of interleaved runs), a
+cache-sized tile at a time by a C++ pass where it is built (`int8_rows.dequantized_product`).
 bfloat16 calls of up to `int4_gemv.MAX_ROWS` rows take kvflow's GEMV where the CPU has AVX-512
 BF16: the same codes as 8-bit affine ones, u = q + 128 with (s, 0) per group of 32 (batch-1
 decode ~2× int8pack's on the default model: docs/performance.md)."""
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.quant import int4_gemv
+from kvflow.quant import int4_gemv, int8_rows
 from kvflow.quant.formats import int8_per_channel
 from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
 
@@ -34,6 +35,8 @@ class Int8Channel(nn.Module):
             return self.gemv(x2).reshape(*x.shape[:-1], -1)
         if x2.shape[0] <= KERNEL_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
+        elif x2.dtype == self.scale.dtype and x2.dtype in (torch.float32, torch.bfloat16) and int8_rows.load():
+            y = int8_rows.dequantized_product(x2, self.q, self.scale)
         else:
             y = F.linear(x2, self.dequantize(x2.dtype))
         return y.reshape(*x.shape[:-1], -1)

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -153,14 +154,65 @@ void scale_rows(at::Tensor& out, const at::Tensor& y, const at::Tensor& scales) 
   }
 }
 
+// out[r, :] = q[r, :] · scale[r], rounded once to out's dtype: int8 weight-only layers' rows for a
+// dense product (q is exact in bfloat16, so this is torch's q.to(bf16) * scale in one pass).
+template <typename out_t, typename scale_t>
+void dequantize_rows_impl(out_t* out, const int8_t* q, const scale_t* scale, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float s = widen(scale[r]);
+      const int8_t* qr = q + r * width;
+      out_t* o = out + r * width;
+      int64_t i = 0;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<out_t, c10::BFloat16>) {
+        const __m512 factor = _mm512_set1_ps(s);
+        for (; i + 16 <= width; i += 16) {
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + i))));
+          const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(v, factor));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), reinterpret_cast<const __m256i&>(rounded));
+        }
+      }
+#endif
+      for (; i < width; ++i) {
+        if constexpr (std::is_same_v<out_t, c10::BFloat16>) {
+          o[i] = to_bf16(static_cast<float>(qr[i]) * s);
+        } else {
+          o[i] = static_cast<float>(qr[i]) * s;
+        }
+      }
+    }
+  });
+}
+
+void dequantize_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "dequantize_rows: q must be contiguous int8 [rows, width]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "dequantize_rows: out must be contiguous, q's shape");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == q.size(0), "dequantize_rows: one scale per row");
+  const int64_t rows = q.size(0), width = q.size(1);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const auto to = out.scalar_type(), by = scale.scalar_type();
+  if (to == at::kBFloat16 && by == at::kBFloat16) {
+    dequantize_rows_impl(out.data_ptr<c10::BFloat16>(), qp, scale.data_ptr<c10::BFloat16>(), rows, width);
+  } else if (to == at::kBFloat16 && by == at::kFloat) {
+    dequantize_rows_impl(out.data_ptr<c10::BFloat16>(), qp, scale.data_ptr<float>(), rows, width);
+  } else {
+    TORCH_CHECK(to == at::kFloat && by == at::kFloat, "dequantize_rows: bfloat16 or float32 out and scale");
+    dequantize_rows_impl(out.data_ptr<float>(), qp, scale.data_ptr<float>(), rows, width);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvflow_int8_rows, m) {
   m.def("quantize_rows(Tensor(a!) codes, Tensor(b!) scales, Tensor x) -> ()");
   m.def("scale_rows(Tensor(a!) out, Tensor y, Tensor scales) -> ()");
+  m.def("dequantize_rows(Tensor(a!) out, Tensor q, Tensor scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow_int8_rows, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
   m.impl("scale_rows", &scale_rows);
+  m.impl("dequantize_rows", &dequantize_rows);
 }
