@@ -99,7 +99,7 @@ def test_prompt_logprobs_of_a_long_prompt_are_scored_in_bounded_slices(model_dir
     whole = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
     model = llm.llm_engine.runner.model
     rows_seen, compute_logits = [], model.compute_logits
-    monkeypatch.setattr(model, "compute_logits", lambda h: rows_seen.append(len(h)) or compute_logits(h))
+    monkeypatch.setattr(model, "compute_logits", lambda h, **kw: rows_seen.append(len(h)) or compute_logits(h, **kw))
     monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 64)
     llm.reset_prefix_cache()
     sliced = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs

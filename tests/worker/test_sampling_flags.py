@@ -4,6 +4,7 @@ device value to decide); a wrong flag would silently drop a user's sampling sett
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvflow import LLM, SamplingParams
 from tiny_models import make_tiny_model
@@ -43,3 +44,31 @@ def test_greedy_and_sampled_rows_in_one_batch(llm):
     sampled = SamplingParams(temperature=1.0, top_k=1, seed=1, max_tokens=12, ignore_eos=True)
     mixed = _tokens(llm, [greedy, sampled])
     assert mixed == _tokens(llm, greedy)  # top_k=1 draws the argmax: both rows greedy in effect
+
+
+def test_greedy_batches_skip_the_float32_logits_and_keep_their_tokens(tmp_path, monkeypatch):
+    """A bfloat16 model's greedy batch with nothing to adjust takes the argmax of the head's own
+    bfloat16 logits (no float32 copy); any batch that samples or scores gets float32 ones. The
+    tokens are those of the float32 logits."""
+    make_tiny_model("llama-gqa-llama3-rope", tmp_path)
+    llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, device="cpu", disable_log_stats=True)
+    model = llm.llm_engine.runner.model
+    compute_logits, dtypes = model.compute_logits, []
+
+    def recording(hidden, widen=True):
+        logits = compute_logits(hidden, widen)
+        dtypes.append(logits.dtype)
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", recording)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    raw = _tokens(llm, greedy)
+    assert set(dtypes) == {torch.bfloat16}
+    dtypes.clear()
+    monkeypatch.setattr(model, "compute_logits", lambda hidden, widen=True: recording(hidden, True))
+    assert _tokens(llm, greedy) == raw  # the float32 logits' argmax
+    dtypes.clear()
+    monkeypatch.setattr(model, "compute_logits", recording)
+    _tokens(llm, SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True))
+    _tokens(llm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2))
+    assert set(dtypes) == {torch.float32}

@@ -44,9 +44,12 @@ class VocabParallelEmbedding(LinearBase):
         rows = self.quant_method.embedding(self, local.masked_fill(outside, 0))
         return self.tp.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [T, vocab] (the tied LM head)."""
-        logits = self.quant_method.apply(self, hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """Logits [T, vocab] (the tied LM head): float32, or with `widen=False` in the dtype the
+        head computes them (for a caller that only takes their argmax: widening keeps the order)."""
+        logits = self.quant_method.apply(self, hidden)
+        if widen:
+            logits = logits.float()
         if self.tp_size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[..., :self.num_embeddings]

@@ -140,8 +140,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """float32 logits, or the head's own dtype with `widen=False` (embedding.compute_logits)."""
+        return self.lm_head.compute_logits(hidden, widen)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.config.tie_word_embeddings:  # the head is the embedding

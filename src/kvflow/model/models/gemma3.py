@@ -95,8 +95,10 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(cfg, Gemma3Model(cfg, backend, quant_config), quant_config)
         self.final_logit_softcapping = cfg.hf.get("final_logit_softcapping")
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        # The softcap is computed in float32 whatever the caller asks: tanh saturates, and in
+        # bfloat16 it would tie logits that differ.
+        logits = super().compute_logits(hidden, widen or self.final_logit_softcapping is not None)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
