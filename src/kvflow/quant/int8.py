@@ -35,7 +35,8 @@ class Int8Channel(nn.Module):
             return self.gemv(x2).reshape(*x.shape[:-1], -1)
         if x2.shape[0] <= KERNEL_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
-        elif x2.dtype == self.scale.dtype and x2.dtype in (torch.float32, torch.bfloat16) and int8_rows.load():
+        elif (x2.device.type == "cpu" and x2.dtype == self.scale.dtype and x2.dtype in (torch.float32, torch.bfloat16)
+              and int8_rows.load()):
             y = int8_rows.dequantized_product(x2, self.q, self.scale)
         else:
             y = F.linear(x2, self.dequantize(x2.dtype))

@@ -42,7 +42,8 @@ class W8A8Channel(nn.Module):
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.float())
         # attributes, not buffers: derived from q and scale
-        self.onednn = int8_rows.PackedInt8Weights(q, self.scale) if int8_rows.available() else None
+        on_cpu = q.device.type == "cpu"
+        self.onednn = int8_rows.PackedInt8Weights(q, self.scale) if on_cpu and int8_rows.available() else None
         self.q_t = None if self.onednn is not None else q.t().contiguous()  # [K, N]: _int_mm's right operand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
