@@ -74,3 +74,18 @@ def test_int8_dense_product_in_tiles_is_the_dequantized_weights(dtype):
     x = torch.randn(40, 64).to(dtype)
     y = int8_rows.dequantized_product(x, q, scale)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, exact), rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_row_with_nan_or_infinity_comes_out_nan_and_spares_the_others(bad):
+    """As the torch path: the row's product is NaN, not a finite value that hides the fault."""
+    q, scale = int8_per_channel(torch.randn(64, 40), "w")
+    layer = W8A8Channel(q, scale)
+    x = torch.randn(5, 40)
+    x[2, 37] = bad  # in the scalar tail after the 16-wide vectors
+    x[3, 4] = bad
+    y = layer(x)
+    assert y[2].isnan().all() and y[3].isnan().all()
+    keep = [0, 1, 4]
+    assert torch.equal(y[keep], layer(x[keep]))
+    assert layer.torch_forward(x)[2].isnan().all()

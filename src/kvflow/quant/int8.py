@@ -31,7 +31,7 @@ class Int8Channel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if self.gemv is not None and x2.dtype == torch.bfloat16 and x2.shape[0] <= int4_gemv.MAX_ROWS:
+        if self.gemv is not None and x2.dtype == torch.bfloat16 and 0 < x2.shape[0] <= int4_gemv.MAX_ROWS:
             return self.gemv(x2).reshape(*x.shape[:-1], -1)
         if x2.shape[0] <= KERNEL_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
@@ -40,7 +40,7 @@ class Int8Channel(nn.Module):
             y = int8_rows.dequantized_product(x2, self.q, self.scale)
         else:
             y = F.linear(x2, self.dequantize(x2.dtype))
-        return y.reshape(*x.shape[:-1], -1)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return (self.q.to(self.scale.dtype) * self.scale[:, None]).to(dtype or self.scale.dtype)

@@ -25,10 +25,12 @@ from kvflow.quant.online import CalibratedMethod, OnlineQuantConfig
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float rows [M, K] → int8 codes [M, K] and each row's scale [M, 1] (max|x| / 127; 1 for a row
-    of zeros). x is multiplied by the scale's float reciprocal, as the C++ rounding does
-    (quant/int8_rows.py), so both give the same codes."""
-    x_scale = x.abs().amax(dim=1, keepdim=True) / 127
-    x_scale = torch.where(x_scale > 0, x_scale, torch.ones_like(x_scale))
+    of zeros; NaN for a row holding NaN or infinity, whose product is then NaN). x is multiplied
+    by the scale's float reciprocal, as the C++ rounding does (quant/int8_rows.py), so both give
+    the same codes."""
+    peak = x.abs().amax(dim=1, keepdim=True)
+    x_scale = torch.where(peak > 0, peak / 127, torch.ones_like(peak))
+    x_scale = torch.where(peak.isfinite(), x_scale, torch.full_like(peak, float("nan")))
     return (x * (1 / x_scale)).round_().clamp_(-127, 127).to(torch.int8), x_scale
 
 
@@ -52,7 +54,7 @@ class W8A8Channel(nn.Module):
             y = self.onednn(rows if rows.stride(-1) == 1 else rows.contiguous())
         else:
             y = self.torch_forward(rows)
-        return y.reshape(*x.shape[:-1], -1)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def torch_forward(self, rows: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_rows(rows.float())

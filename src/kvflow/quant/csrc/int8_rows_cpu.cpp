@@ -58,16 +58,35 @@ inline uint8_t code(float v, float inverse) {
   return static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
 }
 
+// A row holding NaN or infinity gets scale NaN (its codes are 128, zero): its output row is NaN,
+// as the torch path's, never a finite value that hides the fault; the other rows are untouched.
 template <typename scalar_t>
 void quantize_row(uint8_t* out, float* scale_out, const scalar_t* row, int64_t width) {
   int64_t i = 0;
   float peak = 0.f;
+  bool finite = true;
 #if defined(__AVX512F__)
   __m512 peaks = _mm512_setzero_ps();
-  for (; i + 16 <= width; i += 16) peaks = _mm512_max_ps(peaks, _mm512_abs_ps(load16(row + i)));
+  const __m512 infinity = _mm512_set1_ps(INFINITY);
+  __mmask16 non_finite = 0;
+  for (; i + 16 <= width; i += 16) {
+    const __m512 magnitude = _mm512_abs_ps(load16(row + i));
+    non_finite |= _mm512_cmp_ps_mask(magnitude, infinity, _CMP_NLT_UQ);  // NaN or infinity
+    peaks = _mm512_max_ps(peaks, magnitude);
+  }
   peak = _mm512_reduce_max_ps(peaks);
+  finite = non_finite == 0;
 #endif
-  for (; i < width; ++i) peak = std::max(peak, std::fabs(widen(row[i])));
+  for (; i < width; ++i) {
+    const float magnitude = std::fabs(widen(row[i]));
+    finite = finite && std::isfinite(magnitude);
+    peak = std::max(peak, magnitude);
+  }
+  if (!finite) {
+    std::memset(out, 128, width);
+    *scale_out = NAN;
+    return;
+  }
   const float scale = peak > 0.f ? peak / 127.f : 1.f;
   const float inverse = 1.f / scale;
   i = 0;
