@@ -1,7 +1,8 @@
 """The CPU fast path over the paged cache, in plain torch.
 
-- A chunk that starts a prompt (nothing cached before it) attends to its own keys with SDPA's
-  fused causal kernel, without reading the cache back.
+- A chunk that starts a prompt (nothing cached before it) attends to its own keys, without reading
+  the cache back: on AMX tiles where the CPU has them (bfloat16, head_dim 64: cpu_prompt.py), else
+  with SDPA's fused causal kernel.
 - Everything else (decodes, prompt chunks after a cached prefix) gathers its keys from the
   blocks and runs grouped-query attention as two batched matmuls: on CPU this is several times
   faster than SDPA with an explicit mask in bfloat16. Requests with few queries (decodes, and
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.attention import cpu_paged, kv_quant
+from kvflow.attention import cpu_paged, cpu_prompt, kv_quant
 from kvflow.attention.metadata import (
     AttentionLayerSpec,
     AttentionMetadata,
@@ -59,6 +60,7 @@ class TorchSDPABackend:
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.kernel = cpu_paged.load_kernel()  # None: no compiler here, or switched off
+        self.prompt_kernel = cpu_prompt.load()  # None: no AMX or no compiler here, or switched off
         # Batch-invariant (model.layers.batch_invariant): every request, whatever its query
         # count, through the kernel, whose query rows never depend on each other.
         self.batch_invariant = batch_invariant
@@ -80,7 +82,10 @@ class TorchSDPABackend:
             # A prompt sees its own keys as every later read will: quantized.
             k, v = kv_quant.round_trip(k, kv_cache.dtype), kv_quant.round_trip(v, kv_cache.dtype)
         for rows in plan.fresh_prompts:
-            out[rows] = _causal_prompt(q[rows], k[rows], v[rows], layer)
+            if self.prompt_kernel is not None and cpu_prompt.takes(q[rows], k[rows], v[rows]):
+                self.prompt_kernel(out[rows], q[rows], k[rows], v[rows], layer.scale)
+            else:
+                out[rows] = _causal_prompt(q[rows], k[rows], v[rows], layer)
         if plan.in_place is not None:
             cpu_paged.attend_in_place(self.kernel, q, kv_cache, meta, layer, plan.in_place, out)
         for g in plan.groups:

@@ -1,0 +1,255 @@
+// Causal attention of a fresh prompt to its own keys on AMX tiles, for bfloat16 and head_dim 64.
+//
+// SDPA's flash kernel ran at ~0.13 TFLOP/s in W1's prefill steps (31% of them). Here each unit of
+// work is 16 queries of one head. Keys are laid out once per KV head for the tile multiplies:
+// K transposed to dimension pairs x keys (the B operand of Q·Kᵀ), V interleaved by key pairs (the
+// B operand of P·V). Two passes over the keys the queries see, 32 at a time: the first takes each
+// row's maximum score, the second exp(s - max) as bfloat16 probabilities P (one exp per score;
+// the sums in float) and accumulates P·V in four float tiles; the output is divided by the sums
+// at the end. Scores and sums are float; P is rounded to bfloat16 for its multiply, as SDPA's
+// bfloat16 kernel rounds it.
+//
+// Tiles: 0, 1 = scores of 16 queries x 2 x 16 keys; 2 = A (Q rows, then P); 3 = B (K or V); 4..7 =
+// the output, 16 queries x 4 x 16 dimensions.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVFLOW_PROMPT_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kHeadDim = 64;
+
+#ifdef KVFLOW_PROMPT_AMX
+// Linux hands out the tile registers only to a process that asked.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// exp(x) on 16 lanes for x <= 0 (a score less the row's maximum): 2^n · e^r with |r| <= ln 2 / 2,
+// e^r by its Taylor polynomial to r^5 (relative error under 2^-16: the probabilities are rounded
+// to bfloat16, 2^-9, right after), clamped below at e^-87.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 120.0f);
+  for (const float c : {1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Lanes of the 16 keys from k0 that query position `pos` sees (k <= pos) and that exist (k < len).
+inline __mmask16 seen(int64_t k0, int64_t pos, int64_t len) {
+  const int64_t hi = std::min(pos + 1, len) - k0;
+  return hi <= 0 ? 0 : hi >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << hi) - 1);
+}
+
+struct Layout {  // one KV head's keys and values as tile operands
+  std::vector<uint32_t> k;  // [key block of 16][chunk of 32 dims][16 pairs][16 keys]
+  std::vector<uint32_t> v;  // [key block of 32][slice of 16 dims][16 key pairs][16 dims]
+};
+
+void lay_out(Layout& out, const c10::BFloat16* key, const c10::BFloat16* value, int64_t len, int64_t token_stride) {
+  const int64_t blocks32 = (len + 31) / 32;
+  out.k.assign(blocks32 * 2 * 2 * 256, 0u);
+  out.v.assign(blocks32 * 4 * 256, 0u);
+  for (int64_t t = 0; t < len; ++t) {
+    const auto* words = reinterpret_cast<const uint32_t*>(key + t * token_stride);
+    uint32_t* block = out.k.data() + (t / 16) * 2 * 256;
+    for (int64_t c = 0; c < 2; ++c)
+      for (int64_t kp = 0; kp < 16; ++kp) block[c * 256 + kp * 16 + t % 16] = words[c * 16 + kp];
+    const auto* bits = reinterpret_cast<const uint16_t*>(value + t * token_stride);
+    auto* pairs = reinterpret_cast<uint16_t*>(out.v.data() + (t / 32) * 4 * 256);
+    const int64_t kp = (t % 32) / 2, half = t % 2;
+    for (int64_t d = 0; d < kHeadDim; ++d) pairs[((d / 16) * 256 + kp * 16 + d % 16) * 2 + half] = bits[d];
+  }
+}
+
+// Scores of the 16 query rows in `q_tile` (bfloat16, 64 dimensions, rows 128 bytes apart) against
+// the 32 keys of block b32, into s[16][32] (unscaled).
+inline void scores32(float* s, const c10::BFloat16* q_tile, const Layout& layout, int64_t b32) {
+  const uint32_t* k = layout.k.data() + b32 * 2 * 2 * 256;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int c = 0; c < 2; ++c) {
+    _tile_loadd(2, q_tile + c * 32, 128);
+    _tile_loadd(3, k + (0 * 2 + c) * 256, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_loadd(3, k + (1 * 2 + c) * 256, 64);
+    _tile_dpbf16ps(1, 2, 3);
+  }
+  _tile_stored(0, s, 128);
+  _tile_stored(1, s + 16, 128);
+}
+
+// Queries [q0, q0 + 16) of one head.
+void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16* query, int64_t q_token_stride,
+              const Layout& layout, int64_t q0, int64_t len, float scale) {
+  alignas(64) c10::BFloat16 q_tile[16 * kHeadDim];
+  alignas(64) float s[16 * 32];
+  alignas(64) c10::BFloat16 p[16 * 32];
+  alignas(64) float o[16 * kHeadDim];
+  const int64_t rows = std::min<int64_t>(16, len - q0);
+  std::memset(q_tile, 0, sizeof(q_tile));
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(q_tile + r * kHeadDim, query + (q0 + r) * q_token_stride, kHeadDim * sizeof(c10::BFloat16));
+  const int64_t last = q0 + rows - 1;  // the last query's position: keys beyond it are unseen
+  const int64_t end32 = last / 32 + 1;
+  const __m512 factor = _mm512_set1_ps(scale);
+  // Per-row maxima and sums are kept 16 lanes wide and reduced once at the end of their pass.
+  __m512 lanes[16];
+  float row_max[16], row_sum[16];
+  for (auto& l : lanes) l = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // 1. Each row's maximum scaled score.
+  for (int64_t b32 = 0; b32 < end32; ++b32) {
+    scores32(s, q_tile, layout, b32);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int half = 0; half < 2; ++half) {
+        const __mmask16 live = seen(b32 * 32 + half * 16, q0 + r, len);
+        lanes[r] = _mm512_mask_max_ps(lanes[r], live, lanes[r], _mm512_mul_ps(_mm512_loadu_ps(s + r * 32 + half * 16), factor));
+      }
+  }
+  for (int64_t r = 0; r < 16; ++r) {
+    row_max[r] = _mm512_reduce_max_ps(lanes[r]);
+    lanes[r] = _mm512_setzero_ps();
+  }
+  // 2. P = exp(s - max) in bfloat16, its float row sums, and P·V.
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t b32 = 0; b32 < end32; ++b32) {
+    scores32(s, q_tile, layout, b32);
+    for (int64_t r = 0; r < 16; ++r) {
+      for (int half = 0; half < 2; ++half) {
+        const int64_t k0 = b32 * 32 + half * 16;
+        const __mmask16 live = r < rows ? seen(k0, q0 + r, len) : 0;
+        __m512 e = _mm512_setzero_ps();
+        if (live != 0) {
+          const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + r * 32 + half * 16), factor, _mm512_set1_ps(row_max[r]));
+          e = _mm512_maskz_mov_ps(live, exp16(x));
+        }
+        const __m256bh rounded = _mm512_cvtneps_pbh(e);
+        // the sum of what P·V multiplies: the rounded probabilities
+        lanes[r] = _mm512_add_ps(lanes[r], _mm512_cvtpbh_ps(rounded));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * 32 + half * 16), reinterpret_cast<const __m256i&>(rounded));
+      }
+    }
+    _tile_loadd(2, p, 64);
+    const uint32_t* v = layout.v.data() + b32 * 4 * 256;
+    _tile_loadd(3, v + 0 * 256, 64);
+    _tile_dpbf16ps(4, 2, 3);
+    _tile_loadd(3, v + 1 * 256, 64);
+    _tile_dpbf16ps(5, 2, 3);
+    _tile_loadd(3, v + 2 * 256, 64);
+    _tile_dpbf16ps(6, 2, 3);
+    _tile_loadd(3, v + 3 * 256, 64);
+    _tile_dpbf16ps(7, 2, 3);
+  }
+  for (int64_t r = 0; r < 16; ++r) row_sum[r] = _mm512_reduce_add_ps(lanes[r]);
+  _tile_stored(4, o + 0, kHeadDim * 4);
+  _tile_stored(5, o + 16, kHeadDim * 4);
+  _tile_stored(6, o + 32, kHeadDim * 4);
+  _tile_stored(7, o + 48, kHeadDim * 4);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f);
+    for (int64_t d = 0; d < kHeadDim; d += 16) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * kHeadDim + d), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q0 + r) * out_token_stride + d),
+                          reinterpret_cast<const __m256i&>(rounded));
+    }
+  }
+}
+#endif
+
+bool available() {
+#ifdef KVFLOW_PROMPT_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// out [L, H, 64] = causal attention of q [L, H, 64] to k, v [L, Hkv, 64], all bfloat16 with unit
+// stride in the last dimension.
+void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(available(), "prompt_attention: no AMX here");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(), "prompt_attention: [L, heads, 64]");
+  TORCH_CHECK(q.size(2) == kHeadDim && k.size(2) == kHeadDim && v.size(2) == kHeadDim, "prompt_attention: head_dim 64");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16, "prompt_attention: bfloat16");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1 &&
+                  k.stride(0) == v.stride(0) && k.stride(1) == v.stride(1),
+              "prompt_attention: unit-stride rows, k and v laid out alike");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && k.size(0) == q.size(0) && v.sizes() == k.sizes(), "prompt_attention: shapes");
+#ifdef KVFLOW_PROMPT_AMX
+  const int64_t len = q.size(0), heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
+  std::vector<Layout> layouts(kv_heads);
+  const auto* kp = k.data_ptr<c10::BFloat16>();
+  const auto* vp = v.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) lay_out(layouts[h], kp + h * k.stride(1), vp + h * v.stride(1), len, k.stride(0));
+  });
+  const int64_t blocks = (len + 15) / 16;
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  // Units (head, query block). A block's cost grows with its position (causal), and parallel_for
+  // hands each thread a contiguous range of units, so the blocks are taken last, first, second
+  // last, second, ...: every range mixes long and short ones.
+  at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t h = unit % heads, i = unit / heads;
+      const int64_t qb = i % 2 == 0 ? blocks - 1 - i / 2 : i / 2;
+      attend16(op + h * out.stride(1), out.stride(0), qp + h * q.stride(1), q.stride(0), layouts[h / group], qb * 16,
+               len, static_cast<float>(scale));
+    }
+    _tile_release();
+  });
+#endif
+}
+
+bool prompt_attention_available() { return available(); }
+
+}  // namespace
+
+TORCH_LIBRARY(kvflow_cpu_prompt, m) {
+  m.def("prompt_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale) -> ()");
+  m.def("available() -> bool", &prompt_attention_available);
+}
+
+TORCH_LIBRARY_IMPL(kvflow_cpu_prompt, CPU, m) { m.impl("prompt_attention", &prompt_attention); }

@@ -1,0 +1,62 @@
+"""The AMX prompt-attention kernel (attention/cpu_prompt.py) against float32 attention of the same
+bfloat16 inputs: its error is within SDPA's own error in bfloat16 (plus a rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.attention import cpu_prompt
+
+kernel = cpu_prompt.load()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no AMX (or no C++ compiler) here")
+
+
+def _qkv(length: int, heads: int, kv_heads: int, seed: int = 0):
+    """Views of one projection output, as the model hands them over (rows wider than a head)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(length, (heads + 2 * kv_heads) * 64, generator=gen).bfloat16()
+    q = qkv[:, :heads * 64].view(length, heads, 64)
+    k = qkv[:, heads * 64:(heads + kv_heads) * 64].view(length, kv_heads, 64)
+    v = qkv[:, (heads + kv_heads) * 64:].view(length, kv_heads, 64)
+    return q, k, v
+
+
+def _sdpa(q, k, v):
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                         scale=0.125, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("length", [1, 7, 16, 17, 33, 100, 290])
+def test_matches_float32_attention_as_closely_as_sdpa_in_bfloat16(heads, kv_heads, length):
+    q, k, v = _qkv(length, heads, kv_heads, seed=length)
+    out = torch.full((length, heads, 64), float("nan"), dtype=torch.bfloat16)
+    kernel(out, q, k, v, 0.125)
+    exact = _sdpa(q.float(), k.float(), v.float())
+    sdpa_error = (_sdpa(q, k, v).float() - exact).abs().max().item()
+    error = (out.float() - exact).abs().max().item()
+    assert error <= max(2 * sdpa_error, 2**-8), (error, sdpa_error)
+
+
+def test_causal_rows_see_no_later_key():
+    """Changing the last key and value moves only the last query's output."""
+    q, k, v = _qkv(40, 9, 3)
+    before = torch.empty(40, 9, 64, dtype=torch.bfloat16)
+    kernel(before, q, k, v, 0.125)
+    k2, v2 = k.clone(), v.clone()
+    k2[-1], v2[-1] = 7.0, -7.0
+    after = torch.empty(40, 9, 64, dtype=torch.bfloat16)
+    kernel(after, q, k2, v2, 0.125)
+    assert torch.equal(before[:-1], after[:-1]) and not torch.equal(before[-1], after[-1])
+
+
+def test_the_switch_and_what_it_refuses(monkeypatch):
+    q, k, v = _qkv(8, 9, 3)
+    assert cpu_prompt.takes(q, k, v)
+    assert not cpu_prompt.takes(q.float(), k.float(), v.float())
+    assert not cpu_prompt.takes(q, k.contiguous(), v)  # k and v laid out differently
+    monkeypatch.setenv(cpu_prompt.DISABLE_ENV, "0")
+    assert cpu_prompt.load() is None
