@@ -20,3 +20,4 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m kvflow.attention.cpu_paged
 .venv/bin/python -m kvflow.model.layers.cpu_ops
 .venv/bin/python -c "from kvflow.quant import int4_gemv; print('CPU int4 GEMV kernel:', 'ready' if int4_gemv.fast() else 'unavailable (aten int4 kernel runs)')"
+.venv/bin/python -c "from kvflow.quant import int8_rows; print('CPU int8 row kernels (w8a8, int8):', 'ready' if int8_rows.load() else 'unavailable (torch path)')"

@@ -63,3 +63,6 @@ if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("CPU paged-attention kernel:", "ready" if load_kernel() is not None else "unavailable (torch path)")
     print("CPU KV-write kernel:", "ready" if cpu_kv_write.load_writer() is not None else "unavailable (torch path)")
+    from kvflow.attention import cpu_prompt  # imported here: only the build needs it
+
+    print("CPU prompt-attention kernel (AMX):", "ready" if cpu_prompt.load() is not None else "unavailable (SDPA)")
