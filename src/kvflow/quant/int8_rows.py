@@ -86,5 +86,5 @@ class PackedInt8Weights:
         codes, row_scales = quantize_rows(x)
         y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, ZERO_POINT, self.packed, self.scale, self.zero_points,
                                                None, 1.0, 0, x.dtype, "none", [], "")
-        torch.ops.kvflow_int8_rows.scale_rows(y, y, row_scales)
+        torch.ops.kvflow_int8_rows.scale_rows_(y, row_scales)
         return y

@@ -46,7 +46,6 @@ class W8A8Channel(nn.Module):
         # attributes, not buffers: derived from q and scale
         on_cpu = q.device.type == "cpu"
         self.onednn = int8_rows.PackedInt8Weights(q, self.scale) if on_cpu and int8_rows.available() else None
-        self.q_t = None if self.onednn is not None else q.t().contiguous()  # [K, N]: _int_mm's right operand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -58,8 +57,9 @@ class W8A8Channel(nn.Module):
 
     def torch_forward(self, rows: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_rows(rows.float())
-        q_t = self.q_t if self.q_t is not None else self.q.t().contiguous()
-        return (torch._int_mm(xq, q_t).float() * x_scale * self.scale).to(rows.dtype)
+        # q's transpose as a view: _int_mm takes a column-major right operand, as fast as a
+        # contiguous copy of it or faster (0.17 vs 0.25 ms at 512 x 960 x 576 here)
+        return (torch._int_mm(xq, self.q.t()).float() * x_scale * self.scale).to(rows.dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weights alone (the activations are rounded at run time too)."""

@@ -128,63 +128,58 @@ void quantize_rows(at::Tensor& codes, at::Tensor& scales, const at::Tensor& x) {
   }
 }
 
-template <typename in_t>
-void scale_row(c10::BFloat16* out, const in_t* y, float scale, int64_t width) {
+inline void scale_row(c10::BFloat16* y, float scale, int64_t width) {
   int64_t i = 0;
 #if defined(__AVX512BF16__)
   const __m512 factor = _mm512_set1_ps(scale);
   for (; i + 16 <= width; i += 16) {
     const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(load16(y + i), factor));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<const __m256i&>(rounded));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), reinterpret_cast<const __m256i&>(rounded));
   }
 #endif
-  for (; i < width; ++i) out[i] = to_bf16(widen(y[i]) * scale);
+  for (; i < width; ++i) y[i] = to_bf16(widen(y[i]) * scale);
 }
 
-template <typename in_t>
-void scale_row(float* out, const in_t* y, float scale, int64_t width) {
-  for (int64_t i = 0; i < width; ++i) out[i] = widen(y[i]) * scale;
+inline void scale_row(float* y, float scale, int64_t width) {
+  for (int64_t i = 0; i < width; ++i) y[i] *= scale;
 }
 
-template <typename out_t, typename in_t>
-void scale_rows_impl(out_t* out, const in_t* y, const float* scales, int64_t rows, int64_t width) {
+template <typename scalar_t>
+void scale_rows_impl(scalar_t* y, const float* scales, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) scale_row(out + r * width, y + r * width, scales[r], width);
+    for (int64_t r = begin; r < end; ++r) scale_row(y + r * width, scales[r], width);
   });
 }
 
-// out[r, :] = y[r, :] · scales[r], rounded once to out's dtype. out may be y itself (bfloat16 in
-// place: the GEMM's bfloat16 output, rounded twice, which is far below int8's own error).
-void scale_rows(at::Tensor& out, const at::Tensor& y, const at::Tensor& scales) {
-  TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "scale_rows: y must be contiguous [rows, width]");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == y.sizes(), "scale_rows: out must be contiguous, y's shape");
+// y[r, :] *= scales[r] in place. For bfloat16 that rounds the GEMM's already rounded output once
+// more, far below int8's own error.
+void scale_rows_(at::Tensor& y, const at::Tensor& scales) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "scale_rows_: y must be contiguous [rows, width]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == y.size(0),
-              "scale_rows: scales must be contiguous float32, one per row");
+              "scale_rows_: scales must be contiguous float32, one per row");
   const int64_t rows = y.size(0), width = y.size(1);
   const float* s = scales.data_ptr<float>();
-  const auto in = y.scalar_type(), to = out.scalar_type();
-  if (to == at::kBFloat16 && in == at::kFloat) {
-    scale_rows_impl(out.data_ptr<c10::BFloat16>(), y.data_ptr<float>(), s, rows, width);
-  } else if (to == at::kBFloat16 && in == at::kBFloat16) {
-    scale_rows_impl(out.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), s, rows, width);
+  if (y.scalar_type() == at::kBFloat16) {
+    scale_rows_impl(y.data_ptr<c10::BFloat16>(), s, rows, width);
   } else {
-    TORCH_CHECK(to == at::kFloat && in == at::kFloat, "scale_rows: float32 or bfloat16 y into float32 or bfloat16 out");
-    scale_rows_impl(out.data_ptr<float>(), y.data_ptr<float>(), s, rows, width);
+    TORCH_CHECK(y.scalar_type() == at::kFloat, "scale_rows_: y must be float32 or bfloat16");
+    scale_rows_impl(y.data_ptr<float>(), s, rows, width);
   }
 }
 
-// out[r, :] = q[r, :] · scale[r], rounded once to out's dtype: int8 weight-only layers' rows for a
-// dense product (q is exact in bfloat16, so this is torch's q.to(bf16) * scale in one pass).
-template <typename out_t, typename scale_t>
-void dequantize_rows_impl(out_t* out, const int8_t* q, const scale_t* scale, int64_t rows, int64_t width) {
+// out[r, :] = q[r, :] · scale[r], rounded once to the dtype out and scale share: int8 weight-only
+// layers' rows for a dense product (q is exact in bfloat16, so this is torch's q.to(bf16) * scale
+// in one pass).
+template <typename scalar_t>
+void dequantize_rows_impl(scalar_t* out, const int8_t* q, const scalar_t* scale, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float s = widen(scale[r]);
       const int8_t* qr = q + r * width;
-      out_t* o = out + r * width;
+      scalar_t* o = out + r * width;
       int64_t i = 0;
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<out_t, c10::BFloat16>) {
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         const __m512 factor = _mm512_set1_ps(s);
         for (; i + 16 <= width; i += 16) {
           const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + i))));
@@ -194,7 +189,7 @@ void dequantize_rows_impl(out_t* out, const int8_t* q, const scale_t* scale, int
       }
 #endif
       for (; i < width; ++i) {
-        if constexpr (std::is_same_v<out_t, c10::BFloat16>) {
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           o[i] = to_bf16(static_cast<float>(qr[i]) * s);
         } else {
           o[i] = static_cast<float>(qr[i]) * s;
@@ -208,16 +203,14 @@ void dequantize_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "dequantize_rows: q must be contiguous int8 [rows, width]");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "dequantize_rows: out must be contiguous, q's shape");
-  TORCH_CHECK(scale.is_contiguous() && scale.numel() == q.size(0), "dequantize_rows: one scale per row");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == q.size(0) && scale.scalar_type() == out.scalar_type(),
+              "dequantize_rows: one scale per row, in out's dtype");
   const int64_t rows = q.size(0), width = q.size(1);
   const int8_t* qp = q.data_ptr<int8_t>();
-  const auto to = out.scalar_type(), by = scale.scalar_type();
-  if (to == at::kBFloat16 && by == at::kBFloat16) {
+  if (out.scalar_type() == at::kBFloat16) {
     dequantize_rows_impl(out.data_ptr<c10::BFloat16>(), qp, scale.data_ptr<c10::BFloat16>(), rows, width);
-  } else if (to == at::kBFloat16 && by == at::kFloat) {
-    dequantize_rows_impl(out.data_ptr<c10::BFloat16>(), qp, scale.data_ptr<float>(), rows, width);
   } else {
-    TORCH_CHECK(to == at::kFloat && by == at::kFloat, "dequantize_rows: bfloat16 or float32 out and scale");
+    TORCH_CHECK(out.scalar_type() == at::kFloat, "dequantize_rows: bfloat16 or float32 out and scale");
     dequantize_rows_impl(out.data_ptr<float>(), qp, scale.data_ptr<float>(), rows, width);
   }
 }
@@ -226,12 +219,12 @@ void dequantize_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
 
 TORCH_LIBRARY(kvflow_int8_rows, m) {
   m.def("quantize_rows(Tensor(a!) codes, Tensor(b!) scales, Tensor x) -> ()");
-  m.def("scale_rows(Tensor(a!) out, Tensor y, Tensor scales) -> ()");
+  m.def("scale_rows_(Tensor(a!) y, Tensor scales) -> ()");
   m.def("dequantize_rows(Tensor(a!) out, Tensor q, Tensor scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow_int8_rows, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
-  m.impl("scale_rows", &scale_rows);
+  m.impl("scale_rows_", &scale_rows_);
   m.impl("dequantize_rows", &dequantize_rows);
 }
