@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.attention import cpu_prompt
+from kvflow.attention.torch_reference import TorchReferenceBackend
+from kvflow.attention.torch_sdpa import TorchSDPABackend
+from test_cpu_paged import nan_pool_batch
 
 kernel = cpu_prompt.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no AMX (or no C++ compiler) here")
@@ -60,3 +63,28 @@ def test_the_switch_and_what_it_refuses(monkeypatch):
     assert not cpu_prompt.takes(q, k.contiguous(), v)  # k and v laid out differently
     monkeypatch.setenv(cpu_prompt.DISABLE_ENV, "0")
     assert cpu_prompt.load() is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_backend_writes_its_fresh_prompts_through_the_kernel(seed, monkeypatch):
+    """torch_sdpa in bfloat16 with 64-wide heads: each fresh prompt's rows of the step's output are
+    the kernel's (written where they lie), the rest of the batch as before; all within bf16 of the
+    float32 reference, and near the SDPA path's output."""
+    q, k, v, cache, meta, layer = nan_pool_batch(seed, 16, 9, 3, torch.bfloat16, None, dim=64)
+    starts = meta.query_start_loc.tolist()
+    fresh = [slice(starts[i], starts[i + 1]) for i, (n, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu))
+             if n == s]
+    assert fresh  # the batch has a fresh prompt
+    calls = []
+    backend = TorchSDPABackend()
+    original = backend.prompt_kernel
+    backend.prompt_kernel = lambda out, *args: calls.append(out.shape[0]) or original(out, *args)
+    got = backend.forward(q, k, v, cache.clone(), meta, layer).float()
+    assert calls == [r.stop - r.start for r in fresh]
+    expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    monkeypatch.setenv(cpu_prompt.DISABLE_ENV, "0")
+    meta.plans.clear()
+    sdpa = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, layer).float()
+    for rows in fresh:
+        assert (got[rows] - sdpa[rows]).abs().max() <= 2**-6 * sdpa[rows].abs().max()

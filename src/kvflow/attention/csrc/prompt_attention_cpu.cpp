@@ -72,9 +72,9 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// Lanes of the 16 keys from k0 that query position `pos` sees (k <= pos) and that exist (k < len).
-inline __mmask16 seen(int64_t k0, int64_t pos, int64_t len) {
-  const int64_t hi = std::min(pos + 1, len) - k0;
+// Lanes of the 16 keys from k0 that query position `pos` sees (k <= pos; every such key exists).
+inline __mmask16 seen(int64_t k0, int64_t pos) {
+  const int64_t hi = pos + 1 - k0;
   return hi <= 0 ? 0 : hi >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << hi) - 1);
 }
 
@@ -139,7 +139,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
     scores32(s, q_tile, layout, b32);
     for (int64_t r = 0; r < rows; ++r)
       for (int half = 0; half < 2; ++half) {
-        const __mmask16 live = seen(b32 * 32 + half * 16, q0 + r, len);
+        const __mmask16 live = seen(b32 * 32 + half * 16, q0 + r);
         lanes[r] = _mm512_mask_max_ps(lanes[r], live, lanes[r], _mm512_mul_ps(_mm512_loadu_ps(s + r * 32 + half * 16), factor));
       }
   }
@@ -157,7 +157,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
     for (int64_t r = 0; r < 16; ++r) {
       for (int half = 0; half < 2; ++half) {
         const int64_t k0 = b32 * 32 + half * 16;
-        const __mmask16 live = r < rows ? seen(k0, q0 + r, len) : 0;
+        const __mmask16 live = r < rows ? seen(k0, q0 + r) : 0;
         __m512 e = _mm512_setzero_ps();
         if (live != 0) {
           const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + r * 32 + half * 16), factor, _mm512_set1_ps(row_max[r]));
@@ -243,13 +243,11 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, 
 #endif
 }
 
-bool prompt_attention_available() { return available(); }
-
 }  // namespace
 
 TORCH_LIBRARY(kvflow_cpu_prompt, m) {
   m.def("prompt_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale) -> ()");
-  m.def("available() -> bool", &prompt_attention_available);
+  m.def("available() -> bool", &available);
 }
 
 TORCH_LIBRARY_IMPL(kvflow_cpu_prompt, CPU, m) { m.impl("prompt_attention", &prompt_attention); }
