@@ -46,10 +46,9 @@ def test_greedy_and_sampled_rows_in_one_batch(llm):
     assert mixed == _tokens(llm, greedy)  # top_k=1 draws the argmax: both rows greedy in effect
 
 
-def test_greedy_batches_skip_the_float32_logits_and_keep_their_tokens(tmp_path, monkeypatch):
-    """A bfloat16 model's greedy batch with nothing to adjust takes the argmax of the head's own
-    bfloat16 logits (no float32 copy); any batch that samples or scores gets float32 ones. The
-    tokens are those of the float32 logits."""
+def test_the_sampler_gets_the_heads_dtype_and_widens_only_what_it_adjusts(tmp_path, monkeypatch):
+    """A bfloat16 model's logits reach the sampler in bfloat16 (a plain greedy batch then makes no
+    float32 copy); every batch's tokens and logprobs are those of float32 logits."""
     make_tiny_model("llama-gqa-llama3-rope", tmp_path)
     llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, device="cpu", disable_log_stats=True)
     model = llm.llm_engine.runner.model
@@ -60,15 +59,16 @@ def test_greedy_batches_skip_the_float32_logits_and_keep_their_tokens(tmp_path, 
         dtypes.append(logits.dtype)
         return logits
 
+    cases = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+             SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3)]
+
+    def run(params):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
     monkeypatch.setattr(model, "compute_logits", recording)
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    raw = _tokens(llm, greedy)
+    raw = [run(params) for params in cases]
     assert set(dtypes) == {torch.bfloat16}
-    dtypes.clear()
-    monkeypatch.setattr(model, "compute_logits", lambda hidden, widen=True: recording(hidden, True))
-    assert _tokens(llm, greedy) == raw  # the float32 logits' argmax
-    dtypes.clear()
-    monkeypatch.setattr(model, "compute_logits", recording)
-    _tokens(llm, SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True))
-    _tokens(llm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2))
-    assert set(dtypes) == {torch.float32}
+    monkeypatch.setattr(model, "compute_logits", lambda hidden, widen=True: compute_logits(hidden, True))
+    assert [run(params) for params in cases] == raw  # float32 logits: the same tokens and logprobs

@@ -100,8 +100,9 @@ class ModelRunner:
             else:
                 # Filled on the host while an accelerator still runs the forward pass.
                 sampling = self._sampling_batch(chunks, self._grammar_fields(grammar))
-                logits = self.model.compute_logits(hidden[batch.sample_rows],
-                                                   widen=not self.sampler.takes_argmax_only(sampling))
+                # In the head's dtype: the sampler widens them where it adjusts them, and a plain
+                # greedy batch takes their argmax as they are.
+                logits = self.model.compute_logits(hidden[batch.sample_rows], widen=False)
                 self._collect_samples(chunks, self.sampler(logits, sampling), out)
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, hidden, out)
