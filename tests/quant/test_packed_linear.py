@@ -11,7 +11,7 @@ from kvflow.model.layers.linear import MergedColumnParallelLinear
 from kvflow.quant import packed_linear
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64, 130])
+@pytest.mark.parametrize("rows", [1, 3, 64, 130, 200, 1100])  # x has 2 * rows: 400 is a middle count
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_product_equals_f_linear(rows, bias):
     gen = torch.Generator().manual_seed(rows)
@@ -20,6 +20,19 @@ def test_packed_product_equals_f_linear(rows, bias):
     x = torch.randn(2, rows, 64, generator=gen).bfloat16()
     packed = packed_linear.pack_weight(weight)
     assert torch.equal(packed_linear.packed_linear(x, packed, b), F.linear(x, weight, b))
+
+
+def test_the_layout_for_middle_row_counts_is_packed_when_one_first_asks():
+    weight = torch.randn(96, 64).bfloat16()
+    packed = packed_linear.pack_weight(weight)
+    low, high = packed_linear.MIDDLE_ROWS
+    for rows in (1, low - 1, high + 1):
+        assert packed.for_rows(rows) is packed.main
+    assert packed.middle is None  # nothing asked for it: one packed copy in memory
+    x = torch.randn(low, 64).bfloat16()
+    assert torch.equal(packed_linear.packed_linear(x, packed, None), F.linear(x, weight))
+    assert packed.middle is not None and packed.for_rows(high) is packed.middle
+    assert packed.for_rows(high + 1) is packed.main
 
 
 def _layer(dtype):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.quant import int4_gemv
-from kvflow.quant.packed_linear import gated_silu_and_mul, linear, prepack
+from kvflow.quant.packed_linear import PackedWeight, gated_silu_and_mul, linear, prepack
 
 KERNEL_MAX_ROWS = 4  # above: the dense copy
 # The kernel is vectorised for bf16 only: in float32 or float16 it took 2.6 ms at M = 1 and 10 ms
@@ -145,7 +145,7 @@ class Int4Planes(nn.Module):
         `forward` and the activation."""
         m = x.numel() // self.in_features
         if (x.dtype != torch.bfloat16 or m <= KERNEL_MAX_ROWS or self.kernel_at_any_rows or self.dense is None
-                or not self.dense.is_mkldnn or x.dtype != self._scale_dtype):
+                or not isinstance(self.dense, PackedWeight) or x.dtype != self._scale_dtype):
             return None
         return gated_silu_and_mul(
             self, x, lambda: self._dense_source if self._dense_source is not None else self.dequantize())

@@ -24,22 +24,44 @@ def should_pack(weight: torch.Tensor) -> bool:
             and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available())
 
 
-# The row count oneDNN chooses the packed layout for. Packed for 1 row, products of 32 rows or more
-# ran 11-24% slower than packed for 512 (their kernel wants another layout and converts the weight
-# at each call); packed for 512, 1 to 16 rows run as fast as packed for 1. SmolLM2's 30 layers'
-# GEMMs, ms, packed for 1 / 512 rows (2026-11-27, this VM): 1 row 12.7 / 12.1, 128 rows 28.7 / 22.8,
-# 256 rows 39.4 / 30.4, 2,048 rows 184.8 / 164.5 (docs/performance.md, stop 30).
-PACK_ROWS_HINT = 512
+# oneDNN packs a weight for a row count (`_reorder_linear_weight`'s hint), and a product whose
+# kernel wants another layout converts the weight at every call. Packed for 1 row, the products of
+# 384-1,280 rows ran fastest; packed for any count from 32 to 4,096, those of fewer or more rows
+# did. One layer of SmolLM2, in cache, ms (median of 30) packed for 1 / 512 rows (2026-11-27):
+#   qkv   128 rows 0.093 / 0.086   1,024 rows 0.499 / 0.858   2,048 rows 0.933 / 0.935
+#   down  128 rows 0.155 / 0.130   1,024 rows 0.900 / 1.536   2,048 rows 1.806 / 1.557
+# So a weight is packed for 512 rows, and for 1 row too once a product of middle size first asks
+# (from the first packing: the float weight need not be kept; a tied LM head, which never sees
+# that many rows, is never packed twice) (docs/performance.md, stop 30).
+MIDDLE_ROWS = (384, 1280)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] bf16 → an opaque mkldnn tensor of the same shape."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+class PackedWeight:
+    """A bf16 W [N, K] packed for oneDNN: for 512 rows, and for 1 row once a product of middle size
+    needs it (see MIDDLE_ROWS); `for_rows(m)` is the one an [m, K] input multiplies fastest."""
+
+    __slots__ = ("main", "middle")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.main = torch.ops.mkldnn._reorder_linear_weight(weight, 512)
+        self.middle: torch.Tensor | None = None
+
+    def for_rows(self, rows: int) -> torch.Tensor:
+        if not MIDDLE_ROWS[0] <= rows <= MIDDLE_ROWS[1]:
+            return self.main
+        if self.middle is None:
+            self.middle = torch.ops.mkldnn._reorder_linear_weight(self.main.to_dense(), 1)
+        return self.middle
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    return PackedWeight(weight)
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with W packed by `pack_weight`."""
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.ops.mkldnn._linear_pointwise(rows, packed.for_rows(rows.shape[0]), bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -57,8 +79,9 @@ class GatedPair:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        act = torch.ops.mkldnn._linear_pointwise(x2, self.gate, None, "swish", [], "")
-        out = torch.ops.mkldnn._linear_pointwise.binary(x2, act, self.up, None, "mul")
+        m = x2.shape[0]
+        act = torch.ops.mkldnn._linear_pointwise(x2, self.gate.for_rows(m), None, "swish", [], "")
+        out = torch.ops.mkldnn._linear_pointwise.binary(x2, act, self.up.for_rows(m), None, "mul")
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -70,14 +93,14 @@ def gated_silu_and_mul(owner, x: torch.Tensor, weight: Callable[[], torch.Tensor
     return owner.gated(x)
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
+def prepack(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     """W in the form `linear` multiplies fastest: packed where `should_pack` says so, else W itself."""
     return pack_weight(weight) if should_pack(weight) else weight
 
 
-def linear(x: torch.Tensor, prepacked: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, prepacked: torch.Tensor | PackedWeight) -> torch.Tensor:
     """x @ W^T for W as `prepack` left it."""
-    return packed_linear(x, prepacked, None) if prepacked.is_mkldnn else F.linear(x, prepacked)
+    return packed_linear(x, prepacked, None) if isinstance(prepacked, PackedWeight) else F.linear(x, prepacked)
 
 
 class DenseWeight(nn.Module):
