@@ -164,11 +164,12 @@ def test_layer_uses_it_for_few_bfloat16_rows_only(monkeypatch):
     call = Int4Gemv.__call__
     monkeypatch.setattr(Int4Gemv, "__call__", lambda self, x, *a: calls.append(len(x)) or call(self, x, *a))
     w = layer.dequantize(torch.float32)
-    for rows in (1, 4, 5):
+    few = int4_gemv.MAX_ROWS
+    for rows in (1, few, few + 1):
         x = torch.randn(rows, 256).bfloat16()
         reference = x.float() @ w.t()
         torch.testing.assert_close(layer(x).float(), reference, rtol=2**-7, atol=2**-7 * reference.abs().max())
-    assert calls == [1, 4]
+    assert calls == [1, few]
 
 
 def test_switched_off_or_batch_invariant_it_is_not_used(monkeypatch):

@@ -112,8 +112,10 @@ def test_int4_planes_take_the_one_pass_form_only_where_they_would_take_the_dense
     u = torch.randint(0, 16, (96, 64), generator=gen, dtype=torch.uint8)
     scale, minimum = torch.rand(96, 2, generator=gen) * 0.02, -torch.rand(96, 2, generator=gen) * 0.15
     planes = Int4Planes(planes_from_affine(u, scale, minimum, 4), 32, torch.bfloat16, "mlp.gate_up_proj")
-    assert planes.silu_and_mul(torch.randn(KERNEL_MAX_ROWS, 64).bfloat16()) is None  # the GEMV's rows
-    x = torch.randn(KERNEL_MAX_ROWS + 1, 64, generator=gen).bfloat16()
+    few = planes.max_kernel_rows
+    assert few >= KERNEL_MAX_ROWS
+    assert planes.silu_and_mul(torch.randn(few, 64).bfloat16()) is None  # the GEMV's or the int4 kernel's rows
+    x = torch.randn(few + 1, 64, generator=gen).bfloat16()
     torch.testing.assert_close(planes.silu_and_mul(x).float(), _silu_mul_reference(x, planes.dequantize()),
                                rtol=2**-7, atol=1e-3)
     planes.use_kernel_at_any_rows()  # batch-invariant: the int4 kernel, whatever the rows

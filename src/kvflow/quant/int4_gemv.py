@@ -44,7 +44,11 @@ SOURCE = Path(__file__).parent / "csrc" / "int4_gemv_cpu.cpp"
 DISABLE_ENV = "KVFLOW_INT4_GEMV"
 INT8_LEVELS_ENV = "KVFLOW_INT4_GEMV_INT8_LEVELS"
 GROUP = 32
-MAX_ROWS = 4
+# The most rows a call takes here (the kernel takes up to 8). Its time grows with the rows, the
+# dense copy's barely: the default GGUF's 120 layers, ms at 1, 4, 6, 8 rows: 3.9, 9.9, 15.1, 19.0
+# here, 16.0, 16.7, 18.5, 23.2 dense; but end to end (offline decode of N requests, alternated)
+# 5 and 6 rows gained 12-26% and 8 rows lost 2.5% (docs/performance.md, stop 30).
+MAX_ROWS = 6
 # How the kernel computes (csrc/int4_gemv_cpu.cpp): its scalar loop, bfloat16 products, or two int8
 # levels of the activations for one row of 4-bit codes (bfloat16 products for other calls).
 SCALAR, BF16_PRODUCTS, INT8_LEVELS = 0, 1, 2

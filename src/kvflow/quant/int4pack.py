@@ -138,13 +138,19 @@ class Int4Planes(nn.Module):
             y = y[:, :self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    @property
+    def max_kernel_rows(self) -> int:
+        """The most bfloat16 rows `forward` multiplies with the int4 kernels (kvflow's GEMV, else
+        aten's) rather than the dense copy."""
+        return max(KERNEL_MAX_ROWS, int4_gemv.MAX_ROWS if self.gemv is not None else 0)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of this [gate; up] weight in one pass (`packed_linear.GatedPair`, built
         from the dense copy's weights on first use) where `forward` would take the dense copy; None
         elsewhere (few rows: the GEMV; batch-invariant: the int4 kernel), and the caller runs
         `forward` and the activation."""
         m = x.numel() // self.in_features
-        if (x.dtype != torch.bfloat16 or m <= KERNEL_MAX_ROWS or self.kernel_at_any_rows or self.dense is None
+        if (x.dtype != torch.bfloat16 or m <= self.max_kernel_rows or self.kernel_at_any_rows or self.dense is None
                 or not isinstance(self.dense, PackedWeight) or x.dtype != self._scale_dtype):
             return None
         return gated_silu_and_mul(
