@@ -140,3 +140,32 @@ def test_duplicate_request_id_is_refused(model_dir):
     engine.add_request("x", _prompt(3), SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("x", _prompt(3), SamplingParams(max_tokens=2))
+
+
+def test_warm_up_leaves_no_trace(model_dir):
+    def engine():
+        return LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                                    num_kv_blocks=64, max_num_batched_tokens=96))
+
+    cold, warm = engine(), engine()
+    warm.warm_up()
+    stats = warm.get_stats()
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total) == (0, 0)
+    assert (stats.prefix_cache_queries_total, stats.prefix_cache_hits_total) == (0, 0)
+    pool = warm.scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks and not pool.cached  # its 96 tokens' blocks are back, uncached
+    params = SamplingParams(max_tokens=8, temperature=0)
+    for e in (cold, warm):
+        e.add_request("r", {"prompt_token_ids": [0] * 40 + _prompt(9)}, params)  # would hit its blocks if cached
+    outs = [_drain(e)[-1] for e in (cold, warm)]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert warm.get_stats().prefix_cache_hits_total == 0
+
+
+def test_warm_up_refuses_to_run_beside_requests(model_dir):
+    engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                                  num_kv_blocks=64))
+    engine.add_request("r", {"prompt_token_ids": _prompt(5)}, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="before any request"):
+        engine.warm_up()
+    assert len(_drain(engine)[-1].outputs[0].token_ids) == 2

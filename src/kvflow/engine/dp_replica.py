@@ -44,7 +44,12 @@ def run_replica(conn: Connection, args: EngineArgs, limits: LoadLimits, num_thre
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     try:
-        engine = build_on_fresh_thread(lambda: LLMEngine(args))  # the engine thread's OpenMP team alone
+        def build() -> LLMEngine:
+            engine = LLMEngine(args)
+            engine.warm_up()  # before "ready": the first requests find its lazily built state made
+            return engine
+
+        engine = build_on_fresh_thread(build)  # the engine thread's OpenMP team alone
     except BaseException as e:  # the server reports it and stops starting
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

@@ -252,6 +252,7 @@ def _start_engine(engine_args: EngineArgs, limits: ServerLimits, lora_modules: l
             engine = LLMEngine(engine_args)
             for adapter in lora_modules:
                 engine.add_lora(adapter)
+            engine.warm_up()  # before /health answers: the first requests find its lazily built state made
             return engine
 
         return AsyncLLM(build_on_fresh_thread(build), limits.load_limits())
