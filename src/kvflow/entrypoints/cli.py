@@ -10,7 +10,7 @@ from kvflow.config import EngineArgs
 from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
-SERVE_MAX_NUM_BATCHED_TOKENS = 1024  # `kvflow serve`'s default; offline (LLM, bench): EngineArgs' 2048
+SERVE_MAX_NUM_BATCHED_TOKENS = 1024  # `kvflow serve`'s default; offline (LLM, bench): EngineArgs' 4096
 
 
 def main(argv: list[str] | None = None) -> int:
