@@ -120,3 +120,25 @@ def test_unwritable_cache_directory_still_loads(tmp_path, monkeypatch):
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path)
     assert len(_greedy(path, "float32")[0]) == 6
+
+
+def test_a_save_deletes_older_codes_packed_files_beyond_the_newest_other(tmp_path):
+    import os
+
+    import torch
+
+    from kvflow.quant import packed_cache
+
+    cache = packed_cache.PackedWeightsCache(tmp_path, torch.bfloat16, ())
+    family = cache.path.name.rsplit("-", 1)[0]
+    olds = [tmp_path / f"{family}-{code}.pt" for code in ("aaa", "bbb", "ccc")]
+    for age, path in enumerate(olds):
+        path.write_bytes(b"old")
+        os.utime(path, (1000 + age, 1000 + age))  # ccc the newest
+    other_dtype = tmp_path / "packed-float32-torch0-other-ddd.pt"
+    other_dtype.write_bytes(b"another dtype's")
+    cache.put("layer", [{"w": torch.zeros(2)}])
+    cache.save()
+    assert cache.path.is_file() and olds[2].is_file() and other_dtype.is_file()
+    assert not olds[0].exists() and not olds[1].exists()
+    assert packed_cache.PackedWeightsCache(tmp_path, torch.bfloat16, ()).get("layer")[0]["w"].shape == (2,)

@@ -6,6 +6,10 @@ the model dtype, the code that packs and the CPU kernel's layout. So the first l
 layer's parts (packed planes with their scales, or a dense tensor) in one file beside the
 checkpoint's parse cache (`kvflow.model.loader.gguf_cache`), named by all of those, and later
 loads memory-map it. A layer is looked up by its prefix (`model.layers.3.mlp.gate_up_proj`).
+
+Each change of the packing code names a new file (~470 MB for SmolLM2's bf16 form), so a save
+deletes the older codes' files for the same dtype, torch and layout beyond the newest `KEEP`: they
+had grown to 37 GB over two days of development here.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import torch
 
 from kvflow.disk_cache import code_fingerprint
 from kvflow.quant import gguf_blocks, int4_gemv, int4pack
+
+
+KEEP = 2  # files per dtype, torch and layout: this code's and the newest other (two versions in turn)
 
 
 class PackedWeightsCache:
@@ -58,3 +65,19 @@ class PackedWeightsCache:
             with contextlib.suppress(OSError):
                 partial.unlink(missing_ok=True)
         self.new = {}
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete the older codes' files beside this one beyond the newest KEEP (a process still
+        mapping one keeps its pages: unlinking does not unmap)."""
+        def modified(path: Path) -> float:
+            try:
+                return path.stat().st_mtime
+            except OSError:  # deleted meanwhile by another start
+                return 0.0
+
+        family = self.path.name.rsplit("-", 1)[0] + "-"
+        others = sorted((p for p in self.path.parent.glob(f"{family}*.pt") if p != self.path), key=modified, reverse=True)
+        for old in others[KEEP - 1:]:
+            with contextlib.suppress(OSError):
+                old.unlink()
