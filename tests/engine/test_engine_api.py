@@ -169,3 +169,13 @@ def test_warm_up_refuses_to_run_beside_requests(model_dir):
     with pytest.raises(RuntimeError, match="before any request"):
         engine.warm_up()
     assert len(_drain(engine)[-1].outputs[0].token_ids) == 2
+
+
+def test_warm_up_fits_a_kv_pool_smaller_than_a_step(model_dir):
+    engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                                  num_kv_blocks=4, max_num_batched_tokens=96))  # 64 tokens of KV, 96 a step
+    engine.warm_up()  # a server with this pool must still start
+    pool = engine.scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks and engine.get_stats().prompt_tokens_total == 0
+    engine.add_request("r", {"prompt_token_ids": _prompt(30)}, SamplingParams(max_tokens=4))
+    assert len(_drain(engine)[-1].outputs[0].token_ids) == 4

@@ -221,6 +221,8 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up runs before any request")
         num_tokens = max(1, min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len - 1))
+        while num_tokens > 1 and self.scheduler.admission_error(num_tokens, 1):
+            num_tokens //= 2  # a KV pool smaller than a step: as much of a step as it holds
         kv = self.scheduler.kv_cache
         counters = (self._prompt_tokens_total, self._generation_tokens_total, kv.prefix_cache_queries,
                     kv.prefix_cache_hits)
