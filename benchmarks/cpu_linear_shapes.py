@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvflow.bench.ceilings import measure_ceilings
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
-from kvflow.quant.packed_linear import pack_weight, packed_linear
+from kvflow.quant.packed_linear import PackedWeight, packed_linear
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
 ROWS = (1, 4, 16, 64, 128, 512)
@@ -57,7 +57,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, (n, k) in SHAPES.items():
         weight = (0.02 * torch.randn(n, k)).bfloat16()
-        packed = pack_weight(weight)
+        packed = PackedWeight(weight)
         u = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scale, minimum = torch.rand(n, k // 32) * 0.01, -torch.rand(n, k // 32) * 0.08
         planes = Int4Planes(planes_from_affine(u, scale, minimum, 4), 32, torch.bfloat16, name)

@@ -18,13 +18,13 @@ def test_packed_product_equals_f_linear(rows, bias):
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     b = torch.randn(96, generator=gen).bfloat16() if bias else None
     x = torch.randn(2, rows, 64, generator=gen).bfloat16()
-    packed = packed_linear.pack_weight(weight)
+    packed = packed_linear.PackedWeight(weight)
     assert torch.equal(packed_linear.packed_linear(x, packed, b), F.linear(x, weight, b))
 
 
 def test_the_layout_for_middle_row_counts_is_packed_when_one_first_asks():
     weight = torch.randn(96, 64).bfloat16()
-    packed = packed_linear.pack_weight(weight)
+    packed = packed_linear.PackedWeight(weight)
     low, high = packed_linear.MIDDLE_ROWS
     for rows in (1, low - 1, high + 1):
         assert packed.for_rows(rows) is packed.main

@@ -123,7 +123,7 @@ class Int4Planes(nn.Module):
         m, bf16 = x2.shape[0], x2.dtype == torch.bfloat16
         if bf16 and m <= int4_gemv.MAX_ROWS and self.gemv is not None:
             return self.gemv(x2).reshape(*x.shape[:-1], self.out_features)
-        if not (bf16 and (m <= KERNEL_MAX_ROWS or self.kernel_at_any_rows)):
+        if not (bf16 and (m <= self.max_kernel_rows or self.kernel_at_any_rows)):  # the dense copy's rows
             if self.dense is not None and x2.dtype == self._scale_dtype:
                 return linear(x2, self.dense).reshape(*x.shape[:-1], self.out_features)
             if m > KERNEL_MAX_ROWS_NO_COPY and _layout_known():

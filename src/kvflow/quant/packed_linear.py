@@ -54,12 +54,8 @@ class PackedWeight:
         return self.middle
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    return PackedWeight(weight)
-
-
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) with W packed by `pack_weight`."""
+    """x [..., K] @ W^T (+ bias) with W packed (`PackedWeight`)."""
     rows = x.reshape(-1, x.shape[-1])
     y = torch.ops.mkldnn._linear_pointwise(rows, packed.for_rows(rows.shape[0]), bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
@@ -75,7 +71,7 @@ class GatedPair:
 
     def __init__(self, weight: torch.Tensor) -> None:
         half = weight.shape[0] // 2
-        self.gate, self.up = pack_weight(weight[:half].contiguous()), pack_weight(weight[half:].contiguous())
+        self.gate, self.up = PackedWeight(weight[:half].contiguous()), PackedWeight(weight[half:].contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -95,7 +91,7 @@ def gated_silu_and_mul(owner, x: torch.Tensor, weight: Callable[[], torch.Tensor
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     """W in the form `linear` multiplies fastest: packed where `should_pack` says so, else W itself."""
-    return pack_weight(weight) if should_pack(weight) else weight
+    return PackedWeight(weight) if should_pack(weight) else weight
 
 
 def linear(x: torch.Tensor, prepacked: torch.Tensor | PackedWeight) -> torch.Tensor:
@@ -111,7 +107,7 @@ class DenseWeight(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight)
         # An attribute, not a buffer: the opaque tensor stays out of state_dict.
-        self.packed_weight = pack_weight(weight) if should_pack(weight) else None
+        self.packed_weight = PackedWeight(weight) if should_pack(weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None and x.dtype == torch.bfloat16:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.quant.base import QuantMethod, set_weight_attrs
-from kvflow.quant.packed_linear import gated_silu_and_mul, pack_weight, packed_linear, should_pack
+from kvflow.quant.packed_linear import PackedWeight, gated_silu_and_mul, packed_linear, should_pack
 
 
 class UnquantizedMethod(QuantMethod):
@@ -21,7 +21,7 @@ class UnquantizedMethod(QuantMethod):
         # bf16 on CPU: oneDNN's layout once, not at every call (packed_linear.py). An attribute, not
         # a buffer: the opaque tensor stays out of state_dict; `weight` stays the float truth.
         if should_pack(layer.weight):
-            layer.packed_weight = pack_weight(layer.weight)
+            layer.packed_weight = PackedWeight(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = getattr(layer, "packed_weight", None)
