@@ -21,13 +21,13 @@ import statistics
 import time
 
 
-def load(model: str, dtype: str, max_len: int, max_seqs: int):
+def load(model: str, dtype: str, max_len: int, max_seqs: int, kv_cache_dtype: str = "auto"):
     # vLLM's CPU backend sizes its KV pool from this variable (GiB), not from a memory fraction.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM
 
     return LLM(model=model, dtype=dtype, max_model_len=max_len, max_num_seqs=max_seqs, seed=0,
-               enable_prefix_caching=False)
+               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
 
 
 def generate(llm, prompts: list[list[int]], new_tokens: int) -> int:
@@ -70,12 +70,14 @@ def main() -> None:
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's: auto, fp8 (its CPU backend's one-byte KV)")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=128, help="kvflow's default, for the same batch")
     args = parser.parse_args()
     with open(args.prompts) as f:
         prompts = json.load(f)
-    llm = load(args.model, args.dtype, max(map(len, prompts)) + args.output_len + 8, args.max_num_seqs)
+    llm = load(args.model, args.dtype, max(map(len, prompts)) + args.output_len + 8, args.max_num_seqs,
+               args.kv_cache_dtype)
     if args.workload == "throughput":
         result = throughput(llm, prompts, args.output_len)
     else:

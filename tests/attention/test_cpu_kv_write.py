@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.attention import cpu_kv_write
+from kvflow.attention import cpu_kv_write, kv_quant
 from kvflow.attention.metadata import AttentionMetadata, write_kv
 
 BLOCKS, KV_HEADS, BLOCK_SIZE, DIM = 6, 3, 4, 18
@@ -20,12 +20,12 @@ def meta_for(slots: list[int]) -> AttentionMetadata:
                              block_size=BLOCK_SIZE, query_lens_cpu=[n], seq_lens_cpu=[n])
 
 
-def projections(tokens: int, dtype: torch.dtype):
+def projections(tokens: int, dtype: torch.dtype, dim: int = DIM):
     """k and v as the attention front hands them over: strided views of one qkv output."""
     gen = torch.Generator().manual_seed(tokens)
-    qkv = torch.randn(tokens, (2 + 2 * KV_HEADS) * DIM, generator=gen).to(dtype)
-    _, k, v = qkv.split([2 * DIM, KV_HEADS * DIM, KV_HEADS * DIM], -1)
-    return k.unflatten(-1, (KV_HEADS, DIM)), v.unflatten(-1, (KV_HEADS, DIM))
+    qkv = torch.randn(tokens, (2 + 2 * KV_HEADS) * dim, generator=gen).to(dtype)
+    _, k, v = qkv.split([2 * dim, KV_HEADS * dim, KV_HEADS * dim], -1)
+    return k.unflatten(-1, (KV_HEADS, dim)), v.unflatten(-1, (KV_HEADS, dim))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -60,3 +60,50 @@ def test_a_slot_past_the_pool_is_refused_and_nothing_is_written(monkeypatch):
     with pytest.raises(RuntimeError, match=f"slot {BLOCKS * BLOCK_SIZE} is past the pool of {BLOCKS * BLOCK_SIZE}"):
         cpu_kv_write.try_write(k, v, pool, torch.tensor([0, BLOCKS * BLOCK_SIZE]))
     assert not pool.any()
+
+
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [[5], [9, -1, 13, -1, 20, 2, 3]])
+@pytest.mark.parametrize("dim", [DIM, 64])  # 64: int8's 16-wide path
+def test_op_quantizes_to_the_bits_kv_quant_writes(codes, dtype, slots, dim, monkeypatch):
+    """A quantized pool (kv_quant.py): the op's codes and scales equal kv_quant.write's, bit for
+    bit, for vectors of every magnitude: zero (the smallest scale), tiny (E4M3 subnormals), an
+    outlier, huge; bytes of unwritten slots untouched."""
+    k, v = projections(len(slots), dtype, dim)
+    magnitudes = torch.tensor([0.0, 1e-30, 1e-4, 1.0, 3e3, 1e30])
+    k = k * magnitudes[torch.arange(len(slots)) % len(magnitudes)].to(dtype)[:, None, None]
+    v = v.clone()
+    v[0, 0, 1] = 500.0  # an outlier sets its vector's scale
+    pools = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, switch)
+        pool = torch.full((2, BLOCKS, KV_HEADS, BLOCK_SIZE * (dim + 2)), 0xA5, dtype=torch.uint8).view(codes)
+        write_kv(k, v, pool, meta_for(slots))
+        pools[switch] = pool.view(torch.uint8)
+    assert torch.equal(pools["1"], pools["0"])
+    untouched = (pools["1"] == 0xA5).sum().item()
+    assert untouched >= 2 * KV_HEADS * (BLOCKS * BLOCK_SIZE - sum(s >= 0 for s in slots)) * (dim + 2)
+
+
+def test_quantized_op_is_taken_for_a_cpu_pool(monkeypatch):
+    monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, "1")
+    k, v = projections(2, torch.bfloat16)
+    pool = torch.zeros(2, BLOCKS, KV_HEADS, BLOCK_SIZE * (DIM + 2), dtype=torch.int8)
+    assert cpu_kv_write.try_write(k, v, pool, torch.tensor([0, 5]))
+    assert pool[1, 1, :, DIM:2 * DIM].any()  # slot 5: block 1, offset 1
+
+
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [DIM, 64])
+def test_quantized_write_gives_back_the_round_trip(codes, dtype, dim, monkeypatch):
+    """write_kv returns K and V as the cache gives them back (a fresh prompt attends to these):
+    kv_quant.round_trip's bits, from the op and from torch alike, padding rows included."""
+    slots = [9, -1, 13, 20]
+    k, v = projections(len(slots), dtype, dim)
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, switch)
+        pool = torch.zeros(2, BLOCKS, KV_HEADS, BLOCK_SIZE * (dim + 2), dtype=codes)
+        k_back, v_back = write_kv(k, v, pool, meta_for(slots))
+        assert torch.equal(k_back, kv_quant.round_trip(k, codes)) and torch.equal(v_back, kv_quant.round_trip(v, codes))

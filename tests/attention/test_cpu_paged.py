@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kvflow.attention import cpu_paged
+from kvflow.attention import cpu_paged, kv_quant
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.attention.torch_reference import TorchReferenceBackend
 from kvflow.attention.torch_sdpa import TorchSDPABackend
@@ -95,6 +95,36 @@ def test_kernel_matches_reference_bf16(kernel, seed, window, block_size, dim):
     expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
     got = _kernel_attention(kernel, q, k, v, cache, meta, layer).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # the output is rounded to bf16 once
+
+
+def quantized_nan_pool(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """nan_pool_batch's pool as a quantized one (kv_quant.py): the written positions' codes and
+    scales; every other byte 0xFF, which is NaN as a bfloat16 scale (and as an E4M3 code)."""
+    _, blocks, kv_heads, block_size, dim = cache.shape
+    packed = torch.full((2, blocks, kv_heads, block_size * (dim + 2)), 255, dtype=torch.uint8).view(dtype)
+    written = ~cache[0, :, 0, :, 0].isnan()  # [blocks, block_size]
+    where = written.nonzero()
+    kv_quant.write(cache[0][where[:, 0], :, where[:, 1]], cache[1][where[:, 0], :, where[:, 1]], packed,
+                   where[:, 0], where[:, 1], block_size)
+    return packed
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, dim, window", [(16, 64, None), (32, 128, 5), (16, 32, None), (1, 64, 7)])
+def test_kernel_reads_a_quantized_pool_in_place(kernel, seed, codes, query_dtype, block_size, dim, window):
+    """Codes and scales read where they lie (int8 with AVX-512 at head_dim 64 and 128 on whole
+    sixteens of keys; fp8, other widths and block sizes widened to float first) give the oracle's
+    attention over the same codes: code x scale is exact in float32, so only the order of the sums
+    differs (and, for bfloat16 queries, the output's one rounding)."""
+    q, k, v, cache, meta, layer = nan_pool_batch(seed, block_size, 8, 2, torch.float32, window, dim=dim)
+    packed = quantized_nan_pool(cache, codes)
+    expected = TorchReferenceBackend().forward(q, k, v, packed.clone(), meta, layer)
+    assert not expected.isnan().any()
+    got = _kernel_attention(kernel, q.to(query_dtype), k, v, packed, meta, layer)
+    tolerance = dict(atol=2e-5, rtol=1e-5) if query_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), expected, **tolerance)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -2,7 +2,10 @@
 copied straight into their block, instead of torch's index_put through a transposed view (about
 a millisecond per layer on a W1 step: 7% of its CPU time).
 
-A copy changes no bit, so the op serves every backend, the torch reference included. Built once
+A copy changes no bit, so the op serves every backend, the torch reference included. For a
+quantized cache (kv_quant.py) `write_kv_quantized` makes, in the same pass, the codes and scales
+kv_quant.write makes, bit for bit (a decode step's quantize and scatter in torch were ~25 small
+ops a layer). Built once
 per machine (kvflow/cpu_extension.py); `load_writer()` is None where it cannot be built or with
 KVFLOW_CPU_KV_WRITE=0 (for A/B), and write_kv keeps torch's index_put.
 """
@@ -15,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvflow import cpu_extension
+from kvflow.attention import kv_quant
 
 SOURCE = Path(__file__).parent / "csrc" / "kv_write_cpu.cpp"
 DISABLE_ENV = "KVFLOW_CPU_KV_WRITE"
@@ -29,16 +33,22 @@ def load_writer():
     return torch.ops.kvflow_cpu_kv.write_kv
 
 
-def try_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
-    """Write with the op where it takes these tensors (CPU, one dtype, head_dim contiguous, an
-    unquantized contiguous pool); False: the caller writes with torch."""
+def try_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """Write with the op where it takes these tensors (CPU, head_dim contiguous, a contiguous
+    pool: of k's dtype, or quantized) and return k and v as the cache gives them back (for a
+    quantized cache: code x scale, from the same pass); None: the caller writes with torch."""
+    quantized = kv_quant.is_quantized(kv_cache)
     if (kv_cache.device.type != "cpu" or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
-            or k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype
-            or kv_cache.dim() != 5 or not kv_cache.is_contiguous() or k.stride(-1) != 1 or v.stride(-1) != 1):
-        return False
+            or k.dtype != v.dtype or (not quantized and k.dtype != kv_cache.dtype)
+            or kv_cache.dim() != (4 if quantized else 5) or not kv_cache.is_contiguous()
+            or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return None
     writer = load_writer()
     if writer is None:
-        return False
-    writer(kv_cache[0], kv_cache[1], k, v, slot_mapping)
-    return True
-
+        return None
+    if not quantized:
+        writer(kv_cache[0], kv_cache[1], k, v, slot_mapping)
+        return k, v
+    k_back, v_back = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
+    torch.ops.kvflow_cpu_kv.write_kv_quantized(kv_cache[0], kv_cache[1], k, v, slot_mapping, k_back, v_back)
+    return k_back, v_back

@@ -70,17 +70,15 @@ class TorchSDPABackend:
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         if layer.writes_kv:
-            write_kv(k, v, kv_cache, meta)
+            k, v = write_kv(k, v, kv_cache, meta)  # a quantized cache's code x scale: a prompt sees its own keys so
         key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.head_dim, layer.writes_kv)  # layers may differ in all
         plan = meta.plans.get(key)
         if plan is None:
-            in_place = self.kernel is not None and q.device.type == "cpu" and kv_cache.dtype == q.dtype
+            in_place = self.kernel is not None and q.device.type == "cpu" and (
+                kv_cache.dtype == q.dtype or kv_quant.is_quantized(kv_cache))
             plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv,
                                                 layer.head_dim if in_place else None, self.batch_invariant)
         out = torch.empty_like(q)
-        if plan.fresh_prompts and kv_quant.is_quantized(kv_cache):
-            # A prompt sees its own keys as every later read will: quantized.
-            k, v = kv_quant.round_trip(k, kv_cache.dtype), kv_quant.round_trip(v, kv_cache.dtype)
         for rows in plan.fresh_prompts:
             if self.prompt_kernel is not None and cpu_prompt.takes(q[rows], k[rows], v[rows]):
                 self.prompt_kernel(out[rows], q[rows], k[rows], v[rows], layer.scale)
@@ -108,7 +106,7 @@ def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer
     if all_in_place:
         if in_place_head_dim is None:
             raise ValueError("batch_invariant: the paged-attention kernel cannot read this cache "
-                             f"(device {meta.seq_lens.device.type}, a quantized or other-dtype KV cache)")
+                             f"(device {meta.seq_lens.device.type}, or a KV cache of another dtype than the model's)")
         return _Plan([], [], torch.arange(len(meta.query_lens_cpu), device=meta.seq_lens.device))
     starts = meta.query_start_loc.tolist()
     fresh, groups, short, kernel = [], [], {}, []

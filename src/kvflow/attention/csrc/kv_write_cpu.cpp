@@ -6,14 +6,46 @@
 // offsets and dropping the rows of negative slots) costs about a millisecond a layer on a W1
 // step; this is a memcpy per (token, head). A negative slot writes nothing (padding); a slot
 // past the pool is refused before anything is written.
+//
+// `write_kv_quantized` stores into a quantized cache (kv_quant.py's packed rows: a block's codes,
+// then its bfloat16 scales) the bits kv_quant.quantize makes, step for step: the scale is
+// amax x (1 + 2^-8) / qmax in float, at least bfloat16's smallest normal, rounded to bfloat16;
+// each code is x / scale rounded to nearest even (int8) or converted (E4M3), within +-qmax.
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KVFLOW_AVX512 1
+#endif
 
 namespace {
+
+#if defined(KVFLOW_AVX512)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+inline void store16(c10::BFloat16* y, __m512 v) {  // rounded to nearest even, as c10::BFloat16 (no NaN here)
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+}
+#endif
 
 void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
               const at::Tensor& slot_mapping) {
@@ -53,10 +85,156 @@ void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& 
   });
 }
 
+// One vector of `dim` numbers → codes and its scale (see the file's comment); `back`, where
+// given, receives code x scale in the input's dtype (kv_quant.round_trip: what the cache now
+// gives back, for a prompt's attention to its own keys).
+template <typename code_t, typename scalar_t>
+void quantize_vector(const scalar_t* x, int64_t dim, code_t* codes, c10::BFloat16* scale_out, scalar_t* back) {
+  constexpr bool int8 = std::is_same_v<code_t, int8_t>;
+  constexpr float qmax = int8 ? 127.0f : 448.0f;
+  const float factor = static_cast<float>((1.0 + 1.0 / 256.0) / static_cast<double>(qmax));
+  const float tiny = std::numeric_limits<c10::BFloat16>::min();
+  float amax = 0.f;
+  int64_t d = 0;
+#if defined(KVFLOW_AVX512)
+  constexpr bool wide = int8 && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
+  bool has_nan = false;
+  if constexpr (wide) {
+    if (dim % 16 == 0) {
+      __m512 m = _mm512_setzero_ps();
+      __mmask16 nan = 0;
+      for (; d < dim; d += 16) {
+        const __m512 v = load16(x + d);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, _mm512_abs_ps(v));
+      }
+      amax = _mm512_reduce_max_ps(m);
+      has_nan = nan != 0;
+    }
+  }
+  if (d == dim && !has_nan) {
+    if constexpr (wide) {
+      const c10::BFloat16 scale(std::max(amax * factor, tiny));
+      *scale_out = scale;
+      const __m512 s = _mm512_set1_ps(static_cast<float>(scale));
+      const __m512 hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
+      for (int64_t i = 0; i < dim; i += 16) {
+        const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(load16(x + i), s), lo), hi);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(q));
+        if (back != nullptr) store16(back + i, _mm512_mul_ps(_mm512_cvtepi32_ps(q), s));
+      }
+      return;
+    }
+  }
+  d = 0;
+  amax = 0.f;
+#endif
+  for (; d < dim; ++d) {
+    const float a = std::fabs(static_cast<float>(x[d]));
+    if (!(a <= amax)) amax = a;  // NaN stays NaN, as torch's amax
+  }
+  const float product = amax * factor;
+  const c10::BFloat16 scale(std::isnan(product) ? product : std::max(product, tiny));
+  *scale_out = scale;
+  const float s = static_cast<float>(scale);
+  for (d = 0; d < dim; ++d) {
+    const float y = std::min(std::max(static_cast<float>(x[d]) / s, -qmax), qmax);
+    if constexpr (int8) codes[d] = static_cast<int8_t>(std::nearbyint(y));
+    else codes[d] = static_cast<code_t>(y);
+    if (back != nullptr) back[d] = static_cast<scalar_t>(static_cast<float>(codes[d]) * s);
+  }
+}
+
+template <typename code_t, typename scalar_t>
+void write_quantized_typed(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
+                           const int64_t* slots, int64_t tokens, int64_t heads, int64_t dim, int64_t block_size,
+                           at::Tensor* key_back, at::Tensor* value_back) {
+  const int64_t row = key_cache.size(2);
+  code_t* caches[2] = {static_cast<code_t*>(key_cache.data_ptr()), static_cast<code_t*>(value_cache.data_ptr())};
+  const scalar_t* sources[2] = {key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>()};
+  const int64_t token_strides[2] = {key.stride(0), value.stride(0)}, head_strides[2] = {key.stride(1), value.stride(1)};
+  scalar_t* backs[2] = {key_back ? key_back->data_ptr<scalar_t>() : nullptr,
+                        value_back ? value_back->data_ptr<scalar_t>() : nullptr};
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(heads * dim, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<code_t> scratch(dim + 2);  // a padding row's codes: read back, not stored
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      if (slots[t] < 0 && backs[0] == nullptr) continue;
+      for (int which = 0; which < 2; ++which)
+        for (int64_t h = 0; h < heads; ++h) {
+          code_t* packed = caches[which] + (block * heads + h) * row;
+          code_t* codes = slots[t] < 0 ? scratch.data() : packed + offset * dim;
+          c10::BFloat16* scale = slots[t] < 0 ? reinterpret_cast<c10::BFloat16*>(scratch.data() + dim)
+                                              : reinterpret_cast<c10::BFloat16*>(packed + block_size * dim) + offset;
+          quantize_vector(sources[which] + t * token_strides[which] + h * head_strides[which], dim, codes, scale,
+                          backs[which] ? backs[which] + (t * heads + h) * dim : nullptr);
+        }
+    }
+  });
+}
+
+// The quantized store; key_back and value_back (contiguous [tokens, kv_heads, head_dim] of the
+// input's dtype), where given, receive what the cache gives back for each row (padding rows too).
+void write_kv_quantized(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& slot_mapping, std::optional<at::Tensor> key_back,
+                        std::optional<at::Tensor> value_back) {
+  const at::ScalarType codes = key_cache.scalar_type();
+  TORCH_CHECK((codes == at::kChar || codes == at::kFloat8_e4m3fn) && key_cache.dim() == 3 && key_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
+                  value_cache.scalar_type() == codes,
+              "write_kv_quantized: key_cache and value_cache are contiguous int8 or float8_e4m3fn "
+              "[num_blocks, kv_heads, block_size * (head_dim + 2)]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "write_kv_quantized: slot_mapping is contiguous int64");
+  const int64_t num_blocks = key_cache.size(0), heads = key_cache.size(1), tokens = slot_mapping.numel();
+  const int64_t dim = key.dim() == 3 ? key.size(2) : 0;
+  TORCH_CHECK(dim > 0 && key_cache.size(2) % (dim + 2) == 0, "write_kv_quantized: the cache's rows are not block_size x (",
+              dim, " + 2) bytes");
+  const int64_t block_size = key_cache.size(2) / (dim + 2);
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(1) == heads && t->size(2) == dim && t->stride(2) == 1 &&
+                    t->scalar_type() == key.scalar_type(),
+                "write_kv_quantized: key and value are [tokens, kv_heads, head_dim] of one dtype, head_dim contiguous");
+  }
+  TORCH_CHECK(key_back.has_value() == value_back.has_value(), "write_kv_quantized: key_back and value_back go together");
+  for (const std::optional<at::Tensor>* t : {&key_back, &value_back})
+    TORCH_CHECK(!t->has_value() || ((*t)->sizes() == key.sizes() && (*t)->is_contiguous() &&
+                                    (*t)->scalar_type() == key.scalar_type()),
+                "write_kv_quantized: key_back and value_back are contiguous, of key's shape and dtype");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] < num_blocks * block_size, "write_kv_quantized: slot ", slots[t], " is past the pool of ",
+                num_blocks * block_size, " slots");
+  at::Tensor* kb = key_back.has_value() ? &*key_back : nullptr;
+  at::Tensor* vb = value_back.has_value() ? &*value_back : nullptr;
+#define KVFLOW_WRITE(code_t, scalar_t) \
+  write_quantized_typed<code_t, scalar_t>(key_cache, value_cache, key, value, slots, tokens, heads, dim, block_size, kb, vb)
+#define KVFLOW_WRITE_CODES(code_t)                                                            \
+  switch (key.scalar_type()) {                                                                \
+    case at::kFloat: KVFLOW_WRITE(code_t, float); break;                                      \
+    case at::kBFloat16: KVFLOW_WRITE(code_t, c10::BFloat16); break;                           \
+    case at::kHalf: KVFLOW_WRITE(code_t, c10::Half); break;                                   \
+    default: TORCH_CHECK(false, "write_kv_quantized: unsupported dtype ", key.scalar_type()); \
+  }
+  if (codes == at::kChar) {
+    KVFLOW_WRITE_CODES(int8_t)
+  } else {
+    KVFLOW_WRITE_CODES(c10::Float8_e4m3fn)
+  }
+#undef KVFLOW_WRITE_CODES
+#undef KVFLOW_WRITE
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvflow_cpu_kv, m) {
   m.def("write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
+  m.def("write_kv_quantized(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
+        "Tensor slot_mapping, Tensor(c!)? key_back=None, Tensor(d!)? value_back=None) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvflow_cpu_kv, CPU, m) { m.impl("write_kv", &write_kv); }
+TORCH_LIBRARY_IMPL(kvflow_cpu_kv, CPU, m) {
+  m.impl("write_kv", &write_kv);
+  m.impl("write_kv_quantized", &write_kv_quantized);
+}

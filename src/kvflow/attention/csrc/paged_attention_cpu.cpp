@@ -17,8 +17,17 @@
 // block's unwritten tail, padding entries of the block table and blocks a window released hold
 // whatever bits the pool had (`scores16` reads a visible block's whole sixteens of keys, but a
 // score of an unwritten key is never read), and using them would let 0 x NaN into the sum.
+//
+// Quantized caches (kv_quant.py: int8 or fp8 E4M3 codes, one bfloat16 scale per position and head,
+// a (block, head) row holding the block's codes then its scales) are read in place too, at half a
+// bfloat16 cache's bytes. The scale of a position multiplies its key's score and its value's
+// probability, so the codes themselves are widened exactly (an int8 or an E4M3 number is a float)
+// and code x scale is never rounded. int8 codes with AVX-512 take the sixteens path (`scores16_int8`:
+// four codes per 32-bit lane of the transposed keys, each widened by two shifts and a convert;
+// `accumulate_rows_int8`); fp8 codes are widened to float first, as float caches' keys are.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -58,6 +67,32 @@ inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
 
 inline void widen(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Quantized caches: codes of one position x its scale, to float (exact: both have 8 significant bits).
+template <typename cache_t>
+constexpr bool kQuantized = std::is_same_v<cache_t, int8_t> || std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+
+inline void widen_codes(const int8_t* src, float scale, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
+inline void widen_codes(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(KVFLOW_AVX512)
+  // An E4M3 code's sign and seven other bits, moved into a half's places, make a half of 1/256 its
+  // value (subnormals included: the half's own cover them): the convert is exact, the 256 is the scale's.
+  const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7F);
+  const __m512 scale256 = _mm512_set1_ps(scale * 256.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, sign), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(w, rest), 7));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(half), scale256));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -309,28 +344,142 @@ inline void accumulate_rows(float* acc, const float* p, int64_t p_stride, int64_
     }
   }
 }
+
+// 16 bfloat16 scales, widened.
+inline __m512 widen16(const c10::BFloat16* s) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
+// Rows r0..r0+R of scores16_int8: k[j] holds dimensions 4j..4j+3 of the 16 keys as bytes of each
+// lane; byte b widened by moving it to the top and shifting it back with its sign.
+template <int R>
+inline void score_rows_int8(float* scores, int64_t scores_stride, const __m512i* k, const float* q, int64_t head_dim,
+                            int64_t d0) {
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) {
+    even[r] = _mm512_loadu_ps(scores + r * scores_stride);
+    odd[r] = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < 16; ++j) {
+    const __m512 k0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(k[j], 24), 24));
+    const __m512 k1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(k[j], 16), 24));
+    const __m512 k2 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(k[j], 8), 24));
+    const __m512 k3 = _mm512_cvtepi32_ps(_mm512_srai_epi32(k[j], 24));
+    for (int r = 0; r < R; ++r) {
+      const float* qr = q + r * head_dim + d0 + 4 * j;
+      even[r] = _mm512_fmadd_ps(k0, _mm512_set1_ps(qr[0]), even[r]);
+      odd[r] = _mm512_fmadd_ps(k1, _mm512_set1_ps(qr[1]), odd[r]);
+      even[r] = _mm512_fmadd_ps(k2, _mm512_set1_ps(qr[2]), even[r]);
+      odd[r] = _mm512_fmadd_ps(k3, _mm512_set1_ps(qr[3]), odd[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * scores_stride, _mm512_add_ps(even[r], odd[r]));
+}
+
+// scores16 for 16 int8 keys (codes `pos_stride` apart, head_dim a multiple of 64) and their scales:
+// each 64 dimensions of the keys transposed to 16 lanes of four codes, then each row's score times
+// its key's scale.
+inline void scores16_int8(float* scores, int64_t scores_stride, const int8_t* keys, int64_t pos_stride,
+                          const c10::BFloat16* key_scales, const float* q, int64_t n_rows, int64_t head_dim,
+                          Prefetcher& prefetch) {
+  for (int64_t r = 0; r < n_rows; ++r) _mm512_storeu_ps(scores + r * scores_stride, _mm512_setzero_ps());
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+    __m512i k[16];
+    for (int t = 0; t < 16; ++t) {
+      k[t] = _mm512_loadu_si512(keys + t * pos_stride + d0);
+      prefetch.step();
+    }
+    transpose16(k);  // k[j]: dimensions d0 + 4j .. d0 + 4j + 3 of keys 0..15
+    for (int64_t r0 = 0; r0 < n_rows; r0 += 4) {
+      float* sc = scores + r0 * scores_stride;
+      const float* qr = q + r0 * head_dim;
+      switch (std::min<int64_t>(4, n_rows - r0)) {
+        case 1: score_rows_int8<1>(sc, scores_stride, k, qr, head_dim, d0); break;
+        case 2: score_rows_int8<2>(sc, scores_stride, k, qr, head_dim, d0); break;
+        case 3: score_rows_int8<3>(sc, scores_stride, k, qr, head_dim, d0); break;
+        default: score_rows_int8<4>(sc, scores_stride, k, qr, head_dim, d0);
+      }
+    }
+  }
+  const __m512 scale = widen16(key_scales);
+  for (int64_t r = 0; r < n_rows; ++r)
+    _mm512_storeu_ps(scores + r * scores_stride, _mm512_mul_ps(_mm512_loadu_ps(scores + r * scores_stride), scale));
+}
+
+// accumulate_rows for int8 values: each value row's 64 codes widened once for the R rows, each
+// row's probability times the value's scale; acc in natural order.
+template <int R>
+inline void accumulate_rows_int8_upto4(float* acc, const float* p, int64_t p_stride, const int8_t* values,
+                                       int64_t pos_stride, const c10::BFloat16* scales, int64_t t_lo, int64_t t_hi,
+                                       int64_t head_dim, Prefetcher& prefetch) {
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c);
+    for (int64_t t = t_lo; t < t_hi; ++t) {
+      const int8_t* vt = values + t * pos_stride + d0;
+      __m512 v[4];
+      for (int c = 0; c < 4; ++c)
+        v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vt + 16 * c))));
+      prefetch.step();
+      const float scale = static_cast<float>(scales[t]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 pt = _mm512_set1_ps(p[r * p_stride + t] * scale);
+        for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pt, v[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + 16 * c, a[r][c]);
+  }
+}
+
+inline void accumulate_rows_int8(float* acc, const float* p, int64_t p_stride, int64_t rows, const int8_t* values,
+                                 int64_t pos_stride, const c10::BFloat16* scales, int64_t t_lo, int64_t t_hi,
+                                 int64_t head_dim, Prefetcher& prefetch) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    float* a = acc + r0 * head_dim;
+    const float* pr = p + r0 * p_stride;
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: accumulate_rows_int8_upto4<1>(a, pr, p_stride, values, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
+      case 2: accumulate_rows_int8_upto4<2>(a, pr, p_stride, values, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
+      case 3: accumulate_rows_int8_upto4<3>(a, pr, p_stride, values, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
+      default: accumulate_rows_int8_upto4<4>(a, pr, p_stride, values, pos_stride, scales, t_lo, t_hi, head_dim, prefetch);
+    }
+  }
+}
 #endif
+
+// Where a cache's rows lie: (block, head) rows `block_stride` and `head_stride` elements apart,
+// positions `pos_stride` apart inside them; a quantized row's scales follow its block_size x
+// head_dim codes.
+struct CacheLayout {
+  int64_t block_stride, head_stride, pos_stride, block_size, head_dim;
+};
 
 // Queries [q0, q1) of one work item (see the file's comment). Rows r: query q0 + r / group, head
 // kv_head * group + r % group.
-template <typename scalar_t>
-void attend_queries(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
+template <typename scalar_t, typename cache_t>
+void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cache, const cache_t* value_cache,
                     const int64_t* table, int64_t table_width, int64_t num_blocks, int64_t seq_len, int64_t q_start,
-                    int64_t q_len, int64_t q0, int64_t q1, int64_t kv_head, int64_t group, int64_t head_dim,
-                    int64_t block_size, int64_t window, float scale, int64_t q_token_stride, int64_t q_head_stride,
-                    int64_t o_token_stride, int64_t o_head_stride, int64_t c_block_stride, int64_t c_head_stride,
-                    int64_t c_pos_stride) {
+                    int64_t q_len, int64_t q0, int64_t q1, int64_t kv_head, int64_t group, int64_t window, float scale,
+                    int64_t q_token_stride, int64_t q_head_stride, int64_t o_token_stride, int64_t o_head_stride,
+                    const CacheLayout& c) {
+  const int64_t head_dim = c.head_dim, block_size = c.block_size;
   const int64_t n_rows = (q1 - q0) * group;
   const int64_t first_pos = seq_len - q_len;
   // bfloat16 caches are read where they lie, 16 keys at a time for the scores (scores16) and a key
-  // for all of a query's G rows at a time for the values (accumulate_rows); other dtypes widen keys
-  // and values to float.
+  // for all of a query's G rows at a time for the values (accumulate_rows); so are int8 ones
+  // (scores16_int8, accumulate_rows_int8); other dtypes widen keys and values to float.
+  constexpr bool quantized = kQuantized<cache_t>;
 #ifdef KVFLOW_AVX512
-  constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr bool bf16 = std::is_same_v<cache_t, c10::BFloat16>;
+  constexpr bool int8 = std::is_same_v<cache_t, int8_t>;
 #else
-  constexpr bool bf16 = false;
+  constexpr bool bf16 = false, int8 = false;
 #endif
-  const bool in_sixteens = bf16 && block_size % 16 == 0 && block_size <= kMaxBlock && head_dim % 32 == 0;
+  const bool in_sixteens = block_size % 16 == 0 && block_size <= kMaxBlock &&
+                           ((bf16 && head_dim % 32 == 0) || (int8 && head_dim % 64 == 0));
   // Query i (position first_pos + i) sees keys [visible_from(i), first_pos + i] (causal, and its
   // window); these queries together see [lowest, highest).
   const auto visible_from = [&](int64_t query_index) {
@@ -358,14 +507,23 @@ void attend_queries(scalar_t* out, const scalar_t* query, const scalar_t* key_ca
     keys.resize(block_size * head_dim);
     values.resize(block_size * head_dim);
   }
-  const auto block_of = [&](const scalar_t* cache, int64_t block) {
-    return cache + table[block] * c_block_stride + kv_head * c_head_stride;
+  const auto block_of = [&](const cache_t* cache, int64_t block) {
+    return cache + table[block] * c.block_stride + kv_head * c.head_stride;
   };
-  const int64_t block_bytes = ((block_size - 1) * c_pos_stride + head_dim) * static_cast<int64_t>(sizeof(scalar_t));
+  const auto scales_of = [&](const cache_t* row) {  // quantized caches only
+    return reinterpret_cast<const c10::BFloat16*>(row + block_size * head_dim);
+  };
+  // Position t of a block, widened to float.
+  const auto widen_position = [&](const cache_t* row, int64_t t, float* dst) {
+    if constexpr (quantized) widen_codes(row + t * c.pos_stride, static_cast<float>(scales_of(row)[t]), dst, head_dim);
+    else widen(row + t * c.pos_stride, dst, head_dim);
+  };
+  const int64_t block_bytes = quantized ? block_size * (head_dim + static_cast<int64_t>(sizeof(c10::BFloat16)))
+                                        : ((block_size - 1) * c.pos_stride + head_dim) * static_cast<int64_t>(sizeof(cache_t));
   // The block `kPrefetchBlocks` after `block` in the walk over the keys' blocks and then the
   // values', requested over the loads of `block` (the first ones at once).
   Prefetcher prefetch;
-  const auto prefetch_ahead = [&](const scalar_t* cache, int64_t block) {
+  const auto prefetch_ahead = [&](const cache_t* cache, int64_t block) {
     const int64_t ahead = block + kPrefetchBlocks;
     if (ahead < end_block) prefetch.start(block_of(cache, ahead), block_bytes);
     else if (cache == key_cache && ahead - end_block + first_block < end_block)
@@ -380,21 +538,25 @@ void attend_queries(scalar_t* out, const scalar_t* query, const scalar_t* key_ca
   for (int64_t block = first_block; block < end_block; ++block) {
     const int64_t start = block * block_size;
     const int64_t lo = std::max(start, lowest) - start, hi = std::min(start + block_size, highest) - start;
-    const scalar_t* block_keys = block_of(key_cache, block);
+    const cache_t* block_keys = block_of(key_cache, block);
     float* sc = scores.data() + (start - base);
     prefetch_ahead(key_cache, block);
 #ifdef KVFLOW_AVX512
+    // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
+    // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
     if constexpr (bf16) {
-      if (in_sixteens) {
-        // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
-        // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
+      if (in_sixteens)
         for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16)
-          scores16(sc + t0, span, block_keys + t0 * c_pos_stride, c_pos_stride, q.data(), n_rows, head_dim, prefetch);
-      }
+          scores16(sc + t0, span, block_keys + t0 * c.pos_stride, c.pos_stride, q.data(), n_rows, head_dim, prefetch);
+    } else if constexpr (int8) {
+      if (in_sixteens)
+        for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16)
+          scores16_int8(sc + t0, span, block_keys + t0 * c.pos_stride, c.pos_stride, scales_of(block_keys) + t0,
+                        q.data(), n_rows, head_dim, prefetch);
     }
 #endif
     if (!in_sixteens) {
-      for (int64_t t = lo; t < hi; ++t) widen(block_keys + t * c_pos_stride, keys.data() + t * head_dim, head_dim);
+      for (int64_t t = lo; t < hi; ++t) widen_position(block_keys, t, keys.data() + t * head_dim);
       for (int64_t r = 0; r < n_rows; ++r)
         for (int64_t t = lo; t < hi; ++t) sc[r * span + t] = dot(q.data() + r * head_dim, keys.data() + t * head_dim, head_dim);
     }
@@ -426,12 +588,11 @@ void attend_queries(scalar_t* out, const scalar_t* query, const scalar_t* key_ca
   for (int64_t block = first_block; block < end_block; ++block) {
     const int64_t start = block * block_size;
     const int64_t lo = std::max(start, lowest), hi = std::min(start + block_size, highest);
-    const scalar_t* block_values = block_of(value_cache, block);
+    const cache_t* block_values = block_of(value_cache, block);
     const float* pr = scores.data() + (start - base);
     prefetch_ahead(value_cache, block);
     if (!in_sixteens) {
-      for (int64_t t = lo; t < hi; ++t)
-        widen(block_values + (t - start) * c_pos_stride, values.data() + (t - start) * head_dim, head_dim);
+      for (int64_t t = lo; t < hi; ++t) widen_position(block_values, t - start, values.data() + (t - start) * head_dim);
     }
     for (int64_t query_index = q0; query_index < q1; ++query_index) {
       const int64_t k_lo = std::max(lo, visible_from(query_index)), k_hi = std::min(hi, first_pos + query_index + 1);
@@ -440,8 +601,14 @@ void attend_queries(scalar_t* out, const scalar_t* query, const scalar_t* key_ca
 #ifdef KVFLOW_AVX512
       if constexpr (bf16) {
         if (in_sixteens) {
-          accumulate_rows(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c_pos_stride,
+          accumulate_rows(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
                           k_lo - start, k_hi - start, head_dim, prefetch);
+          continue;
+        }
+      } else if constexpr (int8) {
+        if (in_sixteens) {
+          accumulate_rows_int8(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
+                               scales_of(block_values), k_lo - start, k_hi - start, head_dim, prefetch);
           continue;
         }
       }
@@ -451,36 +618,24 @@ void attend_queries(scalar_t* out, const scalar_t* query, const scalar_t* key_ca
     }
     prefetch.rest();
   }
+  const bool pairs_first = bf16 && in_sixteens;  // accumulate_rows' order: each 32's even dims, then odd
   for (int64_t r = 0; r < n_rows; ++r) {
     scalar_t* dst = out + (q_start + q0 + r / group) * o_token_stride + (kv_head * group + r % group) * o_head_stride;
     const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
     for (int64_t d = 0; d < head_dim; ++d) {
-      const int64_t at = in_sixteens ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d;
+      const int64_t at = pairs_first ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d;
       dst[d] = static_cast<scalar_t>(acc[r * head_dim + at] * inv);
     }
   }
 }
 
-// One work item: every query of request `b`'s chunk for one KV head, kQueryChunk at a time.
-template <typename scalar_t>
-void attend_item(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
-                 const int64_t* table, int64_t table_width, int64_t num_blocks, int64_t seq_len, int64_t q_start,
-                 int64_t q_len, int64_t kv_head, int64_t group, int64_t head_dim, int64_t block_size, int64_t window,
-                 float scale, int64_t q_token_stride, int64_t q_head_stride, int64_t o_token_stride,
-                 int64_t o_head_stride, int64_t c_block_stride, int64_t c_head_stride, int64_t c_pos_stride) {
-  for (int64_t q0 = 0; q0 < q_len; q0 += kQueryChunk)
-    attend_queries<scalar_t>(out, query, key_cache, value_cache, table, table_width, num_blocks, seq_len, q_start, q_len,
-                             q0, std::min(q_len, q0 + kQueryChunk), kv_head, group, head_dim, block_size, window, scale,
-                             q_token_stride, q_head_stride, o_token_stride, o_head_stride, c_block_stride,
-                             c_head_stride, c_pos_stride);
-}
-
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale) {
-  const int64_t heads = query.size(1), head_dim = query.size(2);
-  const int64_t kv_heads = key_cache.size(1), block_size = key_cache.size(2);
+                           const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale,
+                           const CacheLayout& layout) {
+  const int64_t heads = query.size(1);
+  const int64_t kv_heads = key_cache.size(1);
   const int64_t group = heads / kv_heads, n_items = requests.size(0) * kv_heads;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -488,37 +643,71 @@ void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t* reqs = requests.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = static_cast<const cache_t*>(key_cache.data_ptr());
+  const cache_t* v_ptr = static_cast<const cache_t*>(value_cache.data_ptr());
   const int64_t table_stride = block_tables.stride(0);
+  // One work item: every query of a request's chunk for one KV head, kQueryChunk at a time.
   at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = reqs[item / kv_heads], kv_head = item % kv_heads;
-      attend_item<scalar_t>(out_ptr, q_ptr, k_ptr, v_ptr, tables + b * table_stride, block_tables.size(1), key_cache.size(0), lens[b], starts[b],
-                            starts[b + 1] - starts[b], kv_head, group, head_dim, block_size, window,
-                            static_cast<float>(scale), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2));
+      const int64_t q_len = starts[b + 1] - starts[b];
+      for (int64_t q0 = 0; q0 < q_len; q0 += kQueryChunk)
+        attend_queries<scalar_t, cache_t>(out_ptr, q_ptr, k_ptr, v_ptr, tables + b * table_stride, block_tables.size(1),
+                                          key_cache.size(0), lens[b], starts[b], q_len, q0,
+                                          std::min(q_len, q0 + kQueryChunk), kv_head, group, window,
+                                          static_cast<float>(scale), query.stride(0), query.stride(1), out.stride(0),
+                                          out.stride(1), layout);
     }
   });
+}
+
+// The query's dtype, then the cache's: the cache is the query's dtype or quantized codes.
+template <typename cache_t>
+void dispatch_query(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                    const at::Tensor& requests, int64_t window, double scale, const CacheLayout& layout) {
+  switch (query.scalar_type()) {
+    case at::kFloat: paged_attention_typed<float, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
+    case at::kBFloat16: paged_attention_typed<c10::BFloat16, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
+    case at::kHalf: paged_attention_typed<c10::Half, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
+    default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
+  }
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out: [tokens, heads, head_dim]");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.strides() == key_cache.strides(),
-              "key/value cache: [blocks, kv_heads, block_size, head_dim], one layout");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, out and cache share one dtype");
-  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0 && query.size(2) == key_cache.size(3), "head shapes disagree");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && out.scalar_type() == query.scalar_type(),
+              "query and out share one dtype, head_dim contiguous");
+  TORCH_CHECK(value_cache.strides() == key_cache.strides() && value_cache.sizes() == key_cache.sizes() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "key and value caches share one layout");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc, &requests})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->stride(-1) == 1, "index tensors are contiguous int64");
-  switch (query.scalar_type()) {
-    case at::kFloat: paged_attention_typed<float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale); break;
-    case at::kBFloat16: paged_attention_typed<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale); break;
-    case at::kHalf: paged_attention_typed<c10::Half>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale); break;
-    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+  const int64_t head_dim = query.size(2);
+  const at::ScalarType codes = key_cache.scalar_type();
+  if (codes == at::kChar || codes == at::kFloat8_e4m3fn) {
+    // kv_quant.py's packed rows: [blocks, kv_heads, block_size * (head_dim + 2)] one-byte elements.
+    TORCH_CHECK(key_cache.dim() == 3 && key_cache.stride(2) == 1 && key_cache.size(2) % (head_dim + 2) == 0,
+                "a quantized cache: [blocks, kv_heads, block_size * (head_dim + 2)], rows contiguous");
+    TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "head counts disagree");
+    const CacheLayout layout{key_cache.stride(0), key_cache.stride(1), head_dim, key_cache.size(2) / (head_dim + 2), head_dim};
+    if (codes == at::kChar)
+      dispatch_query<int8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout);
+    else
+      dispatch_query<c10::Float8_e4m3fn>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout);
+    return;
+  }
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.stride(3) == 1, "key/value cache: [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(query.scalar_type() == codes, "query and an unquantized cache share one dtype");
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0 && head_dim == key_cache.size(3), "head shapes disagree");
+  const CacheLayout layout{key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.size(2), head_dim};
+  switch (codes) {
+    case at::kFloat: paged_attention_typed<float, float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
+    case at::kBFloat16: paged_attention_typed<c10::BFloat16, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
+    case at::kHalf: paged_attention_typed<c10::Half, c10::Half>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
+    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", codes);
   }
 }
 
