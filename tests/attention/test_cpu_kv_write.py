@@ -73,7 +73,7 @@ def test_op_quantizes_to_the_bits_kv_quant_writes(codes, dtype, slots, dim, monk
     k, v = projections(len(slots), dtype, dim)
     magnitudes = torch.tensor([0.0, 1e-30, 1e-4, 1.0, 3e3, 1e30])
     k = k * magnitudes[torch.arange(len(slots)) % len(magnitudes)].to(dtype)[:, None, None]
-    v = v.clone()
+    v = v * torch.tensor([1.0, 3e-5, 1e-4, 1e-2]).repeat(dim)[:dim].to(dtype)  # codes near zero: E4M3 subnormals
     v[0, 0, 1] = 500.0  # an outlier sets its vector's scale
     pools = {}
     for switch in ("1", "0"):
@@ -81,6 +81,8 @@ def test_op_quantizes_to_the_bits_kv_quant_writes(codes, dtype, slots, dim, monk
         pool = torch.full((2, BLOCKS, KV_HEADS, BLOCK_SIZE * (dim + 2)), 0xA5, dtype=torch.uint8).view(codes)
         write_kv(k, v, pool, meta_for(slots))
         pools[switch] = pool.view(torch.uint8)
+    if codes == torch.float8_e4m3fn:
+        assert bool(((pools["1"] & 0x78 == 0) & (pools["1"] & 0x07 != 0)).any())
     assert torch.equal(pools["1"], pools["0"])
     untouched = (pools["1"] == 0xA5).sum().item()
     assert untouched >= 2 * KV_HEADS * (BLOCKS * BLOCK_SIZE - sum(s >= 0 for s in slots)) * (dim + 2)

@@ -119,7 +119,13 @@ def test_kernel_reads_a_quantized_pool_in_place(kernel, seed, codes, query_dtype
     attention over the same codes: code x scale is exact in float32, so only the order of the sums
     differs (and, for bfloat16 queries, the output's one rounding)."""
     q, k, v, cache, meta, layer = nan_pool_batch(seed, block_size, 8, 2, torch.float32, window, dim=dim)
+    # Dimensions of every size in each vector: codes near zero (E4M3's subnormals) are read too.
+    magnitude = torch.tensor([1.0, 3e-5, 1e-4, 1e-2]).repeat(dim // 4)
+    cache, k, v = cache * magnitude, k * magnitude, v * magnitude
     packed = quantized_nan_pool(cache, codes)
+    if codes == torch.float8_e4m3fn:
+        bits = kv_quant.split(packed, block_size)[0].view(torch.uint8)
+        assert bool(((bits & 0x78 == 0) & (bits & 0x07 != 0)).any())  # subnormal codes are in the pool
     expected = TorchReferenceBackend().forward(q, k, v, packed.clone(), meta, layer)
     assert not expected.isnan().any()
     got = _kernel_attention(kernel, q.to(query_dtype), k, v, packed, meta, layer)

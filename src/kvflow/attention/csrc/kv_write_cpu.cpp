@@ -39,6 +39,30 @@ inline __m512 load16(const c10::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+// 16 floats within +-448 to E4M3 codes, c10::Float8_e4m3fn's rounding step for step: below 2^-6
+// (E4M3's smallest normal) by one float addition that rounds to the subnormal's place, else by
+// adding half a unit of the code's last place less one, plus the kept mantissa's lowest bit.
+inline __m128i fp8_codes16(__m512 y) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const __m512i denorm = _mm512_set1_epi32(141 << 23);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm))), denorm);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu));
+  const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias), odd), 20);
+  const __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23));
+  const __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(small, normal, sub), _mm512_srli_epi32(sign, 24));
+  return _mm512_cvtepi32_epi8(code);
+}
+// 16 E4M3 codes to floats of 1/256 their value (exact): their bits in a half's places.
+inline __m512 fp8_values16(__m128i codes) {
+  const __m256i w = _mm256_cvtepu8_epi16(codes);
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                       _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_cvtph_ps(half);
+}
 inline void store16(c10::BFloat16* y, __m512 v) {  // rounded to nearest even, as c10::BFloat16 (no NaN here)
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -97,7 +121,7 @@ void quantize_vector(const scalar_t* x, int64_t dim, code_t* codes, c10::BFloat1
   float amax = 0.f;
   int64_t d = 0;
 #if defined(KVFLOW_AVX512)
-  constexpr bool wide = int8 && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
+  constexpr bool wide = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
   bool has_nan = false;
   if constexpr (wide) {
     if (dim % 16 == 0) {
@@ -120,9 +144,15 @@ void quantize_vector(const scalar_t* x, int64_t dim, code_t* codes, c10::BFloat1
       const __m512 hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
       for (int64_t i = 0; i < dim; i += 16) {
         const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(load16(x + i), s), lo), hi);
-        const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(q));
-        if (back != nullptr) store16(back + i, _mm512_mul_ps(_mm512_cvtepi32_ps(q), s));
+        if constexpr (int8) {
+          const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(q));
+          if (back != nullptr) store16(back + i, _mm512_mul_ps(_mm512_cvtepi32_ps(q), s));
+        } else {
+          const __m128i q = fp8_codes16(y);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), q);
+          if (back != nullptr) store16(back + i, _mm512_mul_ps(fp8_values16(q), _mm512_mul_ps(s, _mm512_set1_ps(256.0f))));
+        }
       }
       return;
     }

@@ -24,7 +24,9 @@
 // probability, so the codes themselves are widened exactly (an int8 or an E4M3 number is a float)
 // and code x scale is never rounded. int8 codes with AVX-512 take the sixteens path (`scores16_int8`:
 // four codes per 32-bit lane of the transposed keys, each widened by two shifts and a convert;
-// `accumulate_rows_int8`); fp8 codes are widened to float first, as float caches' keys are.
+// `accumulate_rows_int8`); so do E4M3 codes (`scores16_fp8`, `accumulate_rows_fp8`: each code's bits
+// moved into a half's places, two codes per 32-bit lane, and widened by the half-to-float convert,
+// which handles E4M3's subnormals exactly). Other widths and block sizes widen codes to float first.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -448,6 +450,141 @@ inline void accumulate_rows_int8(float* acc, const float* p, int64_t p_stride, i
     }
   }
 }
+
+// E4M3 codes made halves of 1/256 their value (widen_codes' rule), two per 32-bit lane at once:
+// `x` holds code pairs in the low byte of each 16-bit lane (`low`) or in the high byte.
+inline __m512i fp8_halves_low(__m512i x) {
+  const __m512i sign = _mm512_slli_epi16(x, 8), rest = _mm512_and_si512(_mm512_slli_epi16(x, 7), _mm512_set1_epi16(0x3F80));
+  return _mm512_ternarylogic_epi32(sign, rest, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xEC);  // (a & c) | b
+}
+inline __m512i fp8_halves_high(__m512i x) {
+  const __m512i rest = _mm512_and_si512(_mm512_srli_epi16(x, 1), _mm512_set1_epi16(0x3F80));
+  return _mm512_ternarylogic_epi32(x, rest, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xEC);
+}
+// The 32 halves of h as floats: [0, 16) and [16, 32).
+inline void widen_halves(__m512i h, __m512& lo, __m512& hi) {
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// Rows r0..r0+R of scores16_fp8. k[j] holds dimensions 4j..4j+3 of the 16 keys as bytes of each
+// lane; the halves of bytes 0 and 2 widen to floats that pair them up per key (keys 0-7, then
+// 8-15), as do bytes 1 and 3; qp: each row's query with each four dimensions ordered 0, 2, 1, 3,
+// so that one 64-bit broadcast holds the pair. acc[r][0..3]: keys 0-7 (0, 2 / 1, 3), keys 8-15.
+template <int R>
+inline void score_rows_fp8(__m512 (*acc)[4], const __m512i* k, const float* qp, int64_t head_dim, int64_t d0) {
+  for (int j = 0; j < 16; ++j) {
+    __m512 f02_lo, f02_hi, f13_lo, f13_hi;
+    widen_halves(fp8_halves_low(k[j]), f02_lo, f02_hi);
+    widen_halves(fp8_halves_high(k[j]), f13_lo, f13_hi);
+    for (int r = 0; r < R; ++r) {
+      const float* q = qp + r * head_dim + d0 + 4 * j;
+      double pair02, pair13;
+      std::memcpy(&pair02, q, sizeof pair02);
+      std::memcpy(&pair13, q + 2, sizeof pair13);
+      const __m512 q02 = _mm512_castpd_ps(_mm512_set1_pd(pair02)), q13 = _mm512_castpd_ps(_mm512_set1_pd(pair13));
+      acc[r][0] = _mm512_fmadd_ps(f02_lo, q02, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(f13_lo, q13, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(f02_hi, q02, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(f13_hi, q13, acc[r][3]);
+    }
+  }
+}
+
+// Rows r0..r0+R of scores16_fp8, summed over all of head_dim, times the keys' scales. The keys'
+// transposed 64 dimensions in k are reused where head_dim is 64 and an earlier group of rows loaded them.
+template <int R>
+inline void scores16_fp8_rows(float* scores, int64_t scores_stride, const uint8_t* keys, int64_t pos_stride,
+                              const float* qp, int64_t head_dim, __m512 scale, Prefetcher& prefetch, __m512i* k,
+                              bool k_loaded) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+    if (!k_loaded) {
+      for (int t = 0; t < 16; ++t) {
+        k[t] = _mm512_loadu_si512(keys + t * pos_stride + d0);
+        prefetch.step();
+      }
+      transpose16(k);
+    }
+    score_rows_fp8<R>(acc, k, qp, head_dim, d0);
+  }
+  // Lanes 2i and 2i + 1 of keys 0-7's sums are key i's two halves; keys 8-15's follow.
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  for (int r = 0; r < R; ++r) {
+    const __m512 low = _mm512_add_ps(acc[r][0], acc[r][1]), high = _mm512_add_ps(acc[r][2], acc[r][3]);
+    const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(low, evens, high), _mm512_permutex2var_ps(low, odds, high));
+    _mm512_storeu_ps(scores + r * scores_stride, _mm512_mul_ps(sum, scale));
+  }
+}
+
+// scores16 for 16 E4M3 keys (codes `pos_stride` apart, head_dim a multiple of 64) and their scales;
+// qp: the rows' queries in score_rows_fp8's order.
+inline void scores16_fp8(float* scores, int64_t scores_stride, const c10::Float8_e4m3fn* keys, int64_t pos_stride,
+                         const c10::BFloat16* key_scales, const float* qp, int64_t n_rows, int64_t head_dim,
+                         Prefetcher& prefetch) {
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(keys);
+  const __m512 scale = _mm512_mul_ps(widen16(key_scales), _mm512_set1_ps(256.0f));
+  __m512i k[16];
+  for (int64_t r0 = 0; r0 < n_rows; r0 += 4) {
+    float* sc = scores + r0 * scores_stride;
+    const float* qr = qp + r0 * head_dim;
+    const bool loaded = r0 > 0 && head_dim == 64;
+    switch (std::min<int64_t>(4, n_rows - r0)) {
+      case 1: scores16_fp8_rows<1>(sc, scores_stride, codes, pos_stride, qr, head_dim, scale, prefetch, k, loaded); break;
+      case 2: scores16_fp8_rows<2>(sc, scores_stride, codes, pos_stride, qr, head_dim, scale, prefetch, k, loaded); break;
+      case 3: scores16_fp8_rows<3>(sc, scores_stride, codes, pos_stride, qr, head_dim, scale, prefetch, k, loaded); break;
+      default: scores16_fp8_rows<4>(sc, scores_stride, codes, pos_stride, qr, head_dim, scale, prefetch, k, loaded);
+    }
+  }
+}
+
+// accumulate_rows for E4M3 values: each value row's codes widened once (32 at a time: to halves,
+// then floats) for the R rows, each row's probability times the value's scale x 256.
+template <int R>
+inline void accumulate_rows_fp8_upto4(float* acc, const float* p, int64_t p_stride, const uint8_t* values,
+                                      int64_t pos_stride, const c10::BFloat16* scales, int64_t t_lo, int64_t t_hi,
+                                      int64_t head_dim, Prefetcher& prefetch) {
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c);
+    for (int64_t t = t_lo; t < t_hi; ++t) {
+      const uint8_t* vt = values + t * pos_stride + d0;
+      __m512 v[4];
+      for (int c = 0; c < 2; ++c) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + 32 * c)));
+        widen_halves(fp8_halves_low(w), v[2 * c], v[2 * c + 1]);
+      }
+      prefetch.step();
+      const float scale = static_cast<float>(scales[t]) * 256.0f;
+      for (int r = 0; r < R; ++r) {
+        const __m512 pt = _mm512_set1_ps(p[r * p_stride + t] * scale);
+        for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pt, v[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + 16 * c, a[r][c]);
+  }
+}
+
+inline void accumulate_rows_fp8(float* acc, const float* p, int64_t p_stride, int64_t rows,
+                                const c10::Float8_e4m3fn* values, int64_t pos_stride, const c10::BFloat16* scales,
+                                int64_t t_lo, int64_t t_hi, int64_t head_dim, Prefetcher& prefetch) {
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(values);
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    float* a = acc + r0 * head_dim;
+    const float* pr = p + r0 * p_stride;
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: accumulate_rows_fp8_upto4<1>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
+      case 2: accumulate_rows_fp8_upto4<2>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
+      case 3: accumulate_rows_fp8_upto4<3>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
+      default: accumulate_rows_fp8_upto4<4>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch);
+    }
+  }
+}
 #endif
 
 // Where a cache's rows lie: (block, head) rows `block_stride` and `head_stride` elements apart,
@@ -470,16 +607,18 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
   const int64_t first_pos = seq_len - q_len;
   // bfloat16 caches are read where they lie, 16 keys at a time for the scores (scores16) and a key
   // for all of a query's G rows at a time for the values (accumulate_rows); so are int8 ones
-  // (scores16_int8, accumulate_rows_int8); other dtypes widen keys and values to float.
+  // (scores16_int8, accumulate_rows_int8) and E4M3 ones (scores16_fp8, accumulate_rows_fp8); other
+  // dtypes widen keys and values to float.
   constexpr bool quantized = kQuantized<cache_t>;
 #ifdef KVFLOW_AVX512
   constexpr bool bf16 = std::is_same_v<cache_t, c10::BFloat16>;
   constexpr bool int8 = std::is_same_v<cache_t, int8_t>;
+  constexpr bool fp8 = std::is_same_v<cache_t, c10::Float8_e4m3fn>;
 #else
-  constexpr bool bf16 = false, int8 = false;
+  constexpr bool bf16 = false, int8 = false, fp8 = false;
 #endif
   const bool in_sixteens = block_size % 16 == 0 && block_size <= kMaxBlock &&
-                           ((bf16 && head_dim % 32 == 0) || (int8 && head_dim % 64 == 0));
+                           ((bf16 && head_dim % 32 == 0) || ((int8 || fp8) && head_dim % 64 == 0));
   // Query i (position first_pos + i) sees keys [visible_from(i), first_pos + i] (causal, and its
   // window); these queries together see [lowest, highest).
   const auto visible_from = [&](int64_t query_index) {
@@ -502,6 +641,8 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
     const scalar_t* row = query + (q_start + q0 + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
     widen(row, q.data() + r * head_dim, head_dim);
     for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
+    if (fp8 && in_sixteens)  // score_rows_fp8's order: each four dimensions as 0, 2, 1, 3
+      for (int64_t d = 0; d < head_dim; d += 4) std::swap(q[r * head_dim + d + 1], q[r * head_dim + d + 2]);
   }
   if (!in_sixteens) {
     keys.resize(block_size * head_dim);
@@ -553,6 +694,11 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
         for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16)
           scores16_int8(sc + t0, span, block_keys + t0 * c.pos_stride, c.pos_stride, scales_of(block_keys) + t0,
                         q.data(), n_rows, head_dim, prefetch);
+    } else if constexpr (fp8) {
+      if (in_sixteens)
+        for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16)
+          scores16_fp8(sc + t0, span, block_keys + t0 * c.pos_stride, c.pos_stride, scales_of(block_keys) + t0,
+                       q.data(), n_rows, head_dim, prefetch);
     }
 #endif
     if (!in_sixteens) {
@@ -609,6 +755,12 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
         if (in_sixteens) {
           accumulate_rows_int8(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
                                scales_of(block_values), k_lo - start, k_hi - start, head_dim, prefetch);
+          continue;
+        }
+      } else if constexpr (fp8) {
+        if (in_sixteens) {
+          accumulate_rows_fp8(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
+                              scales_of(block_values), k_lo - start, k_hi - start, head_dim, prefetch);
           continue;
         }
       }
