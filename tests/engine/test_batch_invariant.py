@@ -37,14 +37,17 @@ def _tokens_and_logprobs(output) -> list:
 
 
 # int4: without the mode, its own kernel up to 4 rows and a dense copy above (both tests fail with
-# the mode switched off in worker.load_model).
-@pytest.mark.parametrize("quantization", [None, "int4"])
-def test_a_request_is_bit_identical_alone_batched_and_chunked(model_dir, quantization):
+# the mode switched off in worker.load_model). int8 / fp8 KV: the paged kernel reads the codes in
+# place, each position's codes and scale fixed by its own K and V (these fail without the mode too).
+@pytest.mark.parametrize("quantization, kv_cache_dtype", [(None, "auto"), ("int4", "auto"), (None, "int8"),
+                                                          (None, "fp8")])
+def test_a_request_is_bit_identical_alone_batched_and_chunked(model_dir, quantization, kv_cache_dtype):
     target = _prompt(70, seed=1)
     others = [_prompt(n, seed=n) for n in (3, 130, 17, 45)]
-    alone = _llm(model_dir, quantization=quantization).generate([target], GREEDY, use_tqdm=False)[0]
+    kw = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    alone = _llm(model_dir, **kw).generate([target], GREEDY, use_tqdm=False)[0]
     # Small token budget: the prompts are cut into different chunks and run beside other decodes.
-    chunked = _llm(model_dir, quantization=quantization, max_num_batched_tokens=24)
+    chunked = _llm(model_dir, max_num_batched_tokens=24, **kw)
     busy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     mixed = chunked.generate(others[:2] + [target] + others[2:], [busy, busy, GREEDY, busy, busy], use_tqdm=False)[2]
     assert _tokens_and_logprobs(mixed) == _tokens_and_logprobs(alone)
@@ -92,8 +95,7 @@ def test_int4_planes_give_each_row_the_same_bits_at_any_row_count():
     torch.testing.assert_close(full.float(), reference, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("field, value", [("kv_cache_dtype", "fp8"), ("attention_backend", "torch_reference"),
-                                          ("enable_lora", True)])
+@pytest.mark.parametrize("field, value", [("attention_backend", "torch_reference"), ("enable_lora", True)])
 def test_what_the_mode_does_not_cover_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         EngineArgs(batch_invariant=True, **{field: value}).create_config(512)
