@@ -29,6 +29,7 @@ from kvflow.model.loader import Checkpoint
 from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
+from kvflow.worker import host_malloc
 from kvflow.worker.cpu_decode import CpuDecodeLoop
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import IdleGate, allocate_kv_caches, available_memory_bytes, pool_blocks
@@ -50,6 +51,8 @@ class Worker:
         self.local_arch = rank_arch(arch, tp)
         # With --kv-populate when-idle, the KV pool's populate runs only while no step does.
         self.idle = IdleGate() if config.cache.populate == "when-idle" else None
+        if self.device.type == "cpu":
+            host_malloc.keep_freed_memory()  # each step's activations on pages the last step freed
 
     def load_model(self, checkpoint: Checkpoint) -> torch.nn.Module:
         self.model = load_model(self.config, self.arch, self.quant_config, checkpoint, self.tp)
