@@ -65,6 +65,9 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None, help="an interpreter with vllm (CPU build) installed")
     parser.add_argument("--quick", action="store_true", help="32 prompts instead of 128")
     parser.add_argument("--model", default="default", choices=["default", "gemma3-270m"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                        help="W1's KV cache: kvflow's, with vLLM on fp8 (its CPU backend's one-byte KV) for "
+                             "either one-byte choice; HF has none and runs bf16 KV")
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "compare_cpu.json"))
     args = parser.parse_args()
     n = 32 if args.quick else 128
@@ -73,6 +76,8 @@ def main() -> None:
     hf_dir = gemma3_270m_hf_dir() if gemma else default_model_hf_dir()
     py, kv = sys.executable, [sys.executable, "-m", "kvflow.entrypoints.cli", "bench"]
     tput = ["--num-prompts", str(n), "--min-input-len", "32", "--max-input-len", "512", "--output-len", "128"]
+    one_byte_kv = args.kv_cache_dtype != "auto"
+    kv_tput = ["--kv-cache-dtype", args.kv_cache_dtype] if one_byte_kv else []
     lat = ["--input-len", "32", "--output-len", "128"]
     on_model = ["--model", args.model] if gemma else []  # the same model for kvflow and the HF peer
     tmp = Path(tempfile.mkdtemp(prefix="kvflow-compare-"))
@@ -83,7 +88,7 @@ def main() -> None:
         "ceilings": ceilings,
         "kvflow latency": run_json(kv + ["latency", *lat, *on_model, *ceil_args, "--json"]),
         "hf latency": run_json([py, str(ROOT / "benchmarks/hf_peer.py"), "latency", *lat, *on_model, "--json"]),
-        "kvflow throughput": run_json(kv + ["throughput", *tput, *on_model, *ceil_args, "--json"]),
+        "kvflow throughput": run_json(kv + ["throughput", *tput, *kv_tput, *on_model, *ceil_args, "--json"]),
         "hf throughput": run_json([py, str(ROOT / "benchmarks/hf_peer.py"), "throughput", *tput, *on_model, "--json"]),
     }
     w1 = write_json(tmp, "w1.json", random_prompts(n, 32, 512, DEFAULT_VOCAB_SIZE, 0))
@@ -97,8 +102,11 @@ def main() -> None:
     if args.vllm_python:
         vllm = [args.vllm_python, str(ROOT / "benchmarks/vllm_peer.py")]
         model = ["--model", str(hf_dir)]
-        results["vllm throughput"] = run_json([*vllm, "throughput", *model, "--prompts", w1, "--output-len", "128"])
+        results["vllm throughput"] = run_json([*vllm, "throughput", *model, "--prompts", w1, "--output-len", "128",
+                                               *(["--kv-cache-dtype", "fp8"] if one_byte_kv else [])])
         results["vllm latency"] = run_json([*vllm, "latency", *model, "--prompts", w2, "--output-len", "128"])
+    results["w1 kv_cache_dtype"] = {"kvflow": args.kv_cache_dtype, "vllm": "fp8" if one_byte_kv else "auto",
+                                    "hf": "auto"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(table(results))
@@ -135,6 +143,9 @@ def table(r: dict[str, dict | None]) -> str:
             cells += [cell(key, workload, field), ratio(ours, theirs, higher)]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    kv_dtypes = r.get("w1 kv_cache_dtype") or {}
+    if kv_dtypes.get("kvflow", "auto") != "auto":
+        lines.append(f"W1 KV cache: kvflow {kv_dtypes['kvflow']}, vLLM {kv_dtypes['vllm']}, HF bf16")
     for workload in ("throughput", "latency"):
         mbu, mfu = value("kvflow", workload, "mbu"), value("kvflow", workload, "mfu")
         if mbu is not None and mfu is not None:

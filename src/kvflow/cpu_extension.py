@@ -12,6 +12,7 @@ a*b - c*d into fused multiply-adds, which round once where torch's elementwise o
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -83,6 +84,17 @@ def _build(name: str, source: Path, what: str, cflags: list[str]) -> None:
         pass
     directory = build_dir(name)
     directory.mkdir(parents=True, exist_ok=True)
-    logger.info("building %s in %s (once per machine)", what, directory)
-    cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                       build_directory=str(directory), is_python_module=False, verbose=False)
+    # torch marks a build in progress with a `lock` file that it deletes when done, and waits,
+    # forever, while one exists: a build killed midway (Ctrl-C on a first start) left one behind
+    # and every later start hung. Builds of this directory take an flock first (the kernel drops
+    # it when its holder dies), so a `lock` found while holding it is such a leftover.
+    with open(directory / "kvflow.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if (directory / f"{name}.so").is_file():  # another process built it while this one waited
+            return
+        if (directory / "lock").exists():
+            logger.warning("removing %s, left by a build of %s that did not finish", directory / "lock", what)
+            (directory / "lock").unlink()
+        logger.info("building %s in %s (once per machine)", what, directory)
+        cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(directory), is_python_module=False, verbose=False)

@@ -2,12 +2,16 @@
 
 - A chunk that starts a prompt (nothing cached before it) attends to its own keys, without reading
   the cache back: on AMX tiles where the CPU has them (bfloat16, head_dim 64: cpu_prompt.py), else
-  with SDPA's fused causal kernel.
-- Everything else (decodes, prompt chunks after a cached prefix) gathers its keys from the
-  blocks and runs grouped-query attention as two batched matmuls: on CPU this is several times
-  faster than SDPA with an explicit mask in bfloat16. Requests with few queries (decodes, and
-  speculative verifications of k + 1 tokens) are batched by query count, in buckets of similar
-  context length, so the padding each bucket gathers stays small.
+  with SDPA's fused causal kernel. Its keys are those `write_kv` gives back: for an int8/fp8 cache,
+  code x scale, as every later read sees them.
+- On CPU with the C++ kernel built, the requests `cpu_paged.takes` (decodes, verifications, narrow
+  heads' chunks after a cached prefix) are read in place from the pool, whether it holds the
+  model's dtype or int8/fp8 codes (cpu_paged.py).
+- Everything else (without the kernel: decodes, prompt chunks after a cached prefix) gathers its
+  keys from the blocks and runs grouped-query attention as two batched matmuls: on CPU this is
+  several times faster than SDPA with an explicit mask in bfloat16. Requests with few queries
+  (decodes, and speculative verifications of k + 1 tokens) are batched by query count, in buckets
+  of similar context length, so the padding each bucket gathers stays small.
 
 Which rows go where, the gather indices and the masks depend only on the batch, so they are
 planned once per step (on the first layer) and reused by every layer.
