@@ -24,7 +24,7 @@
 // probability, so the codes themselves are widened exactly (an int8 or an E4M3 number is a float)
 // and code x scale is never rounded. int8 codes with AVX-512 take the sixteens path (`scores16_int8`:
 // four codes per 32-bit lane of the transposed keys, each widened by two shifts and a convert;
-// `accumulate_rows_int8`); so do E4M3 codes (`scores16_fp8`, `accumulate_rows_fp8`: each code's bits
+// `accumulate_code_rows`); so do E4M3 codes (`scores16_fp8`, `accumulate_code_rows`: each code's bits
 // moved into a half's places, two codes per 32-bit lane, and widened by the half-to-float convert,
 // which handles E4M3's subnormals exactly). Other widths and block sizes widen codes to float first.
 #include <ATen/Parallel.h>
@@ -409,48 +409,6 @@ inline void scores16_int8(float* scores, int64_t scores_stride, const int8_t* ke
     _mm512_storeu_ps(scores + r * scores_stride, _mm512_mul_ps(_mm512_loadu_ps(scores + r * scores_stride), scale));
 }
 
-// accumulate_rows for int8 values: each value row's 64 codes widened once for the R rows, each
-// row's probability times the value's scale; acc in natural order.
-template <int R>
-inline void accumulate_rows_int8_upto4(float* acc, const float* p, int64_t p_stride, const int8_t* values,
-                                       int64_t pos_stride, const c10::BFloat16* scales, int64_t t_lo, int64_t t_hi,
-                                       int64_t head_dim, Prefetcher& prefetch) {
-  for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-    __m512 a[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c);
-    for (int64_t t = t_lo; t < t_hi; ++t) {
-      const int8_t* vt = values + t * pos_stride + d0;
-      __m512 v[4];
-      for (int c = 0; c < 4; ++c)
-        v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vt + 16 * c))));
-      prefetch.step();
-      const float scale = static_cast<float>(scales[t]);
-      for (int r = 0; r < R; ++r) {
-        const __m512 pt = _mm512_set1_ps(p[r * p_stride + t] * scale);
-        for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pt, v[c], a[r][c]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + 16 * c, a[r][c]);
-  }
-}
-
-inline void accumulate_rows_int8(float* acc, const float* p, int64_t p_stride, int64_t rows, const int8_t* values,
-                                 int64_t pos_stride, const c10::BFloat16* scales, int64_t t_lo, int64_t t_hi,
-                                 int64_t head_dim, Prefetcher& prefetch) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    float* a = acc + r0 * head_dim;
-    const float* pr = p + r0 * p_stride;
-    switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: accumulate_rows_int8_upto4<1>(a, pr, p_stride, values, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
-      case 2: accumulate_rows_int8_upto4<2>(a, pr, p_stride, values, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
-      case 3: accumulate_rows_int8_upto4<3>(a, pr, p_stride, values, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
-      default: accumulate_rows_int8_upto4<4>(a, pr, p_stride, values, pos_stride, scales, t_lo, t_hi, head_dim, prefetch);
-    }
-  }
-}
-
 // E4M3 codes made halves of 1/256 their value (widen_codes' rule), two per 32-bit lane at once:
 // `x` holds code pairs in the low byte of each 16-bit lane (`low`) or in the high byte.
 inline __m512i fp8_halves_low(__m512i x) {
@@ -541,25 +499,40 @@ inline void scores16_fp8(float* scores, int64_t scores_stride, const c10::Float8
   }
 }
 
-// accumulate_rows for E4M3 values: each value row's codes widened once (32 at a time: to halves,
-// then floats) for the R rows, each row's probability times the value's scale x 256.
-template <int R>
-inline void accumulate_rows_fp8_upto4(float* acc, const float* p, int64_t p_stride, const uint8_t* values,
-                                      int64_t pos_stride, const c10::BFloat16* scales, int64_t t_lo, int64_t t_hi,
-                                      int64_t head_dim, Prefetcher& prefetch) {
+// One position's 64 codes widened to floats of 1/kScale their value: int8 exactly; E4M3 by way of
+// halves (32 at a time, fp8_halves_low), 1/256 of their value.
+struct Int8Codes {
+  static constexpr float kScale = 1.0f;
+  static void widen64(const uint8_t* codes, __m512* v) {
+    for (int c = 0; c < 4; ++c)
+      v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c))));
+  }
+};
+struct Fp8Codes {
+  static constexpr float kScale = 256.0f;
+  static void widen64(const uint8_t* codes, __m512* v) {
+    for (int c = 0; c < 2; ++c) {
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
+      widen_halves(fp8_halves_low(w), v[2 * c], v[2 * c + 1]);
+    }
+  }
+};
+
+// accumulate_rows for int8 or E4M3 values: each value row's 64 codes widened once for the R rows,
+// each row's probability times the value's scale (and Codes::kScale); acc in natural order.
+template <typename Codes, int R>
+inline void accumulate_code_rows_upto4(float* acc, const float* p, int64_t p_stride, const uint8_t* values,
+                                       int64_t pos_stride, const c10::BFloat16* scales, int64_t t_lo, int64_t t_hi,
+                                       int64_t head_dim, Prefetcher& prefetch) {
   for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
     __m512 a[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c);
     for (int64_t t = t_lo; t < t_hi; ++t) {
-      const uint8_t* vt = values + t * pos_stride + d0;
       __m512 v[4];
-      for (int c = 0; c < 2; ++c) {
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + 32 * c)));
-        widen_halves(fp8_halves_low(w), v[2 * c], v[2 * c + 1]);
-      }
+      Codes::widen64(values + t * pos_stride + d0, v);
       prefetch.step();
-      const float scale = static_cast<float>(scales[t]) * 256.0f;
+      const float scale = static_cast<float>(scales[t]) * Codes::kScale;
       for (int r = 0; r < R; ++r) {
         const __m512 pt = _mm512_set1_ps(p[r * p_stride + t] * scale);
         for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pt, v[c], a[r][c]);
@@ -570,18 +543,19 @@ inline void accumulate_rows_fp8_upto4(float* acc, const float* p, int64_t p_stri
   }
 }
 
-inline void accumulate_rows_fp8(float* acc, const float* p, int64_t p_stride, int64_t rows,
-                                const c10::Float8_e4m3fn* values, int64_t pos_stride, const c10::BFloat16* scales,
-                                int64_t t_lo, int64_t t_hi, int64_t head_dim, Prefetcher& prefetch) {
+template <typename Codes, typename cache_t>
+inline void accumulate_code_rows(float* acc, const float* p, int64_t p_stride, int64_t rows, const cache_t* values,
+                                 int64_t pos_stride, const c10::BFloat16* scales, int64_t t_lo, int64_t t_hi,
+                                 int64_t head_dim, Prefetcher& prefetch) {
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(values);
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     float* a = acc + r0 * head_dim;
     const float* pr = p + r0 * p_stride;
     switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: accumulate_rows_fp8_upto4<1>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
-      case 2: accumulate_rows_fp8_upto4<2>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
-      case 3: accumulate_rows_fp8_upto4<3>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
-      default: accumulate_rows_fp8_upto4<4>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch);
+      case 1: accumulate_code_rows_upto4<Codes, 1>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
+      case 2: accumulate_code_rows_upto4<Codes, 2>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
+      case 3: accumulate_code_rows_upto4<Codes, 3>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
+      default: accumulate_code_rows_upto4<Codes, 4>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch);
     }
   }
 }
@@ -607,7 +581,7 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
   const int64_t first_pos = seq_len - q_len;
   // bfloat16 caches are read where they lie, 16 keys at a time for the scores (scores16) and a key
   // for all of a query's G rows at a time for the values (accumulate_rows); so are int8 ones
-  // (scores16_int8, accumulate_rows_int8) and E4M3 ones (scores16_fp8, accumulate_rows_fp8); other
+  // (scores16_int8) and E4M3 ones (scores16_fp8), both with accumulate_code_rows; other
   // dtypes widen keys and values to float.
   constexpr bool quantized = kQuantized<cache_t>;
 #ifdef KVFLOW_AVX512
@@ -753,14 +727,16 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
         }
       } else if constexpr (int8) {
         if (in_sixteens) {
-          accumulate_rows_int8(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
-                               scales_of(block_values), k_lo - start, k_hi - start, head_dim, prefetch);
+          accumulate_code_rows<Int8Codes>(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values,
+                                          c.pos_stride, scales_of(block_values), k_lo - start, k_hi - start, head_dim,
+                                          prefetch);
           continue;
         }
       } else if constexpr (fp8) {
         if (in_sixteens) {
-          accumulate_rows_fp8(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
-                              scales_of(block_values), k_lo - start, k_hi - start, head_dim, prefetch);
+          accumulate_code_rows<Fp8Codes>(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values,
+                                         c.pos_stride, scales_of(block_values), k_lo - start, k_hi - start, head_dim,
+                                         prefetch);
           continue;
         }
       }
