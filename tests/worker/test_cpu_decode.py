@@ -80,6 +80,23 @@ def test_cpp_step_matches_the_python_loop_and_the_modules(llama_dir, num_prompts
     assert native == python_loop == modules
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("num_prompts", [1, 5])
+def test_one_byte_kv_runs_in_the_loop_and_the_cpp_step(llama_dir, kv_cache_dtype, num_prompts, monkeypatch):
+    """An int8 / fp8 KV cache: the loop (and, up to int4_gemv.MAX_ROWS rows, the C++ step) writes
+    with the quantizing op and reads the codes with the modules' kernel: their numbers, bit for bit."""
+    steps = []
+    kw = dict(quantization="int4", kv_cache_dtype=kv_cache_dtype)
+    python_loop = _generate(_engine(llama_dir, "bfloat16", True, monkeypatch, native=False, **kw), PROMPTS[:num_prompts])
+    modules = _generate(_engine(llama_dir, "bfloat16", False, monkeypatch, **kw), PROMPTS[:num_prompts])
+    assert python_loop == modules
+    if int4_gemv.fast():
+        native = _generate(_count_steps(_engine(llama_dir, "bfloat16", True, monkeypatch, **kw), steps),
+                           PROMPTS[:num_prompts])
+        assert bool(steps) == (num_prompts <= int4_gemv.MAX_ROWS)
+        assert native == modules
+
+
 @pytest.mark.parametrize("method", ["int8", "w8a8", "fp8", "mxfp4"])
 def test_every_weight_format_matches_the_modules(tmp_path, method, monkeypatch):
     """The loop takes the quantized embedding's rows as they come (w8a8's were a transposed view,

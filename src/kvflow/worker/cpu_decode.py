@@ -10,7 +10,9 @@ are the model's (tests/worker/test_cpu_decode.py holds it to that, bit for bit).
 
 It takes steps whose every request decodes one token, of models built from `blocks.py`'s Llama
 parts (RopeAttention without q/k norms or biases, GatedMLP with SiLU) with the C++ CPU kernels
-loaded, one KV group, no window, no LoRA, one rank. Anything else runs through the modules.
+loaded, one KV group, no window, no LoRA, one rank; a KV cache of the model's dtype or int8/fp8
+(written by the quantizing op, read in place by the same kernel). Anything else runs through the
+modules.
 `KVFLOW_CPU_DECODE_LOOP=0` switches it off (A/B measurements).
 
 Where every projection has kvflow's few-row GEMV form (int4 planes: the default GGUF, or
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from kvflow import cpu_extension
-from kvflow.attention import cpu_kv_write
+from kvflow.attention import cpu_kv_write, kv_quant
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.attention.torch_sdpa import TorchSDPABackend
 from kvflow.model.layers import activation, cpu_ops
@@ -80,7 +82,9 @@ class CpuDecodeLoop:
         self.rms_norm = torch.ops.kvflow_cpu_ops.rms_norm
         self.rotate = torch.ops.kvflow_cpu_ops.rotary
         self.silu_and_mul = torch.ops.kvflow_cpu_ops.silu_and_mul
-        self.write_kv = torch.ops.kvflow_cpu_kv.write_kv
+        # An int8 / fp8 cache (kv_quant.py) is quantized as it is written; the kernel reads its codes.
+        quantized = kv_quant.is_quantized(kv_caches[0])
+        self.write_kv = torch.ops.kvflow_cpu_kv.write_kv_quantized if quantized else torch.ops.kvflow_cpu_kv.write_kv
         self.attend = torch.ops.kvflow_cpu.paged_attention
         self.native = _native_step(decoder, self.layers)
 
@@ -209,8 +213,9 @@ def _takes(model: nn.Module, kv_caches: list[torch.Tensor]) -> bool:
                 or type(backend) is not TorchSDPABackend or backend.kernel is None
                 or layer.mlp.act_and_mul is not activation.silu_and_mul
                 or any(not isinstance(lin, LinearBase) or lin.bias is not None or lin.tp_size != 1 for lin in linears)
-                or cache.device.type != "cpu" or cache.dim() != 5 or not cache.is_contiguous()
-                or cache.dtype != layer.input_layernorm.weight.dtype):
+                or cache.device.type != "cpu" or not cache.is_contiguous()
+                or not (kv_quant.is_quantized(cache) and cache.dim() == 4
+                        or cache.dim() == 5 and cache.dtype == layer.input_layernorm.weight.dtype)):
             return False
     return (len(decoder.layers) == len(kv_caches) and decoder.embed_tokens.tp_size == 1
             and cpu_ops.enabled() and cpu_ops.load() is not None and cpu_kv_write.load_writer() is not None

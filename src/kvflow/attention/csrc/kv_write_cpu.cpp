@@ -179,7 +179,7 @@ void quantize_vector(const scalar_t* x, int64_t dim, code_t* codes, c10::BFloat1
 template <typename code_t, typename scalar_t>
 void write_quantized_typed(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
                            const int64_t* slots, int64_t tokens, int64_t heads, int64_t dim, int64_t block_size,
-                           at::Tensor* key_back, at::Tensor* value_back) {
+                           const at::Tensor* key_back, const at::Tensor* value_back) {
   const int64_t row = key_cache.size(2);
   code_t* caches[2] = {static_cast<code_t*>(key_cache.data_ptr()), static_cast<code_t*>(value_cache.data_ptr())};
   const scalar_t* sources[2] = {key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>()};
@@ -207,8 +207,8 @@ void write_quantized_typed(at::Tensor& key_cache, at::Tensor& value_cache, const
 // The quantized store; key_back and value_back (contiguous [tokens, kv_heads, head_dim] of the
 // input's dtype), where given, receive what the cache gives back for each row (padding rows too).
 void write_kv_quantized(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
-                        const at::Tensor& slot_mapping, std::optional<at::Tensor> key_back,
-                        std::optional<at::Tensor> value_back) {
+                        const at::Tensor& slot_mapping, const std::optional<at::Tensor>& key_back,
+                        const std::optional<at::Tensor>& value_back) {
   const at::ScalarType codes = key_cache.scalar_type();
   TORCH_CHECK((codes == at::kChar || codes == at::kFloat8_e4m3fn) && key_cache.dim() == 3 && key_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
@@ -236,8 +236,8 @@ void write_kv_quantized(at::Tensor& key_cache, at::Tensor& value_cache, const at
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < num_blocks * block_size, "write_kv_quantized: slot ", slots[t], " is past the pool of ",
                 num_blocks * block_size, " slots");
-  at::Tensor* kb = key_back.has_value() ? &*key_back : nullptr;
-  at::Tensor* vb = value_back.has_value() ? &*value_back : nullptr;
+  const at::Tensor* kb = key_back.has_value() ? &*key_back : nullptr;
+  const at::Tensor* vb = value_back.has_value() ? &*value_back : nullptr;
 #define KVFLOW_WRITE(code_t, scalar_t) \
   write_quantized_typed<code_t, scalar_t>(key_cache, value_cache, key, value, slots, tokens, heads, dim, block_size, kb, vb)
 #define KVFLOW_WRITE_CODES(code_t)                                                            \

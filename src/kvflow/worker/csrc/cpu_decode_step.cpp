@@ -31,6 +31,11 @@ struct Ops {
       find<void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&)>("kvflow_cpu_ops::rotary");
   c10::TypedOperatorHandle<void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&)> write_kv =
       find<void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&)>("kvflow_cpu_kv::write_kv");
+  // An int8 / fp8 cache (kv_quant.py): quantized in the same pass; nothing read back in a decode.
+  using WriteQuantized = void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                              const c10::optional<Tensor>&, const c10::optional<Tensor>&);
+  c10::TypedOperatorHandle<WriteQuantized> write_kv_quantized =
+      find<WriteQuantized>("kvflow_cpu_kv::write_kv_quantized");
   c10::TypedOperatorHandle<void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                 const Tensor&, const Tensor&, int64_t, double)>
       attend = find<void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -86,7 +91,10 @@ void llama_step(Tensor& out, Tensor& hidden, const Tensor& positions, const Tens
     op.rms_norm.call(normed, l == 0 ? hidden : projected, l == 0 ? c10::nullopt : residual, t[0], eps);
     op.gemv.call(qkv, normed, t[1], t[2], bits[0], gemv_path);
     op.rotary.call(q, k, positions, cos, sin);
-    op.write_kv.call(key_cache, value_cache, k, v, slot_mapping);
+    if (key_cache.scalar_type() == at::kChar || key_cache.scalar_type() == at::kFloat8_e4m3fn)
+      op.write_kv_quantized.call(key_cache, value_cache, k, v, slot_mapping, c10::nullopt, c10::nullopt);
+    else
+      op.write_kv.call(key_cache, value_cache, k, v, slot_mapping);
     op.attend.call(attended, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, 0, scale);
     op.gemv.call(projected, attended_rows, t[3], t[4], bits[1], gemv_path);
     op.rms_norm.call(normed, projected, residual, t[5], eps);
