@@ -42,7 +42,7 @@ class CacheConfig:
     num_kv_blocks: int | None  # overrides the memory budget exactly (tests)
     enable_prefix_caching: bool = True
     swap_space_gb: float = 0.0  # host memory for preempted requests' KV (preemption_mode="swap")
-    cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" | "int8" (kvflow.attention.kv_quant)
+    cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (= "fp8_e4m3") | "int8" (kvflow.attention.kv_quant)
     populate: str = "background"  # when the pool's pages are mapped in: KV_POPULATE_MODES (worker/kv_cache.py)
 
 
@@ -130,7 +130,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None  # None: max_loras
     quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
     group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
-    kv_cache_dtype: str = "auto"  # vLLM's name: fp8 or int8 stores KV in one byte per number plus scales
+    kv_cache_dtype: str = "auto"  # vLLM's name: fp8 (vLLM's fp8_e4m3 too) or int8 stores KV in one byte per number plus scales
     # When the KV pool's pages are mapped in: "background" (from the start, beside the steps: best
     # for a batch job), "when-idle" (only while no step runs: a server's first requests keep both
     # cores; `kvflow serve`'s default), "off" (each page on its first write).
@@ -196,7 +196,8 @@ class EngineArgs:
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet (each replica "
                              "runs one rank); use one of them")
-        _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", "auto, fp8 or int8")
+        _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype",
+                 "auto, " + ", ".join(QUANTIZED_KV_CACHE_DTYPES[:-1]) + " or " + QUANTIZED_KV_CACHE_DTYPES[-1])
         _require(self.kv_populate in KV_POPULATE_MODES, "kv_populate", ", ".join(KV_POPULATE_MODES))
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")

@@ -151,7 +151,7 @@ def test_the_same_memory_holds_more_tokens(llama_dir):
 
 
 def test_bad_kv_cache_dtype_is_a_clear_error(llama_dir, capsys):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, fp8 or int8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, fp8, fp8_e4m3 or int8"):
         EngineArgs(model=llama_dir, kv_cache_dtype="fp4").create_config(512)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         _llm(llama_dir, kv_cache_dtype="fp4")
@@ -160,6 +160,21 @@ def test_bad_kv_cache_dtype_is_a_clear_error(llama_dir, capsys):
     assert "--kv-cache-dtype: invalid choice: 'fp4'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="kv_cache_dtype=fp8 is not implemented by the triton"):
         EngineArgs(model=llama_dir, kv_cache_dtype="fp8", attention_backend="triton").create_config(512)
+
+
+def test_vllms_fp8_e4m3_is_fp8(llama_dir):
+    """vLLM's name for the E4M3 codes is taken as "fp8": the same pool, the same tokens."""
+    outputs = {}
+    for kv in ("fp8", "fp8_e4m3"):
+        engine = LLMEngine(EngineArgs(model=llama_dir, dtype="float32", skip_tokenizer_init=True, kv_cache_dtype=kv,
+                                      num_kv_blocks=32, disable_log_stats=True))
+        assert engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        engine.add_request("r", {"prompt_token_ids": _prompts((40,), seed=2)[0]},
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[kv] = out.outputs[0].token_ids
+    assert outputs["fp8_e4m3"] == outputs["fp8"]
 
 
 def test_mla_latent_cache_refuses_quantization(tmp_path):

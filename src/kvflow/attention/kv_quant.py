@@ -29,7 +29,7 @@ import torch
 
 from kvflow.kv_cache_spec import KV_SCALE_BYTES
 
-_CODE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}  # kv_cache_dtype → codes
+_CODE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}  # kv_cache_dtype → codes
 _QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 SCALE_DTYPE = torch.bfloat16
 assert SCALE_DTYPE.itemsize == KV_SCALE_BYTES  # the planner and the pool count these bytes
