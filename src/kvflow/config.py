@@ -130,7 +130,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None  # None: max_loras
     quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
     group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
-    kv_cache_dtype: str = "auto"  # vLLM's name: fp8 (vLLM's fp8_e4m3 too) or int8 stores KV in one byte per number plus scales
+    kv_cache_dtype: str = "auto"  # vLLM's name: fp8 (or fp8_e4m3) or int8 stores KV in one byte per number plus scales
     # When the KV pool's pages are mapped in: "background" (from the start, beside the steps: best
     # for a batch job), "when-idle" (only while no step runs: a server's first requests keep both
     # cores; `kvflow serve`'s default), "off" (each page on its first write).
