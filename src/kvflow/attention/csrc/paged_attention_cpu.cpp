@@ -39,6 +39,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -71,31 +72,13 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Quantized caches: codes of one position x its scale, to float (exact: both have 8 significant bits).
-template <typename cache_t>
-constexpr bool kQuantized = std::is_same_v<cache_t, int8_t> || std::is_same_v<cache_t, c10::Float8_e4m3fn>;
-
+// Quantized caches: codes of one position x its scale, to float (exact: both have 8 significant
+// bits). The E4M3 form follows the AVX-512 helpers it shares.
 inline void widen_codes(const int8_t* src, float scale, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
 }
 
-inline void widen_codes(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(KVFLOW_AVX512)
-  // An E4M3 code's sign and seven other bits, moved into a half's places, make a half of 1/256 its
-  // value (subnormals included: the half's own cover them): the convert is exact, the 256 is the scale's.
-  const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7F);
-  const __m512 scale256 = _mm512_set1_ps(scale * 256.0f);
-  for (; i + 16 <= n; i += 16) {
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, sign), 8),
-                                         _mm256_slli_epi16(_mm256_and_si256(w, rest), 7));
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(half), scale256));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
@@ -180,6 +163,21 @@ struct Prefetcher {
   }
 };
 
+// Rows [0, rows) in groups of up to four, each group's size a compile-time constant:
+// f(std::integral_constant<int, R>{}, r0) for R = 4, ..., then the 1 to 3 left over. The kernels
+// below keep R rows' sums in registers.
+template <typename F>
+inline void in_row_groups(int64_t rows, F&& f) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: f(std::integral_constant<int, 1>{}, r0); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0); break;
+      case 3: f(std::integral_constant<int, 3>{}, r0); break;
+      default: f(std::integral_constant<int, 4>{}, r0);
+    }
+  }
+}
+
 #ifdef KVFLOW_AVX512
 // r[i] = row i of a 16 x 16 matrix of 32-bit elements, transposed in place.
 inline void transpose16(__m512i r[16]) {
@@ -244,16 +242,9 @@ inline void scores16(float* scores, int64_t scores_stride, const c10::BFloat16* 
       prefetch.step();
     }
     transpose16(k);  // k[j]: dimension pair j0 + j of keys 0..15
-    for (int64_t r0 = 0; r0 < n_rows; r0 += 4) {
-      float* sc = scores + r0 * scores_stride;
-      const float* qr = q + r0 * head_dim;
-      switch (std::min<int64_t>(4, n_rows - r0)) {
-        case 1: score_rows<1>(sc, scores_stride, k, qr, head_dim, j0); break;
-        case 2: score_rows<2>(sc, scores_stride, k, qr, head_dim, j0); break;
-        case 3: score_rows<3>(sc, scores_stride, k, qr, head_dim, j0); break;
-        default: score_rows<4>(sc, scores_stride, k, qr, head_dim, j0);
-      }
-    }
+    in_row_groups(n_rows, [&](auto rows, int64_t r0) {
+      score_rows<decltype(rows)::value>(scores + r0 * scores_stride, scores_stride, k, q + r0 * head_dim, head_dim, j0);
+    });
   }
 }
 
@@ -335,16 +326,10 @@ inline void accumulate_rows_upto4(float* acc, const float* p, int64_t p_stride, 
 
 inline void accumulate_rows(float* acc, const float* p, int64_t p_stride, int64_t rows, const c10::BFloat16* values,
                             int64_t pos_stride, int64_t t_lo, int64_t t_hi, int64_t head_dim, Prefetcher& prefetch) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    float* a = acc + r0 * head_dim;
-    const float* pr = p + r0 * p_stride;
-    switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: accumulate_rows_upto4<1>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim, prefetch); break;
-      case 2: accumulate_rows_upto4<2>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim, prefetch); break;
-      case 3: accumulate_rows_upto4<3>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim, prefetch); break;
-      default: accumulate_rows_upto4<4>(a, pr, p_stride, values, pos_stride, t_lo, t_hi, head_dim, prefetch);
-    }
-  }
+  in_row_groups(rows, [&](auto group, int64_t r0) {
+    accumulate_rows_upto4<decltype(group)::value>(acc + r0 * head_dim, p + r0 * p_stride, p_stride, values, pos_stride, t_lo, t_hi,
+                                 head_dim, prefetch);
+  });
 }
 
 // 16 bfloat16 scales, widened.
@@ -393,16 +378,9 @@ inline void scores16_int8(float* scores, int64_t scores_stride, const int8_t* ke
       prefetch.step();
     }
     transpose16(k);  // k[j]: dimensions d0 + 4j .. d0 + 4j + 3 of keys 0..15
-    for (int64_t r0 = 0; r0 < n_rows; r0 += 4) {
-      float* sc = scores + r0 * scores_stride;
-      const float* qr = q + r0 * head_dim;
-      switch (std::min<int64_t>(4, n_rows - r0)) {
-        case 1: score_rows_int8<1>(sc, scores_stride, k, qr, head_dim, d0); break;
-        case 2: score_rows_int8<2>(sc, scores_stride, k, qr, head_dim, d0); break;
-        case 3: score_rows_int8<3>(sc, scores_stride, k, qr, head_dim, d0); break;
-        default: score_rows_int8<4>(sc, scores_stride, k, qr, head_dim, d0);
-      }
-    }
+    in_row_groups(n_rows, [&](auto rows, int64_t r0) {
+      score_rows_int8<decltype(rows)::value>(scores + r0 * scores_stride, scores_stride, k, q + r0 * head_dim, head_dim, d0);
+    });
   }
   const __m512 scale = widen16(key_scales);
   for (int64_t r = 0; r < n_rows; ++r)
@@ -486,17 +464,10 @@ inline void scores16_fp8(float* scores, int64_t scores_stride, const c10::Float8
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(keys);
   const __m512 scale = _mm512_mul_ps(widen16(key_scales), _mm512_set1_ps(256.0f));
   __m512i k[16];
-  for (int64_t r0 = 0; r0 < n_rows; r0 += 4) {
-    float* sc = scores + r0 * scores_stride;
-    const float* qr = qp + r0 * head_dim;
-    const bool loaded = r0 > 0 && head_dim == 64;
-    switch (std::min<int64_t>(4, n_rows - r0)) {
-      case 1: scores16_fp8_rows<1>(sc, scores_stride, codes, pos_stride, qr, head_dim, scale, prefetch, k, loaded); break;
-      case 2: scores16_fp8_rows<2>(sc, scores_stride, codes, pos_stride, qr, head_dim, scale, prefetch, k, loaded); break;
-      case 3: scores16_fp8_rows<3>(sc, scores_stride, codes, pos_stride, qr, head_dim, scale, prefetch, k, loaded); break;
-      default: scores16_fp8_rows<4>(sc, scores_stride, codes, pos_stride, qr, head_dim, scale, prefetch, k, loaded);
-    }
-  }
+  in_row_groups(n_rows, [&](auto rows, int64_t r0) {
+    scores16_fp8_rows<decltype(rows)::value>(scores + r0 * scores_stride, scores_stride, codes, pos_stride, qp + r0 * head_dim, head_dim,
+                            scale, prefetch, k, /*k_loaded=*/r0 > 0 && head_dim == 64);
+  });
 }
 
 // One position's 64 codes widened to floats of 1/kScale their value: int8 exactly; E4M3 by way of
@@ -508,13 +479,16 @@ struct Int8Codes {
       v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c))));
   }
 };
+// 32 E4M3 codes as floats of 1/256 their value: [0, 16) and [16, 32).
+inline void fp8_widen32(const uint8_t* codes, __m512& lo, __m512& hi) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+  widen_halves(fp8_halves_low(w), lo, hi);
+}
 struct Fp8Codes {
   static constexpr float kScale = 256.0f;
   static void widen64(const uint8_t* codes, __m512* v) {
-    for (int c = 0; c < 2; ++c) {
-      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
-      widen_halves(fp8_halves_low(w), v[2 * c], v[2 * c + 1]);
-    }
+    fp8_widen32(codes, v[0], v[1]);
+    fp8_widen32(codes + 32, v[2], v[3]);
   }
 };
 
@@ -547,19 +521,29 @@ template <typename Codes, typename cache_t>
 inline void accumulate_code_rows(float* acc, const float* p, int64_t p_stride, int64_t rows, const cache_t* values,
                                  int64_t pos_stride, const c10::BFloat16* scales, int64_t t_lo, int64_t t_hi,
                                  int64_t head_dim, Prefetcher& prefetch) {
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(values);
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    float* a = acc + r0 * head_dim;
-    const float* pr = p + r0 * p_stride;
-    switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: accumulate_code_rows_upto4<Codes, 1>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
-      case 2: accumulate_code_rows_upto4<Codes, 2>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
-      case 3: accumulate_code_rows_upto4<Codes, 3>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch); break;
-      default: accumulate_code_rows_upto4<Codes, 4>(a, pr, p_stride, codes, pos_stride, scales, t_lo, t_hi, head_dim, prefetch);
-    }
-  }
+  in_row_groups(rows, [&](auto group, int64_t r0) {
+    accumulate_code_rows_upto4<Codes, decltype(group)::value>(acc + r0 * head_dim, p + r0 * p_stride, p_stride,
+                                             reinterpret_cast<const uint8_t*>(values), pos_stride, scales, t_lo, t_hi,
+                                             head_dim, prefetch);
+  });
 }
 #endif
+
+// widen_codes for E4M3: 32 codes at a time by way of halves where the CPU has AVX-512 (exact, the
+// 256 folded into the scale), c10's conversion elsewhere.
+inline void widen_codes(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef KVFLOW_AVX512
+  const __m512 scale256 = _mm512_set1_ps(scale * 256.0f);
+  for (; i + 32 <= n; i += 32) {
+    __m512 lo, hi;
+    fp8_widen32(reinterpret_cast<const uint8_t*>(src + i), lo, hi);
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(lo, scale256));
+    _mm512_storeu_ps(dst + i + 16, _mm512_mul_ps(hi, scale256));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
 
 // Where a cache's rows lie: (block, head) rows `block_stride` and `head_stride` elements apart,
 // positions `pos_stride` apart inside them; a quantized row's scales follow its block_size x
@@ -583,7 +567,7 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
   // for all of a query's G rows at a time for the values (accumulate_rows); so are int8 ones
   // (scores16_int8) and E4M3 ones (scores16_fp8), both with accumulate_code_rows; other
   // dtypes widen keys and values to float.
-  constexpr bool quantized = kQuantized<cache_t>;
+  constexpr bool quantized = std::is_same_v<cache_t, int8_t> || std::is_same_v<cache_t, c10::Float8_e4m3fn>;
 #ifdef KVFLOW_AVX512
   constexpr bool bf16 = std::is_same_v<cache_t, c10::BFloat16>;
   constexpr bool int8 = std::is_same_v<cache_t, int8_t>;
@@ -659,20 +643,15 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
 #ifdef KVFLOW_AVX512
     // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
     // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
-    if constexpr (bf16) {
-      if (in_sixteens)
-        for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16)
-          scores16(sc + t0, span, block_keys + t0 * c.pos_stride, c.pos_stride, q.data(), n_rows, head_dim, prefetch);
-    } else if constexpr (int8) {
-      if (in_sixteens)
-        for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16)
-          scores16_int8(sc + t0, span, block_keys + t0 * c.pos_stride, c.pos_stride, scales_of(block_keys) + t0,
-                        q.data(), n_rows, head_dim, prefetch);
-    } else if constexpr (fp8) {
-      if (in_sixteens)
-        for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16)
-          scores16_fp8(sc + t0, span, block_keys + t0 * c.pos_stride, c.pos_stride, scales_of(block_keys) + t0,
-                       q.data(), n_rows, head_dim, prefetch);
+    if (in_sixteens) {
+      for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16) {
+        const cache_t* keys16 = block_keys + t0 * c.pos_stride;
+        if constexpr (bf16) scores16(sc + t0, span, keys16, c.pos_stride, q.data(), n_rows, head_dim, prefetch);
+        else if constexpr (int8)
+          scores16_int8(sc + t0, span, keys16, c.pos_stride, scales_of(block_keys) + t0, q.data(), n_rows, head_dim, prefetch);
+        else if constexpr (fp8)
+          scores16_fp8(sc + t0, span, keys16, c.pos_stride, scales_of(block_keys) + t0, q.data(), n_rows, head_dim, prefetch);
+      }
     }
 #endif
     if (!in_sixteens) {
@@ -719,26 +698,15 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
       if (k_lo >= k_hi) continue;
       const int64_t r0 = (query_index - q0) * group;
 #ifdef KVFLOW_AVX512
-      if constexpr (bf16) {
-        if (in_sixteens) {
+      if (in_sixteens) {
+        if constexpr (bf16)
           accumulate_rows(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
                           k_lo - start, k_hi - start, head_dim, prefetch);
-          continue;
-        }
-      } else if constexpr (int8) {
-        if (in_sixteens) {
-          accumulate_code_rows<Int8Codes>(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values,
-                                          c.pos_stride, scales_of(block_values), k_lo - start, k_hi - start, head_dim,
-                                          prefetch);
-          continue;
-        }
-      } else if constexpr (fp8) {
-        if (in_sixteens) {
-          accumulate_code_rows<Fp8Codes>(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values,
-                                         c.pos_stride, scales_of(block_values), k_lo - start, k_hi - start, head_dim,
-                                         prefetch);
-          continue;
-        }
+        else if constexpr (quantized)
+          accumulate_code_rows<std::conditional_t<int8, Int8Codes, Fp8Codes>>(
+              acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
+              scales_of(block_values), k_lo - start, k_hi - start, head_dim, prefetch);
+        continue;
       }
 #endif
       for (int64_t r = r0; r < r0 + group; ++r)
