@@ -23,6 +23,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -109,68 +110,74 @@ void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& 
   });
 }
 
+constexpr float kScaleMargin = 1.0f + 1.0f / 256.0f;  // kv_quant._SCALE_ROUNDING_MARGIN
+
+template <typename code_t>
+constexpr float qmax_of() { return std::is_same_v<code_t, int8_t> ? 127.0f : 448.0f; }
+
+// The smallest scale: bfloat16's smallest normal (an all-zero vector still gets a positive scale).
+inline float min_scale() { return static_cast<float>(std::numeric_limits<c10::BFloat16>::min()); }
+
+#if defined(KVFLOW_AVX512)
+// quantize_vector 16 numbers at a time, for float and bfloat16 vectors of a multiple of 16 numbers;
+// false (nothing written) for a vector holding a NaN, whose scale the scalar path makes as torch does.
+template <typename code_t, typename scalar_t>
+bool quantize_vector16(const scalar_t* x, int64_t dim, code_t* codes, c10::BFloat16* scale_out, scalar_t* back) {
+  constexpr float qmax = qmax_of<code_t>();
+  __m512 m = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 v = load16(x + d);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
+  }
+  if (nan != 0) return false;
+  const float factor = static_cast<float>(static_cast<double>(kScaleMargin) / qmax);
+  const c10::BFloat16 scale(std::max(_mm512_reduce_max_ps(m) * factor, min_scale()));
+  *scale_out = scale;
+  const __m512 s = _mm512_set1_ps(static_cast<float>(scale));
+  const __m512 hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(load16(x + i), s), lo), hi);
+    __m128i q;
+    __m512 value;  // code x scale
+    if constexpr (std::is_same_v<code_t, int8_t>) {
+      const __m512i whole = _mm512_cvtps_epi32(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      q = _mm512_cvtepi32_epi8(whole);
+      value = _mm512_mul_ps(_mm512_cvtepi32_ps(whole), s);
+    } else {
+      q = fp8_codes16(y);
+      value = _mm512_mul_ps(fp8_values16(q), _mm512_mul_ps(s, _mm512_set1_ps(256.0f)));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), q);
+    if (back != nullptr) store16(back + i, value);
+  }
+  return true;
+}
+#endif
+
 // One vector of `dim` numbers → codes and its scale (see the file's comment); `back`, where
 // given, receives code x scale in the input's dtype (kv_quant.round_trip: what the cache now
 // gives back, for a prompt's attention to its own keys).
 template <typename code_t, typename scalar_t>
 void quantize_vector(const scalar_t* x, int64_t dim, code_t* codes, c10::BFloat16* scale_out, scalar_t* back) {
-  constexpr bool int8 = std::is_same_v<code_t, int8_t>;
-  constexpr float qmax = int8 ? 127.0f : 448.0f;
-  const float factor = static_cast<float>((1.0 + 1.0 / 256.0) / static_cast<double>(qmax));
-  const float tiny = std::numeric_limits<c10::BFloat16>::min();
-  float amax = 0.f;
-  int64_t d = 0;
 #if defined(KVFLOW_AVX512)
-  constexpr bool wide = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
-  bool has_nan = false;
-  if constexpr (wide) {
-    if (dim % 16 == 0) {
-      __m512 m = _mm512_setzero_ps();
-      __mmask16 nan = 0;
-      for (; d < dim; d += 16) {
-        const __m512 v = load16(x + d);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        m = _mm512_max_ps(m, _mm512_abs_ps(v));
-      }
-      amax = _mm512_reduce_max_ps(m);
-      has_nan = nan != 0;
-    }
-  }
-  if (d == dim && !has_nan) {
-    if constexpr (wide) {
-      const c10::BFloat16 scale(std::max(amax * factor, tiny));
-      *scale_out = scale;
-      const __m512 s = _mm512_set1_ps(static_cast<float>(scale));
-      const __m512 hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
-      for (int64_t i = 0; i < dim; i += 16) {
-        const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(load16(x + i), s), lo), hi);
-        if constexpr (int8) {
-          const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(q));
-          if (back != nullptr) store16(back + i, _mm512_mul_ps(_mm512_cvtepi32_ps(q), s));
-        } else {
-          const __m128i q = fp8_codes16(y);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), q);
-          if (back != nullptr) store16(back + i, _mm512_mul_ps(fp8_values16(q), _mm512_mul_ps(s, _mm512_set1_ps(256.0f))));
-        }
-      }
-      return;
-    }
-  }
-  d = 0;
-  amax = 0.f;
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)
+    if (dim % 16 == 0 && quantize_vector16(x, dim, codes, scale_out, back)) return;
 #endif
-  for (; d < dim; ++d) {
+  constexpr float qmax = qmax_of<code_t>();
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) {
     const float a = std::fabs(static_cast<float>(x[d]));
     if (!(a <= amax)) amax = a;  // NaN stays NaN, as torch's amax
   }
-  const float product = amax * factor;
-  const c10::BFloat16 scale(std::isnan(product) ? product : std::max(product, tiny));
+  const float product = amax * static_cast<float>(static_cast<double>(kScaleMargin) / qmax);
+  const c10::BFloat16 scale(std::isnan(product) ? product : std::max(product, min_scale()));
   *scale_out = scale;
   const float s = static_cast<float>(scale);
-  for (d = 0; d < dim; ++d) {
+  for (int64_t d = 0; d < dim; ++d) {
     const float y = std::min(std::max(static_cast<float>(x[d]) / s, -qmax), qmax);
-    if constexpr (int8) codes[d] = static_cast<int8_t>(std::nearbyint(y));
+    if constexpr (std::is_same_v<code_t, int8_t>) codes[d] = static_cast<int8_t>(std::nearbyint(y));
     else codes[d] = static_cast<code_t>(y);
     if (back != nullptr) back[d] = static_cast<scalar_t>(static_cast<float>(codes[d]) * s);
   }
