@@ -100,12 +100,17 @@ def test_quantized_op_is_taken_for_a_cpu_pool(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [DIM, 64])
 def test_quantized_write_gives_back_the_round_trip(codes, dtype, dim, monkeypatch):
-    """write_kv returns K and V as the cache gives them back (a fresh prompt attends to these):
-    kv_quant.round_trip's bits, from the op and from torch alike, padding rows included."""
+    """write_kv(read_back=True) returns K and V as the cache gives them back (a fresh prompt
+    attends to these): kv_quant.round_trip's bits, from the op and from torch alike, padding rows
+    included. Without read_back (steps with no fresh prompt) nothing is made: k and v come back."""
     slots = [9, -1, 13, 20]
     k, v = projections(len(slots), dtype, dim)
     for switch in ("1", "0"):
         monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, switch)
         pool = torch.zeros(2, BLOCKS, KV_HEADS, BLOCK_SIZE * (dim + 2), dtype=codes)
-        k_back, v_back = write_kv(k, v, pool, meta_for(slots))
+        k_back, v_back = write_kv(k, v, pool, meta_for(slots), read_back=True)
         assert torch.equal(k_back, kv_quant.round_trip(k, codes)) and torch.equal(v_back, kv_quant.round_trip(v, codes))
+        pool_after_read_back = pool.clone()
+        k_given, v_given = write_kv(k, v, pool, meta_for(slots))
+        assert k_given is k and v_given is v  # no round trip made
+        assert torch.equal(pool.view(torch.uint8), pool_after_read_back.view(torch.uint8))  # the same bits stored

@@ -33,10 +33,11 @@ def load_writer():
     return torch.ops.kvflow_cpu_kv.write_kv
 
 
-def try_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+def try_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              read_back: bool = False):
     """Write with the op where it takes these tensors (CPU, head_dim contiguous, a contiguous
-    pool: of k's dtype, or quantized) and return k and v as the cache gives them back (for a
-    quantized cache: code x scale, from the same pass); None: the caller writes with torch."""
+    pool: of k's dtype, or quantized); None: the caller writes with torch. Else k and v, as the
+    cache gives them back where `read_back` (a quantized cache: code x scale, from the same pass)."""
     quantized = kv_quant.is_quantized(kv_cache)
     if (kv_cache.device.type != "cpu" or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
             or k.dtype != v.dtype or (not quantized and k.dtype != kv_cache.dtype)
@@ -49,6 +50,6 @@ def try_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_map
     if not quantized:
         writer(kv_cache[0], kv_cache[1], k, v, slot_mapping)
         return k, v
-    k_back, v_back = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
-    torch.ops.kvflow_cpu_kv.write_kv_quantized(kv_cache[0], kv_cache[1], k, v, slot_mapping, k_back, v_back)
-    return k_back, v_back
+    back = (torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)) if read_back else (None, None)
+    torch.ops.kvflow_cpu_kv.write_kv_quantized(kv_cache[0], kv_cache[1], k, v, slot_mapping, *back)
+    return back if read_back else (k, v)

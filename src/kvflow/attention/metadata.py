@@ -55,22 +55,24 @@ def slot_blocks_and_offsets(meta: AttentionMetadata) -> tuple[torch.Tensor, torc
     return meta.plans["slots"]
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Store the new tokens' K and V, and return them as every later read of the cache will see
-    them (a prompt attending to its own keys must see the same). kv_cache: [2, num_blocks,
-    num_kv_heads, block_size, head_dim] (head-major inside a block, so a request's keys gather into
-    contiguous [heads, len, dim]), or a quantized cache (kvflow.attention.kv_quant), which stores
-    codes and scales and gives back code x scale. On CPU one C++ op copies (or quantizes) the rows
-    into their blocks (cpu_kv_write), where it is built."""
-    written = cpu_kv_write.try_write(k, v, kv_cache, meta.slot_mapping)
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+             read_back: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store the new tokens' K and V. kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim]
+    (head-major inside a block, so a request's keys gather into contiguous [heads, len, dim]), or
+    a quantized cache (kvflow.attention.kv_quant), which stores codes and scales. Returns k and v:
+    with `read_back`, as every later read of the cache will see them (a quantized cache's code x
+    scale), for a prompt attending to its own keys. On CPU one C++ op copies (or quantizes) the
+    rows into their blocks (cpu_kv_write), where it is built."""
+    written = cpu_kv_write.try_write(k, v, kv_cache, meta.slot_mapping, read_back)
     if written is not None:
         return written
     blocks, offsets, rows = slot_blocks_and_offsets(meta)
     k_rows, v_rows = (k, v) if rows is None else (k[rows], v[rows])
     if kv_quant.is_quantized(kv_cache):
         kv_quant.write(k_rows, v_rows, kv_cache, blocks, offsets, meta.block_size)
-        return kv_quant.round_trip(k, kv_cache.dtype), kv_quant.round_trip(v, kv_cache.dtype)
+        if read_back:
+            return kv_quant.round_trip(k, kv_cache.dtype), kv_quant.round_trip(v, kv_cache.dtype)
+        return k, v
     kv_cache[0].transpose(1, 2)[blocks, offsets] = k_rows.to(kv_cache.dtype)
     kv_cache[1].transpose(1, 2)[blocks, offsets] = v_rows.to(kv_cache.dtype)
     return k, v

@@ -73,8 +73,6 @@ class TorchSDPABackend:
                                f"(a C++ compiler is required; is {cpu_paged.DISABLE_ENV}=0 set?)")
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
-        if layer.writes_kv:
-            k, v = write_kv(k, v, kv_cache, meta)  # a quantized cache's code x scale: a prompt sees its own keys so
         key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.head_dim, layer.writes_kv)  # layers may differ in all
         plan = meta.plans.get(key)
         if plan is None:
@@ -82,6 +80,8 @@ class TorchSDPABackend:
                 kv_cache.dtype == q.dtype or kv_quant.is_quantized(kv_cache))
             plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv,
                                                 layer.head_dim if in_place else None, self.batch_invariant)
+        if layer.writes_kv:  # fresh prompts see their own keys as the cache will give them back
+            k, v = write_kv(k, v, kv_cache, meta, read_back=bool(plan.fresh_prompts))
         out = torch.empty_like(q)
         for rows in plan.fresh_prompts:
             if self.prompt_kernel is not None and cpu_prompt.takes(q[rows], k[rows], v[rows]):
