@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvflow.kv_cache_spec import QUANTIZED_KV_CACHE_DTYPES
+from kvflow.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, QUANTIZED_KV_CACHE_DTYPES
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.spec_decode.config import SpeculativeConfig
 
@@ -196,8 +196,7 @@ class EngineArgs:
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet (each replica "
                              "runs one rank); use one of them")
-        _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype",
-                 "auto, " + ", ".join(QUANTIZED_KV_CACHE_DTYPES[:-1]) + " or " + QUANTIZED_KV_CACHE_DTYPES[-1])
+        _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", KV_CACHE_DTYPE_CHOICES)
         _require(self.kv_populate in KV_POPULATE_MODES, "kv_populate", ", ".join(KV_POPULATE_MODES))
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")

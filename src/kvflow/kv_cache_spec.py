@@ -102,6 +102,7 @@ KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedK
 # number plus a bfloat16 scale per vector, one head's K or V at one position
 # (kvflow.attention.kv_quant). "fp8_e4m3" is vLLM's other name for the same E4M3 codes.
 QUANTIZED_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "int8")
+KV_CACHE_DTYPE_CHOICES = "auto, " + ", ".join(QUANTIZED_KV_CACHE_DTYPES[:-1]) + " or " + QUANTIZED_KV_CACHE_DTYPES[-1]
 KV_SCALE_BYTES = 2
 
 
@@ -110,8 +111,7 @@ def token_bytes(spec: KVCacheSpec, dtype_bytes: float, kv_cache_dtype: str = "au
     if kv_cache_dtype == "auto":
         return spec.elements_per_token * dtype_bytes
     if kv_cache_dtype not in QUANTIZED_KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be auto, {' or '.join(QUANTIZED_KV_CACHE_DTYPES)}; "
-                         f"got {kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype must be {KV_CACHE_DTYPE_CHOICES}; got {kv_cache_dtype!r}")
     return spec.elements_per_token + spec.vectors_per_token * KV_SCALE_BYTES
 
 
