@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kvflow import cpu_extension
-from kvflow.attention import cpu_kv_write
+from kvflow.attention import cpu_kv_write, kv_quant
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
@@ -52,6 +52,12 @@ def load_kernel():
                                               extra_cflags=cpu_extension.WIDE_VECTORS)):
         return None
     return torch.ops.kvflow_cpu.paged_attention
+
+
+def reads(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kernel reads this pool for queries of `dtype`: a CPU pool of that dtype, or of
+    int8/fp8 codes (kv_quant.py)."""
+    return kv_cache.device.type == "cpu" and (kv_cache.dtype == dtype or kv_quant.is_quantized(kv_cache))
 
 
 def attend_in_place(kernel, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

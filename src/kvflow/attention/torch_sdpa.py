@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.attention import cpu_paged, cpu_prompt, kv_quant
+from kvflow.attention import cpu_paged, cpu_prompt
 from kvflow.attention.metadata import (
     AttentionLayerSpec,
     AttentionMetadata,
@@ -76,8 +76,7 @@ class TorchSDPABackend:
         key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.head_dim, layer.writes_kv)  # layers may differ in all
         plan = meta.plans.get(key)
         if plan is None:
-            in_place = self.kernel is not None and q.device.type == "cpu" and (
-                kv_cache.dtype == q.dtype or kv_quant.is_quantized(kv_cache))
+            in_place = self.kernel is not None and cpu_paged.reads(kv_cache, q.dtype)
             plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv,
                                                 layer.head_dim if in_place else None, self.batch_invariant)
         if layer.writes_kv:  # fresh prompts see their own keys as the cache will give them back

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from kvflow import cpu_extension
-from kvflow.attention import cpu_kv_write, kv_quant
+from kvflow.attention import cpu_kv_write, cpu_paged, kv_quant
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.attention.torch_sdpa import TorchSDPABackend
 from kvflow.model.layers import activation, cpu_ops
@@ -213,9 +213,8 @@ def _takes(model: nn.Module, kv_caches: list[torch.Tensor]) -> bool:
                 or type(backend) is not TorchSDPABackend or backend.kernel is None
                 or layer.mlp.act_and_mul is not activation.silu_and_mul
                 or any(not isinstance(lin, LinearBase) or lin.bias is not None or lin.tp_size != 1 for lin in linears)
-                or cache.device.type != "cpu" or not cache.is_contiguous()
-                or not (kv_quant.is_quantized(cache) and cache.dim() == 4
-                        or cache.dim() == 5 and cache.dtype == layer.input_layernorm.weight.dtype)):
+                or not cpu_paged.reads(cache, layer.input_layernorm.weight.dtype) or not cache.is_contiguous()
+                or cache.dim() != (4 if kv_quant.is_quantized(cache) else 5)):
             return False
     return (len(decoder.layers) == len(kv_caches) and decoder.embed_tokens.tp_size == 1
             and cpu_ops.enabled() and cpu_ops.load() is not None and cpu_kv_write.load_writer() is not None
