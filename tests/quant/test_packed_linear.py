@@ -1,5 +1,6 @@
 """Float weights packed once for oneDNN (quant/packed_linear.py): the same products as F.linear,
-used by unquantized bf16 layers on CPU, and never for other dtypes."""
+used by unquantized bf16 layers on CPU, and never for other dtypes. The oneDNN tests switch the
+AMX kernel off (its products sum in another order: tests/quant/test_amx_linear.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.model.layers.linear import MergedColumnParallelLinear
-from kvflow.quant import packed_linear
+from kvflow.quant import amx_linear, packed_linear
+
+
+@pytest.fixture
+def onednn_only(monkeypatch):
+    monkeypatch.setenv(amx_linear.DISABLE_ENV, "0")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 130, 200, 1100])  # x has 2 * rows: 400 is a middle count
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_product_equals_f_linear(rows, bias):
+def test_packed_product_equals_f_linear(rows, bias, onednn_only):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     b = torch.randn(96, generator=gen).bfloat16() if bias else None
@@ -22,7 +28,7 @@ def test_packed_product_equals_f_linear(rows, bias):
     assert torch.equal(packed_linear.packed_linear(x, packed, b), F.linear(x, weight, b))
 
 
-def test_the_layout_for_middle_row_counts_is_packed_when_one_first_asks():
+def test_the_layout_for_middle_row_counts_is_packed_when_one_first_asks(onednn_only):
     weight = torch.randn(96, 64).bfloat16()
     packed = packed_linear.PackedWeight(weight)
     low, high = packed_linear.MIDDLE_ROWS

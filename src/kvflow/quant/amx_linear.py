@@ -1,0 +1,76 @@
+"""bf16 products on AMX tiles for decode-sized row counts (`csrc/amx_linear_cpu.cpp`).
+
+oneDNN's products at 1-512 rows read the weights at 15-17 GB/s where this CPU reads 23-25: the
+decode steps' GEMMs were memory-bound below the memory's speed. The kernel here streams a weight
+laid out once as tile operands (`pack`), each thread its own share in order, and multiplies each
+16-column panel by every row of x while it is in cache. Measured on SmolLM2's 30 layers (weights
+cycling, 2026-11-27): 16 rows 14.9 -> 9.3 ms, 128 rows 28 -> 21 ms, 512 rows 69 -> 60 ms; at 4,096
+rows oneDNN's blocked kernel is twice as fast, so larger products stay there (`MAX_ROWS`).
+
+Each output sums K in one fixed order whatever the row count, so a row's result does not depend
+on its batch. Against oneDNN's products the sums differ in order only (1 bf16 ulp in ~1 output of
+10,000; tests/quant/test_amx_linear.py).
+
+Built once per machine like the other kernels (kvflow/cpu_extension.py); where it cannot be built
+or the CPU has no AMX, `available()` is False and oneDNN runs. `KVFLOW_AMX_LINEAR=0` asks for
+oneDNN (A/B measurements).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from kvflow import cpu_extension
+
+SOURCE = Path(__file__).parent / "csrc" / "amx_linear_cpu.cpp"
+DISABLE_ENV = "KVFLOW_AMX_LINEAR"
+MAX_ROWS = 512
+
+
+def available() -> bool:
+    """The kernel is built and the CPU has AMX (KVFLOW_AMX_LINEAR=0: False, read at every call)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    return _loaded()
+
+
+def _loaded() -> bool:
+    return (cpu_extension.load_library("kvflow_amx_linear", SOURCE, "the AMX linear kernel",
+                                       extra_cflags=cpu_extension.WIDE_VECTORS)
+            and torch.ops.kvflow_amx_linear.available())
+
+
+def takes(rows: int, weight_shape: torch.Size | tuple[int, int]) -> bool:
+    """An [rows, K] x [N, K] product the kernel runs here: at most MAX_ROWS rows, N a multiple of
+    16, K of 32."""
+    n, k = weight_shape
+    return rows <= MAX_ROWS and n % 16 == 0 and k % 32 == 0 and available()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] as 16-column panels [N / 16, K / 32, 16, 32]: panel p's tile for K slice s holds
+    W[16p + j, 32s + 2i + h] at [i, 2j + h] (the B operand's K pairs x columns)."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
+
+
+def pack_gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gate's and the up's panels of the same columns side by side: [I / 16, 2, K / 32, 16, 32]."""
+    return torch.stack([pack(gate), pack(up)], dim=1).contiguous()
+
+
+def linear(rows: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, K] @ Wᵀ (+ bias) for W packed by `pack`."""
+    out = torch.empty(rows.shape[0], panels.shape[0] * 16, dtype=rows.dtype)
+    torch.ops.kvflow_amx_linear.linear(out, rows, panels, bias, False)
+    return out
+
+
+def silu_and_mul(rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """SiLU(rows W_gateᵀ) * (rows W_upᵀ) for panels by `pack_gated`."""
+    out = torch.empty(rows.shape[0], panels.shape[0] * 16, dtype=rows.dtype)
+    torch.ops.kvflow_amx_linear.linear(out, rows, panels, None, True)
+    return out

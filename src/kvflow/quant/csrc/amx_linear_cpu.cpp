@@ -1,0 +1,243 @@
+// y = x Wᵀ on AMX tiles for bfloat16 x [M, K] and W [N, K], for the row counts of decode steps.
+//
+// oneDNN's bf16 products at 1-512 rows streamed SmolLM2's weights at 15-17 GB/s where this CPU
+// reads 23-25 (2026-11-27, 30 layers' weights cycling, 16 rows: 14.9 ms against 9.3 here; 128
+// rows: 28 against 21). Here the weight is laid out once as tile operands, one 16-column panel
+// after another: panel n holds, for each 32-wide slice of K, the B tile of those columns (16 rows
+// of K pairs x 16 columns x 2). A unit of work is two panels (32 output columns), or for the
+// gated form a gate panel and the up panel of the same columns; a thread streams its units' panels
+// once, in order, and multiplies each by every 32 rows of x (A tiles loaded where x lies), four
+// float tiles accumulating over K in order. So each output's sum runs over K in the same order
+// whatever M is: a row's result never depends on the other rows.
+//
+// The gated form is SiLU(x W_gateᵀ) * (x W_upᵀ) as oneDNN's two epilogues give it: SiLU of the
+// float sum, rounded to bfloat16, times the up product's float sum, rounded.
+//
+// Tiles: 0-3 = C (rows 0-15 and 16-31 of the block x the unit's two panels), 4, 5 = A, 6, 7 = B.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVFLOW_LINEAR_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileBytes = 1024;  // one B tile: 16 K pairs x 16 columns x 2 bfloat16
+
+#ifdef KVFLOW_LINEAR_AMX
+// Linux hands out the tile registers only to a process that asked.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+inline void store_bf16(c10::BFloat16* dst, __m512 v) {
+  const __m256bh rounded = _mm512_cvtneps_pbh(v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(rounded));
+}
+
+inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+
+// e^x on 16 lanes, x clamped to [-87, 88]: 2^n · e^r with |r| <= ln 2 / 2, e^r by its Taylor
+// polynomial to r^7 (relative error under 2^-23).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+struct Operands {
+  const c10::BFloat16* x;     // [M, K], rows ldx apart
+  int64_t ldx;
+  const c10::BFloat16* tail;  // the last rows when M % 16 != 0, zero-padded to 16: [16, K]
+  int64_t m, k;
+  const char* panels;         // 16-column panels, K / 32 tiles each
+  const float* bias;          // [N] or null
+  c10::BFloat16* y;           // [M, N_out], contiguous
+  int64_t n_out;
+};
+
+// Where the A tiles of rows [16 b, 16 b + 16) start, and their row stride in bytes.
+struct RowBlock {
+  const c10::BFloat16* rows;
+  int64_t stride;
+};
+
+inline RowBlock row_block(const Operands& op, int64_t block) {
+  if (op.tail != nullptr && (block + 1) * 16 > op.m) return {op.tail, op.k * 2};
+  return {op.x + block * 16 * op.ldx, op.ldx * 2};
+}
+
+// C tiles 0, 1 (and 2, 3 for a second 16-row block) = rows of blocks b, b + 1 x panels p0, p1.
+inline void multiply(const Operands& op, int64_t block, bool two, const char* p0, const char* p1) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const RowBlock a0 = row_block(op, block), a1 = two ? row_block(op, block + 1) : a0;
+  for (int64_t kb = 0; kb < op.k / 32; ++kb) {
+    _tile_loadd(6, p0 + kb * kTileBytes, 64);
+    _tile_loadd(7, p1 + kb * kTileBytes, 64);
+    _tile_loadd(4, a0.rows + kb * 32, a0.stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, a1.rows + kb * 32, a1.stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// c: [32 rows][32 floats] as the C tiles were stored (rows 64 floats apart would waste L1).
+inline void store_c(float* c, bool two) {
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if (two) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+// Plain: a unit is panels 2u and 2u + 1 (the last may be alone), output columns 32u on.
+void plain_units(const Operands& op, int64_t panels, int64_t begin, int64_t end) {
+  alignas(64) float c[32 * 32];
+  const int64_t panel_bytes = op.k / 32 * kTileBytes;
+  const int64_t blocks = (op.m + 15) / 16;
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t first = 2 * u, width = std::min<int64_t>(2, panels - first);
+    const char* p0 = op.panels + first * panel_bytes;
+    const char* p1 = width == 2 ? p0 + panel_bytes : p0;  // a lone panel: the second product is unused
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const bool two = b + 1 < blocks;
+      multiply(op, b, two, p0, p1);
+      store_c(c, two);
+      const int64_t rows = std::min<int64_t>(two ? 32 : 16, op.m - b * 16);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < width; ++h) {
+          __m512 v = _mm512_loadu_ps(c + r * 32 + h * 16);
+          if (op.bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(op.bias + (first + h) * 16));
+          store_bf16(op.y + (b * 16 + r) * op.n_out + (first + h) * 16, v);
+        }
+    }
+  }
+}
+
+// Gated: unit u is gate panel u and up panel u (stored one after the other), output columns 16u on.
+void gated_units(const Operands& op, int64_t begin, int64_t end) {
+  alignas(64) float c[32 * 32];
+  const int64_t panel_bytes = op.k / 32 * kTileBytes;
+  const int64_t blocks = (op.m + 15) / 16;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t u = begin; u < end; ++u) {
+    const char* gate = op.panels + 2 * u * panel_bytes;
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const bool two = b + 1 < blocks;
+      multiply(op, b, two, gate, gate + panel_bytes);
+      store_c(c, two);
+      const int64_t rows = std::min<int64_t>(two ? 32 : 16, op.m - b * 16);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 g = _mm512_loadu_ps(c + r * 32), up = _mm512_loadu_ps(c + r * 32 + 16);
+        const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        store_bf16(op.y + (b * 16 + r) * op.n_out + u * 16, _mm512_mul_ps(act, up));
+      }
+    }
+  }
+}
+#endif
+
+bool available() {
+#ifdef KVFLOW_LINEAR_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// y [M, N] = x [M, K] Wᵀ (+ bias) for W packed as `panels` [N / 16, K / 32, 16, 32]; gated: panels
+// [I / 16, 2, K / 32, 16, 32] (gate, up) and y [M, I] = SiLU(x W_gateᵀ) * (x W_upᵀ).
+void linear(at::Tensor y, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+            bool gated) {
+  TORCH_CHECK(available(), "amx_linear: no AMX here");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "amx_linear: x is [M, K] bfloat16, unit-stride rows");
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous(), "amx_linear: panels are contiguous bfloat16");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 32 == 0 && panels.size(-1) == 32 && panels.size(-2) == 16 && panels.size(-3) == k / 32,
+              "amx_linear: panels [..., K / 32, 16, 32] for x's K, a multiple of 32");
+  const int64_t panel_count = gated ? panels.size(0) * 2 : panels.size(0);
+  TORCH_CHECK(!gated || (panels.dim() == 5 && panels.size(1) == 2), "amx_linear: gated panels are [I / 16, 2, K / 32, 16, 32]");
+  TORCH_CHECK(gated || panels.dim() == 4, "amx_linear: panels are [N / 16, K / 32, 16, 32]");
+  const int64_t n_out = gated ? panels.size(0) * 16 : panel_count * 16;
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous() && y.size(0) == m && y.size(1) == n_out,
+              "amx_linear: y is a contiguous [M, N] bfloat16 tensor");
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(!gated && bias->numel() == n_out, "amx_linear: bias is [N], for the plain product");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  if (m == 0) return;
+#ifdef KVFLOW_LINEAR_AMX
+  at::Tensor tail;
+  if (m % 16 != 0) {  // the last rows, zero-padded to a whole A tile
+    tail = at::zeros({16, k}, x.options());
+    tail.narrow(0, 0, m % 16).copy_(x.narrow(0, m - m % 16, m % 16));
+  }
+  const Operands op{x.data_ptr<c10::BFloat16>(), x.stride(0), tail.defined() ? tail.data_ptr<c10::BFloat16>() : nullptr,
+                    m, k, reinterpret_cast<const char*>(panels.data_ptr<c10::BFloat16>()),
+                    bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr<c10::BFloat16>(), n_out};
+  // Each thread streams a contiguous range of units: its share of the weight, read once.
+  const int64_t units = gated ? panels.size(0) : (panel_count + 1) / 2;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    if (gated)
+      gated_units(op, begin, end);
+    else
+      plain_units(op, panel_count, begin, end);
+    _tile_release();
+  });
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvflow_amx_linear, m) {
+  m.def("linear(Tensor(a!) y, Tensor x, Tensor panels, Tensor? bias, bool gated) -> ()");
+  m.def("available() -> bool", &available);
+}
+
+TORCH_LIBRARY_IMPL(kvflow_amx_linear, CPU, m) { m.impl("linear", &linear); }
