@@ -95,6 +95,8 @@ def test_packed_bf16_layers_take_the_kernel_up_to_its_row_bound():
     assert torch.equal(small, amx_linear.linear(x[:9], packed.panels))
     _close_to_float32(big, F.linear(x.float(), weight.float()))
     assert not amx_linear.takes(4, (64, 80)) and not amx_linear.takes(4, (72, 96))  # K of 32s, N of 16s
+    wide = (amx_linear.WIDE_COLUMNS + 16, 96)
+    assert amx_linear.takes(amx_linear.WIDE_MAX_ROWS, wide) and not amx_linear.takes(amx_linear.WIDE_MAX_ROWS + 1, wide)
 
 
 def test_switched_off_it_leaves_the_product_to_onednn(monkeypatch):

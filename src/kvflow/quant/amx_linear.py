@@ -5,7 +5,8 @@ decode steps' GEMMs were memory-bound below the memory's speed. The kernel here 
 laid out once as tile operands (`pack`), each thread its own share in order, and multiplies each
 16-column panel by every row of x while it is in cache. Measured on SmolLM2's 30 layers (weights
 cycling, 2026-11-27): 16 rows 14.9 -> 9.3 ms, 128 rows 28 -> 21 ms, 512 rows 69 -> 60 ms; at 4,096
-rows oneDNN's blocked kernel is twice as fast, so larger products stay there (`MAX_ROWS`).
+rows oneDNN's blocked kernel is twice as fast, so larger products stay there (`MAX_ROWS`), and so
+do an LM head's past 32 rows.
 
 Each output sums K in one fixed order whatever the row count, so a row's result does not depend
 on its batch. Against oneDNN's products the sums differ in order only (1 bf16 ulp in ~1 output of
@@ -28,6 +29,10 @@ from kvflow import cpu_extension
 SOURCE = Path(__file__).parent / "csrc" / "amx_linear_cpu.cpp"
 DISABLE_ENV = "KVFLOW_AMX_LINEAR"
 MAX_ROWS = 512
+# Products with wide outputs (an LM head: 49,152 columns) only up to 32 rows: SmolLM2's head read
+# from memory at 16 rows took 2.4 ms here against oneDNN's 2.9, at 64 rows 3.9 against 3.8, at
+# 128 rows 6.2 against 4.4-5.0.
+WIDE_COLUMNS, WIDE_MAX_ROWS = 4096, 32
 
 
 def available() -> bool:
@@ -44,10 +49,11 @@ def _loaded() -> bool:
 
 
 def takes(rows: int, weight_shape: torch.Size | tuple[int, int]) -> bool:
-    """An [rows, K] x [N, K] product the kernel runs here: at most MAX_ROWS rows, N a multiple of
-    16, K of 32."""
+    """An [rows, K] x [N, K] product the kernel runs here: at most MAX_ROWS rows (WIDE_MAX_ROWS
+    past WIDE_COLUMNS columns), N a multiple of 16, K of 32."""
     n, k = weight_shape
-    return rows <= MAX_ROWS and n % 16 == 0 and k % 32 == 0 and available()
+    return (rows <= (MAX_ROWS if n <= WIDE_COLUMNS else WIDE_MAX_ROWS) and n % 16 == 0 and k % 32 == 0
+            and available())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
