@@ -212,12 +212,14 @@ class LLMEngine:
         return request_id
 
     def warm_up(self) -> None:
-        """Run one throwaway prompt the size of a full step before the first request, so that the
-        first requests do not wait for what a first step builds lazily: oneDNN's primitives, the
-        packed weights' layout for middle row counts, the SiLU·up pairs (on the 2026-11-27 VM a
-        server's first ~1,000-token prompt took 604 ms to its first token, the next ones 217-228).
-        It leaves no trace: its blocks go back to the pool and out of the prefix cache, and the
-        counters read as before. One token is sampled, so no decode step runs (and no speculation)."""
+        """Run one throwaway prompt the size of a full step, then one step of 16 one-token prompts
+        (a decode batch's row count), before the first request, so that the first requests do not
+        wait for what a first step builds lazily: oneDNN's primitives, the packed weights' layout
+        for middle row counts, the SiLU·up pairs, the AMX kernel's panels for few rows (on the
+        2026-11-27 VM a server's first ~1,000-token prompt took 604 ms to its first token, the next
+        ones 217-228). It leaves no trace: its blocks go back to the pool and out of the prefix
+        cache, and the counters read as before. One token is sampled each, so no decode step runs
+        (and no speculation)."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up runs before any request")
         num_tokens = max(1, min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len - 1))
@@ -226,10 +228,13 @@ class LLMEngine:
         kv = self.scheduler.kv_cache
         counters = (self._prompt_tokens_total, self._generation_tokens_total, kv.prefix_cache_queries,
                     kv.prefix_cache_hits)
-        self.add_request("kvflow-warm-up", {"prompt_token_ids": [0] * num_tokens},
-                         SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        while self.has_unfinished_requests():
-            self.step()
+        few_rows = min(16, self.config.scheduler.max_num_seqs, num_tokens)
+        for batch in ([[0] * num_tokens], [[0]] * few_rows):
+            for i, prompt in enumerate(batch):
+                self.add_request(f"kvflow-warm-up-{i}", {"prompt_token_ids": prompt},
+                                 SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            while self.has_unfinished_requests():
+                self.step()
         (self._prompt_tokens_total, self._generation_tokens_total, kv.prefix_cache_queries,
          kv.prefix_cache_hits) = counters
         self.reset_prefix_cache()
