@@ -38,3 +38,24 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "built True" in result.stdout and "twice 42" in result.stdout
     assert "left by a build of a test kernel that did not finish" in result.stderr
+
+
+def test_a_change_to_a_shared_header_names_new_builds(tmp_path, monkeypatch):
+    from kvflow import cpu_extension
+
+    source = tmp_path / "ext.cpp"
+    source.write_text(SOURCE)
+    headers = tmp_path / "csrc"
+    headers.mkdir()
+    monkeypatch.setattr(cpu_extension, "SHARED_HEADERS", headers)
+    (headers / "shared.h").write_text("inline int one() { return 1; }\n")
+    before = cpu_extension.build_name("kvflow_test_ext", source)
+    assert cpu_extension.build_name("kvflow_test_ext", source) == before  # stable
+    (headers / "shared.h").write_text("inline int one() { return 2 - 1; }\n")
+    assert cpu_extension.build_name("kvflow_test_ext", source) != before
+
+
+def test_the_kernels_shared_headers_are_where_the_builds_look():
+    from kvflow import cpu_extension
+
+    assert (cpu_extension.SHARED_HEADERS / "kvflow_amx.h").is_file()

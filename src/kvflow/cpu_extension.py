@@ -27,6 +27,9 @@ from kvflow.model.packaged_models import kvflow_cache_dir
 logger = logging.getLogger(__name__)
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# Headers the kernels share (`#include "kvflow_amx.h"`): on every kernel's include path, and in
+# every kernel's build name, so that a change to one rebuilds the kernels that may include it.
+SHARED_HEADERS = Path(__file__).parent / "csrc"
 # GCC vectorises loops 256 bits wide even where the CPU has AVX-512 (-march=native on Intel server
 # parts prefers 256); a kernel whose loops are its arithmetic asks for the full width (ignored
 # elsewhere).
@@ -56,8 +59,11 @@ def build_dir(name: str) -> Path:
 
 
 def build_name(prefix: str, source: Path, extra_cflags: tuple[str, ...] = ()) -> str:
-    """Changes with the source, the extra build flags, the CPU's instruction set and torch."""
+    """Changes with the source, the shared headers, the extra build flags, the CPU's instruction
+    set and torch."""
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(SHARED_HEADERS.glob("*.h")):
+        digest.update(header.read_bytes())
     for part in (" ".join(extra_cflags), _cpu_flags(), torch.__version__):
         digest.update(part.encode())
     return f"{prefix}_{digest.hexdigest()[:16]}"
@@ -97,4 +103,5 @@ def _build(name: str, source: Path, what: str, cflags: list[str]) -> None:
             (directory / "lock").unlink()
         logger.info("building %s in %s (once per machine)", what, directory)
         cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                           extra_include_paths=[str(SHARED_HEADERS)],
                            build_directory=str(directory), is_python_module=False, verbose=False)

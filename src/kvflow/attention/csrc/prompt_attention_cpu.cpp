@@ -24,9 +24,7 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "kvflow_amx.h"
 #define KVFLOW_PROMPT_AMX 1
 #endif
 
@@ -35,27 +33,6 @@ namespace {
 constexpr int64_t kHeadDim = 64;
 
 #ifdef KVFLOW_PROMPT_AMX
-// Linux hands out the tile registers only to a process that asked.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
-}
-
 // exp(x) on 16 lanes for x <= 0 (a score less the row's maximum): 2^n · e^r with |r| <= ln 2 / 2,
 // e^r by its Taylor polynomial to r^5 (relative error under 2^-16: the probabilities are rounded
 // to bfloat16, 2^-9, right after), clamped below at e^-87.
@@ -198,7 +175,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
 
 bool available() {
 #ifdef KVFLOW_PROMPT_AMX
-  return amx_permitted();
+  return kvflow_amx::permitted();
 #else
   return false;
 #endif
@@ -231,7 +208,7 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, 
   // hands each thread a contiguous range of units, so the blocks are taken last, first, second
   // last, second, ...: every range mixes long and short ones.
   at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    kvflow_amx::configure_full_tiles();
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t h = unit % heads, i = unit / heads;
       const int64_t qb = i % 2 == 0 ? blocks - 1 - i / 2 : i / 2;

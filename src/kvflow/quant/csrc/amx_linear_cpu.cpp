@@ -25,9 +25,7 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "kvflow_amx.h"
 #define KVFLOW_LINEAR_AMX 1
 #endif
 
@@ -36,27 +34,6 @@ namespace {
 constexpr int64_t kTileBytes = 1024;  // one B tile: 16 K pairs x 16 columns x 2 bfloat16
 
 #ifdef KVFLOW_LINEAR_AMX
-// Linux hands out the tile registers only to a process that asked.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
-}
-
 inline void store_bf16(c10::BFloat16* dst, __m512 v) {
   const __m256bh rounded = _mm512_cvtneps_pbh(v);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(rounded));
@@ -192,7 +169,7 @@ void gated_units(const Operands& op, int64_t begin, int64_t end) {
 
 bool available() {
 #ifdef KVFLOW_LINEAR_AMX
-  return amx_permitted();
+  return kvflow_amx::permitted();
 #else
   return false;
 #endif
@@ -232,7 +209,7 @@ void linear(at::Tensor y, const at::Tensor& x, const at::Tensor& panels, const c
   // Each thread streams a contiguous range of units: its share of the weight, read once.
   const int64_t units = gated ? panels.size(0) : (panel_count + 1) / 2;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    kvflow_amx::configure_full_tiles();
     if (gated)
       gated_units(op, begin, end);
     else
