@@ -56,3 +56,10 @@ def test_asking_for_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
         EngineArgs(device="cuda").create_config(512)
     with pytest.raises(ValueError, match="device"):
         EngineArgs(device="tpu").create_config(512)
+
+
+def test_a_max_model_len_past_the_models_context_is_refused_by_name():
+    assert EngineArgs(max_model_len=512).create_config(512).model.max_model_len == 512
+    assert EngineArgs().create_config(512).model.max_model_len == 512  # unset: the model's context
+    with pytest.raises(ValueError, match=r"max_model_len must be <= the model's context of 512 positions \(got 1024\)"):
+        EngineArgs(max_model_len=1024).create_config(512)

@@ -171,6 +171,9 @@ class EngineArgs:
         max_len = self.max_model_len or model_max_len
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two in 1..128")
         _require(max_len >= 1, "max_model_len", ">= 1")
+        # Positions past the checkpoint's context have no rotary angles (and were never trained):
+        # a longer max_model_len failed in a step, not here (vLLM refuses it too).
+        _require(max_len <= model_max_len, "max_model_len", f"<= the model's context of {model_max_len} positions (got {max_len})")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")

@@ -229,9 +229,9 @@ class LLMEngine:
         counters = (self._prompt_tokens_total, self._generation_tokens_total, kv.prefix_cache_queries,
                     kv.prefix_cache_hits)
         few_rows = min(16, self.config.scheduler.max_num_seqs, num_tokens)
-        for batch in ([[0] * num_tokens], [[0]] * few_rows):
+        for b, batch in enumerate(([[0] * num_tokens], [[0]] * few_rows)):
             for i, prompt in enumerate(batch):
-                self.add_request(f"kvflow-warm-up-{i}", {"prompt_token_ids": prompt},
+                self.add_request(f"kvflow-warm-up-{b}-{i}", {"prompt_token_ids": prompt},
                                  SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
             while self.has_unfinished_requests():
                 self.step()
