@@ -19,6 +19,7 @@ oneDNN (A/B measurements).
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def available() -> bool:
     return _loaded()
 
 
+@functools.cache  # once per process: asked before every product
 def _loaded() -> bool:
     return (cpu_extension.load_library("kvflow_amx_linear", SOURCE, "the AMX linear kernel",
                                        extra_cflags=cpu_extension.WIDE_VECTORS)
