@@ -27,8 +27,9 @@ from kvflow.model.packaged_models import kvflow_cache_dir
 logger = logging.getLogger(__name__)
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-# Headers the kernels share (`#include "kvflow_amx.h"`): on every kernel's include path, and in
-# every kernel's build name, so that a change to one rebuilds the kernels that may include it.
+# Headers the kernels share (`#include "kvflow_avx512.h"`, `"kvflow_amx.h"`): on every kernel's
+# include path, and in every kernel's build name, so that a change to one rebuilds the kernels
+# that may include it.
 SHARED_HEADERS = Path(__file__).parent / "csrc"
 # GCC vectorises loops 256 bits wide even where the CPU has AVX-512 (-march=native on Intel server
 # parts prefers 256); a kernel whose loops are its arithmetic asks for the full width (ignored

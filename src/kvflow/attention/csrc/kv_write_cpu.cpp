@@ -28,6 +28,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "kvflow_avx512.h"
 #define KVFLOW_AVX512 1
 #endif
 
@@ -59,10 +61,8 @@ inline __m128i fp8_codes16(__m512 y) {
 }
 // 16 E4M3 codes to floats of 1/256 their value (exact): their bits in a half's places.
 inline __m512 fp8_values16(__m128i codes) {
-  const __m256i w = _mm256_cvtepu8_epi16(codes);
-  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                       _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
-  return _mm512_cvtph_ps(half);
+  const __m512i words = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(codes));
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(kvflow_avx512::fp8_halves_low(words)));
 }
 inline void store16(c10::BFloat16* y, __m512 v) {  // rounded to nearest even, as c10::BFloat16 (no NaN here)
   const __m512i bits = _mm512_castps_si512(v);

@@ -44,6 +44,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "kvflow_avx512.h"
 #define KVFLOW_AVX512 1
 #endif
 
@@ -248,19 +250,7 @@ inline void scores16(float* scores, int64_t scores_stride, const c10::BFloat16* 
   }
 }
 
-// exp_nonpositive on 16 lanes, the same steps.
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 round = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+using kvflow_avx512::exp_nonpositive16;  // exp_nonpositive on 16 lanes, the same steps
 
 // Lanes of the 16 keys from `t0` that lie in [t_lo, t_hi).
 inline __mmask16 visible(int64_t t0, int64_t t_lo, int64_t t_hi) {
@@ -389,10 +379,7 @@ inline void scores16_int8(float* scores, int64_t scores_stride, const int8_t* ke
 
 // E4M3 codes made halves of 1/256 their value (widen_codes' rule), two per 32-bit lane at once:
 // `x` holds code pairs in the low byte of each 16-bit lane (`low`) or in the high byte.
-inline __m512i fp8_halves_low(__m512i x) {
-  const __m512i sign = _mm512_slli_epi16(x, 8), rest = _mm512_and_si512(_mm512_slli_epi16(x, 7), _mm512_set1_epi16(0x3F80));
-  return _mm512_ternarylogic_epi32(sign, rest, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xEC);  // (a & c) | b
-}
+using kvflow_avx512::fp8_halves_low;
 inline __m512i fp8_halves_high(__m512i x) {
   const __m512i rest = _mm512_and_si512(_mm512_srli_epi16(x, 1), _mm512_set1_epi16(0x3F80));
   return _mm512_ternarylogic_epi32(x, rest, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xEC);

@@ -26,6 +26,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include "kvflow_amx.h"
+#include "kvflow_avx512.h"
 #define KVFLOW_LINEAR_AMX 1
 #endif
 
@@ -41,19 +42,13 @@ inline void store_bf16(c10::BFloat16* dst, __m512 v) {
 
 inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
 
-// e^x on 16 lanes, x clamped to [-87, 88]: 2^n · e^r with |r| <= ln 2 / 2, e^r by its Taylor
-// polynomial to r^7 (relative error under 2^-23).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 round = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+// SiLU(g) = g · σ(g) on 16 lanes, from e = e^-|g| (never overflows): σ(g) = 1 / (1 + e) for g >= 0,
+// e / (1 + e) below.
+inline __m512 silu16(__m512 g) {
+  const __m512 e = kvflow_avx512::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __mmask16 negative = _mm512_cmplt_ps_mask(g, _mm512_setzero_ps());
+  const __m512 numerator = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), negative, e);
+  return _mm512_mul_ps(g, _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 }
 
 struct Operands {
@@ -153,14 +148,13 @@ void plain_units(const Operands& op, int64_t panels, int64_t begin, int64_t end)
 // Gated: unit u is gate panel u and up panel u (stored one after the other), output columns 16u on.
 void gated_units(const Operands& op, int64_t begin, int64_t end) {
   const int64_t panel_bytes = op.k / 32 * kTileBytes;
-  const __m512 one = _mm512_set1_ps(1.0f);
   run_units(op, begin, end, [&](int64_t u, int64_t b, bool two, int64_t rows, float* c) {
     const char* gate = op.panels + 2 * u * panel_bytes;
     multiply(op, b, two, gate, gate + panel_bytes);
     store_c(c, two);
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 g = _mm512_loadu_ps(c + r * 32), up = _mm512_loadu_ps(c + r * 32 + 16);
-      const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+      const __m512 act = round_bf16(silu16(g));
       store_bf16(op.y + (b * 16 + r) * op.n_out + u * 16, _mm512_mul_ps(act, up));
     }
   });
