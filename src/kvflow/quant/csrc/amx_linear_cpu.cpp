@@ -21,8 +21,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include "kvflow_amx.h"
@@ -179,10 +177,9 @@ void linear(at::Tensor y, const at::Tensor& x, const at::Tensor& panels, const c
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % 32 == 0 && panels.size(-1) == 32 && panels.size(-2) == 16 && panels.size(-3) == k / 32,
               "amx_linear: panels [..., K / 32, 16, 32] for x's K, a multiple of 32");
-  const int64_t panel_count = gated ? panels.size(0) * 2 : panels.size(0);
   TORCH_CHECK(!gated || (panels.dim() == 5 && panels.size(1) == 2), "amx_linear: gated panels are [I / 16, 2, K / 32, 16, 32]");
   TORCH_CHECK(gated || panels.dim() == 4, "amx_linear: panels are [N / 16, K / 32, 16, 32]");
-  const int64_t n_out = gated ? panels.size(0) * 16 : panel_count * 16;
+  const int64_t n_out = panels.size(0) * 16;  // 16 columns a panel, or a (gate, up) pair of panels
   TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous() && y.size(0) == m && y.size(1) == n_out,
               "amx_linear: y is a contiguous [M, N] bfloat16 tensor");
   at::Tensor bias_f;
@@ -201,13 +198,13 @@ void linear(at::Tensor y, const at::Tensor& x, const at::Tensor& panels, const c
                     m, k, reinterpret_cast<const char*>(panels.data_ptr<c10::BFloat16>()),
                     bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr<c10::BFloat16>(), n_out};
   // Each thread streams a contiguous range of units: its share of the weight, read once.
-  const int64_t units = gated ? panels.size(0) : (panel_count + 1) / 2;
+  const int64_t units = gated ? panels.size(0) : (panels.size(0) + 1) / 2;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     kvflow_amx::configure_full_tiles();
     if (gated)
       gated_units(op, begin, end);
     else
-      plain_units(op, panel_count, begin, end);
+      plain_units(op, panels.size(0), begin, end);
     _tile_release();
   });
 #endif
