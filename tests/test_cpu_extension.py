@@ -54,8 +54,3 @@ def test_a_change_to_a_shared_header_names_new_builds(tmp_path, monkeypatch):
     (headers / "shared.h").write_text("inline int one() { return 2 - 1; }\n")
     assert cpu_extension.build_name("kvflow_test_ext", source) != before
 
-
-def test_the_kernels_shared_headers_are_where_the_builds_look():
-    from kvflow import cpu_extension
-
-    assert (cpu_extension.SHARED_HEADERS / "kvflow_amx.h").is_file()
