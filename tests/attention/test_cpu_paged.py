@@ -90,11 +90,24 @@ def test_kernel_matches_reference_fp32(kernel, seed, block_size, heads, kv_heads
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size, dim", [(16, 32), (32, 64), (16, 128)])  # the bf16 paths: 16-key scores, pairs
-def test_kernel_matches_reference_bf16(kernel, seed, window, block_size, dim):
+@pytest.mark.parametrize("tiles", ["1", "0"])  # scores of up to 16 rows on AMX tiles (where the CPU has them), or not
+def test_kernel_matches_reference_bf16(kernel, seed, window, block_size, dim, tiles, monkeypatch):
+    monkeypatch.setenv(cpu_paged.TILES_ENV, tiles)
     q, k, v, cache, meta, layer = nan_pool_batch(seed, block_size, 8, 2, torch.bfloat16, window, dim=dim)
     expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
     got = _kernel_attention(kernel, q, k, v, cache, meta, layer).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # the output is rounded to bf16 once
+
+
+def test_tiles_switch_reaches_the_kernel(monkeypatch):
+    """KVFLOW_CPU_ATTENTION_TILES=0 asks the kernel for multiply-add scores (the A/B switch)."""
+    asked = []
+    q, k, v, cache, meta, layer = nan_pool_batch(0, 16, 4, 2, torch.bfloat16, None)
+    for value, expected in (("0", False), ("1", True)):
+        monkeypatch.setenv(cpu_paged.TILES_ENV, value)
+        cpu_paged.attend_in_place(lambda *args: asked.append(args[-1]), q, cache, meta, layer,
+                                  torch.arange(meta.num_requests), torch.empty_like(q))
+        assert asked.pop() is expected
 
 
 def quantized_nan_pool(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

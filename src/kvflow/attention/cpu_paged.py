@@ -37,6 +37,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 MAX_QUERIES = 16
 LONG_CHUNK_MAX_HEAD_DIM = 64
 DISABLE_ENV = "KVFLOW_CPU_ATTENTION_KERNEL"
+TILES_ENV = "KVFLOW_CPU_ATTENTION_TILES"  # =0: bfloat16 scores by multiply-adds, not AMX tiles (A/B)
 
 
 def takes(query_len: int, seq_len: int, head_dim: int) -> bool:
@@ -64,7 +65,7 @@ def attend_in_place(kernel, q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
                     layer: AttentionLayerSpec, requests: torch.Tensor, out: torch.Tensor) -> None:
     """Rows of `requests` (request indices, int64) of `out` [T, H, D] from the pool in place."""
     kernel(out, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, requests,
-           layer.sliding_window or 0, layer.scale)
+           layer.sliding_window or 0, layer.scale, os.environ.get(TILES_ENV, "1") != "0")
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it

@@ -18,6 +18,12 @@
 // whatever bits the pool had (`scores16` reads a visible block's whole sixteens of keys, but a
 // score of an unwritten key is never read), and using them would let 0 x NaN into the sum.
 //
+// Where the CPU has AMX, the scores of bfloat16 queries over a bfloat16 cache, for up to 16 rows
+// (a decode's G heads, a short chunk's few queries), run on tiles instead (`scores16_amx`): the
+// keys are the A operand exactly as they lie, so no transpose, and each 16 keys x 32 dimensions
+// takes one tile multiply. With the data in cache this cut a W1-shaped decode's attention by
+// 11-25%; from memory it is bound by the reads, and gained 0-5% (docs/performance.md, stop 33).
+//
 // Quantized caches (kv_quant.py: int8 or fp8 E4M3 codes, one bfloat16 scale per position and head,
 // a (block, head) row holding the block's codes then its scales) are read in place too, at half a
 // bfloat16 cache's bytes. The scale of a position multiplies its key's score and its value's
@@ -47,6 +53,10 @@
 
 #include "kvflow_avx512.h"
 #define KVFLOW_AVX512 1
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include "kvflow_amx.h"
+#define KVFLOW_PAGED_AMX 1
+#endif
 #endif
 
 namespace {
@@ -516,6 +526,68 @@ inline void accumulate_code_rows(float* acc, const float* p, int64_t p_stride, i
 }
 #endif
 
+#ifdef KVFLOW_PAGED_AMX
+// Scores of a bfloat16 cache on AMX tiles, for up to 16 query rows: keys are the A operand as they
+// lie (16 keys x 32 dimensions a tile, rows pos_stride apart), so no transpose; the queries are
+// the B operand, laid out once per work item (`AmxQuery`), and stay in tiles 2, 3, 5, 6 (one per
+// 32 dimensions). Tile 0 sums 16 keys x 16 rows in float; tiles 1 and 4 take the keys' slices.
+// The products of two bfloat16 numbers are exact in float, as are the rows' bfloat16 values, so
+// the scores differ from the multiply-add path's only in the order of their sums; the scale
+// multiplies the float sums.
+struct AmxQuery {
+  alignas(64) uint32_t pairs[4][16][16];  // [32-dimension slice][dimension pair][row]: B tiles
+  int64_t slices = 0;
+
+  template <typename scalar_t>
+  void lay_out(const scalar_t* query, int64_t q_start, int64_t q0, int64_t n_rows, int64_t group, int64_t kv_head,
+               int64_t q_token_stride, int64_t q_head_stride, int64_t head_dim) {
+    slices = head_dim / 32;
+    std::memset(pairs, 0, sizeof pairs);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const scalar_t* row = query + (q_start + q0 + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
+      for (int64_t c = 0; c < slices; ++c)
+        for (int64_t i = 0; i < 16; ++i) std::memcpy(&pairs[c][i][r], row + 2 * (c * 16 + i), sizeof(uint32_t));
+    }
+  }
+  void load() const {
+    // _tile_loadd takes its tile number as a constant.
+    if (slices > 0) _tile_loadd(2, pairs[0], 64);
+    if (slices > 1) _tile_loadd(3, pairs[1], 64);
+    if (slices > 2) _tile_loadd(5, pairs[2], 64);
+    if (slices > 3) _tile_loadd(6, pairs[3], 64);
+  }
+};
+
+// scores[r][t] = scale * q_r . k_t for the 16 keys at `keys` (bfloat16, rows pos_stride apart) and
+// rows r < n_rows, the queries in their tiles (AmxQuery::load).
+inline void scores16_amx(float* scores, int64_t scores_stride, const c10::BFloat16* keys, int64_t pos_stride,
+                         int64_t slices, int64_t n_rows, float scale, Prefetcher& prefetch) {
+  alignas(64) float sums[16][16];  // [key][row]
+  const int64_t stride = pos_stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+  _tile_zero(0);
+  _tile_loadd(1, keys, stride);
+  _tile_dpbf16ps(0, 1, 2);
+  if (slices > 1) {
+    _tile_loadd(4, keys + 32, stride);
+    _tile_dpbf16ps(0, 4, 3);
+  }
+  if (slices > 2) {
+    _tile_loadd(1, keys + 64, stride);
+    _tile_dpbf16ps(0, 1, 5);
+  }
+  if (slices > 3) {
+    _tile_loadd(4, keys + 96, stride);
+    _tile_dpbf16ps(0, 4, 6);
+  }
+  _tile_stored(0, sums, 64);
+  for (int64_t i = 0; i < 16 * slices; ++i) prefetch.step();
+  const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < n_rows; ++r)
+    _mm512_storeu_ps(scores + r * scores_stride, _mm512_mul_ps(_mm512_i32gather_ps(column, &sums[0][r], 4), scale16));
+}
+#endif
+
 // widen_codes for E4M3: 32 codes at a time by way of halves where the CPU has AVX-512 (exact, the
 // 256 folded into the scale), c10's conversion elsewhere.
 inline void widen_codes(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
@@ -546,7 +618,7 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
                     const int64_t* table, int64_t table_width, int64_t num_blocks, int64_t seq_len, int64_t q_start,
                     int64_t q_len, int64_t q0, int64_t q1, int64_t kv_head, int64_t group, int64_t window, float scale,
                     int64_t q_token_stride, int64_t q_head_stride, int64_t o_token_stride, int64_t o_head_stride,
-                    const CacheLayout& c) {
+                    const CacheLayout& c, bool amx) {
   const int64_t head_dim = c.head_dim, block_size = c.block_size;
   const int64_t n_rows = (q1 - q0) * group;
   const int64_t first_pos = seq_len - q_len;
@@ -589,6 +661,16 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
     if (fp8 && in_sixteens)  // score_rows_fp8's order: each four dimensions as 0, 2, 1, 3
       for (int64_t d = 0; d < head_dim; d += 4) std::swap(q[r * head_dim + d + 1], q[r * head_dim + d + 2]);
   }
+#ifdef KVFLOW_PAGED_AMX
+  // bfloat16 queries of a bfloat16 cache, up to 16 rows: their scores on AMX tiles (scores16_amx).
+  const bool on_tiles = amx && in_sixteens && bf16 && std::is_same_v<scalar_t, c10::BFloat16> && n_rows <= 16 &&
+                        head_dim <= 128;
+  thread_local AmxQuery amx_query;
+  if (on_tiles) {
+    amx_query.lay_out(query, q_start, q0, n_rows, group, kv_head, q_token_stride, q_head_stride, head_dim);
+    amx_query.load();
+  }
+#endif
   if (!in_sixteens) {
     keys.resize(block_size * head_dim);
     values.resize(block_size * head_dim);
@@ -633,6 +715,13 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
     if (in_sixteens) {
       for (int64_t t0 = lo / 16 * 16; t0 < hi; t0 += 16) {
         const cache_t* keys16 = block_keys + t0 * c.pos_stride;
+#ifdef KVFLOW_PAGED_AMX
+        if (on_tiles) {
+          scores16_amx(sc + t0, span, reinterpret_cast<const c10::BFloat16*>(keys16), c.pos_stride, head_dim / 32, n_rows,
+                       scale, prefetch);
+          continue;
+        }
+#endif
         if constexpr (bf16) scores16(sc + t0, span, keys16, c.pos_stride, q.data(), n_rows, head_dim, prefetch);
         else if constexpr (int8)
           scores16_int8(sc + t0, span, keys16, c.pos_stride, scales_of(block_keys) + t0, q.data(), n_rows, head_dim, prefetch);
@@ -716,7 +805,7 @@ template <typename scalar_t, typename cache_t>
 void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale,
-                           const CacheLayout& layout) {
+                           const CacheLayout& layout, bool tiles) {
   const int64_t heads = query.size(1);
   const int64_t kv_heads = key_cache.size(1);
   const int64_t group = heads / kv_heads, n_items = requests.size(0) * kv_heads;
@@ -729,8 +818,18 @@ void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::T
   const cache_t* k_ptr = static_cast<const cache_t*>(key_cache.data_ptr());
   const cache_t* v_ptr = static_cast<const cache_t*>(value_cache.data_ptr());
   const int64_t table_stride = block_tables.stride(0);
+#ifdef KVFLOW_PAGED_AMX
+  const bool amx = tiles && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
+                   layout.head_dim % 32 == 0 && kvflow_amx::permitted();
+#else
+  const bool amx = false;
+  (void)tiles;
+#endif
   // One work item: every query of a request's chunk for one KV head, kQueryChunk at a time.
   at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+#ifdef KVFLOW_PAGED_AMX
+    if (amx) kvflow_amx::configure_full_tiles();
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = reqs[item / kv_heads], kv_head = item % kv_heads;
       const int64_t q_len = starts[b + 1] - starts[b];
@@ -739,8 +838,11 @@ void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::T
                                           key_cache.size(0), lens[b], starts[b], q_len, q0,
                                           std::min(q_len, q0 + kQueryChunk), kv_head, group, window,
                                           static_cast<float>(scale), query.stride(0), query.stride(1), out.stride(0),
-                                          out.stride(1), layout);
+                                          out.stride(1), layout, amx);
     }
+#ifdef KVFLOW_PAGED_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 
@@ -748,18 +850,19 @@ void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::T
 template <typename cache_t>
 void dispatch_query(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                    const at::Tensor& requests, int64_t window, double scale, const CacheLayout& layout) {
+                    const at::Tensor& requests, int64_t window, double scale, const CacheLayout& layout, bool tiles) {
   switch (query.scalar_type()) {
-    case at::kFloat: paged_attention_typed<float, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
-    case at::kBFloat16: paged_attention_typed<c10::BFloat16, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
-    case at::kHalf: paged_attention_typed<c10::Half, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
+    case at::kFloat: paged_attention_typed<float, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
+    case at::kBFloat16: paged_attention_typed<c10::BFloat16, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
+    case at::kHalf: paged_attention_typed<c10::Half, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
   }
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale) {
+                     const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale,
+                     bool tiles) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out: [tokens, heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && out.scalar_type() == query.scalar_type(),
               "query and out share one dtype, head_dim contiguous");
@@ -777,9 +880,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "head counts disagree");
     const CacheLayout layout{key_cache.stride(0), key_cache.stride(1), head_dim, key_cache.size(2) / (head_dim + 2), head_dim};
     if (codes == at::kChar)
-      dispatch_query<int8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout);
+      dispatch_query<int8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles);
     else
-      dispatch_query<c10::Float8_e4m3fn>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout);
+      dispatch_query<c10::Float8_e4m3fn>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles);
     return;
   }
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.stride(3) == 1, "key/value cache: [blocks, kv_heads, block_size, head_dim]");
@@ -787,9 +890,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0 && head_dim == key_cache.size(3), "head shapes disagree");
   const CacheLayout layout{key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.size(2), head_dim};
   switch (codes) {
-    case at::kFloat: paged_attention_typed<float, float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
-    case at::kBFloat16: paged_attention_typed<c10::BFloat16, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
-    case at::kHalf: paged_attention_typed<c10::Half, c10::Half>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout); break;
+    case at::kFloat: paged_attention_typed<float, float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
+    case at::kBFloat16: paged_attention_typed<c10::BFloat16, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
+    case at::kHalf: paged_attention_typed<c10::Half, c10::Half>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", codes);
   }
 }
@@ -798,7 +901,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
 TORCH_LIBRARY(kvflow_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, Tensor requests, int window, float scale) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, Tensor requests, int window, float scale, bool tiles) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
