@@ -65,7 +65,13 @@ def attend_in_place(kernel, q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
                     layer: AttentionLayerSpec, requests: torch.Tensor, out: torch.Tensor) -> None:
     """Rows of `requests` (request indices, int64) of `out` [T, H, D] from the pool in place."""
     kernel(out, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, requests,
-           layer.sliding_window or 0, layer.scale, os.environ.get(TILES_ENV, "1") != "0")
+           layer.sliding_window or 0, layer.scale, tiles_enabled())
+
+
+def tiles_enabled() -> bool:
+    """Whether the kernel may take bfloat16 scores on AMX tiles where the CPU has them (read at every
+    call, like the other A/B switches)."""
+    return os.environ.get(TILES_ENV, "1") != "0"
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it

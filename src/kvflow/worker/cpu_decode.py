@@ -107,6 +107,7 @@ class CpuDecodeLoop:
         if self.native is not None and rows <= int4_gemv.MAX_ROWS:
             return self._run_native(hidden, positions, meta)
         requests = torch.arange(rows)
+        tiles = cpu_paged.tiles_enabled()
         cos, sin = self.rotary.cos, self.rotary.sin
         q_size, k_size, _ = self.sizes
         eps, heads, kv_heads, d = self.eps, self.heads, self.kv_heads, self.head_dim
@@ -125,7 +126,7 @@ class CpuDecodeLoop:
             self.rotate(q, k, positions, cos, sin)
             self.write_kv(layer.key_cache, layer.value_cache, k, v, meta.slot_mapping)
             self.attend(attended, q, layer.key_cache, layer.value_cache, meta.block_tables, meta.seq_lens,
-                        meta.query_start_loc, requests, 0, self.scale)
+                        meta.query_start_loc, requests, 0, self.scale, tiles)
             self.rms_norm(normed, layer.o(attended.view(rows, heads * d)), residual, layer.post_norm, eps)
             fused = layer.silu_and_mul(normed)
             if fused is None:
@@ -146,7 +147,8 @@ class CpuDecodeLoop:
         torch.ops.kvflow_cpu_decode.llama_step(
             out, hidden, positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
             meta.seq_lens, meta.query_start_loc, torch.arange(hidden.shape[0]), tensors, bits, self.final_norm,
-            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width, gemv_path)
+            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width, gemv_path,
+            cpu_paged.tiles_enabled())
         return out
 
 

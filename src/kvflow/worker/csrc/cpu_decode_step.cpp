@@ -37,9 +37,9 @@ struct Ops {
   c10::TypedOperatorHandle<WriteQuantized> write_kv_quantized =
       find<WriteQuantized>("kvflow_cpu_kv::write_kv_quantized");
   c10::TypedOperatorHandle<void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                const Tensor&, const Tensor&, int64_t, double)>
+                                const Tensor&, const Tensor&, int64_t, double, bool)>
       attend = find<void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         const Tensor&, const Tensor&, int64_t, double)>("kvflow_cpu::paged_attention");
+                         const Tensor&, const Tensor&, int64_t, double, bool)>("kvflow_cpu::paged_attention");
   c10::TypedOperatorHandle<void(Tensor, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)> gemv =
       find<void(Tensor, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)>("kvflow_int4_gemv::int4_gemv");
 };
@@ -57,12 +57,13 @@ constexpr int64_t kTensorsPerLayer = 12, kBitsPerLayer = 4;
 // hidden [rows, width]: the step's embeddings (the first layer's residual stream, updated in
 // place); out [rows, width]: the final norm's output. The sizes: q, k and v widths of the fused
 // projection, the gate_up output's width; gemv_path: how the GEMVs compute (quant/int4_gemv.py:
-// SCALAR, BF16_PRODUCTS, INT8_LEVELS).
+// SCALAR, BF16_PRODUCTS, INT8_LEVELS); attention_tiles: paged attention's scores may run on AMX
+// tiles (cpu_paged.tiles_enabled).
 void llama_step(Tensor& out, Tensor& hidden, const Tensor& positions, const Tensor& cos, const Tensor& sin,
                 const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
                 const Tensor& query_start_loc, const Tensor& requests, at::TensorList layer_tensors,
                 at::IntArrayRef layer_bits, const Tensor& final_norm, double eps, int64_t heads, int64_t kv_heads,
-                int64_t head_dim, double scale, int64_t gate_up_width, int64_t gemv_path) {
+                int64_t head_dim, double scale, int64_t gate_up_width, int64_t gemv_path, bool attention_tiles) {
   const int64_t layers = static_cast<int64_t>(layer_tensors.size()) / kTensorsPerLayer;
   TORCH_CHECK(layers * kTensorsPerLayer == static_cast<int64_t>(layer_tensors.size()) &&
                   layers * kBitsPerLayer == static_cast<int64_t>(layer_bits.size()),
@@ -95,7 +96,8 @@ void llama_step(Tensor& out, Tensor& hidden, const Tensor& positions, const Tens
       op.write_kv_quantized.call(key_cache, value_cache, k, v, slot_mapping, c10::nullopt, c10::nullopt);
     else
       op.write_kv.call(key_cache, value_cache, k, v, slot_mapping);
-    op.attend.call(attended, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, 0, scale);
+    op.attend.call(attended, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, 0, scale,
+                   attention_tiles);
     op.gemv.call(projected, attended_rows, t[3], t[4], bits[1], gemv_path);
     op.rms_norm.call(normed, projected, residual, t[5], eps);
     op.gemv.call(gate_up, normed, t[6], t[7], bits[2], gemv_path);
@@ -111,7 +113,7 @@ TORCH_LIBRARY(kvflow_cpu_decode, m) {
   m.def("llama_step(Tensor(a!) out, Tensor(b!) hidden, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor requests, Tensor[] layer_tensors, "
         "int[] layer_bits, Tensor final_norm, float eps, int heads, int kv_heads, int head_dim, float scale, "
-        "int gate_up_width, int gemv_path) -> ()");
+        "int gate_up_width, int gemv_path, bool attention_tiles) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow_cpu_decode, CPU, m) { m.impl("llama_step", &llama_step); }
