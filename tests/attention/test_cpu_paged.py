@@ -22,15 +22,17 @@ DIM = 32
 
 
 def nan_pool_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype, window: int | None,
-                   max_new: int = 20, dim: int = DIM):
+                   max_new: int = 20, dim: int = DIM, cases: list[tuple[int, int]] | None = None):
     """A mixed batch (decodes, few-query and longer chunks after a cached prefix, fresh prompts)
     over shuffled blocks of a NaN pool: only the cached positions of each context hold numbers.
-    With a window, the blocks that no query of a request can see are released (table entry 0)."""
+    With a window, the blocks that no query of a request can see are released (table entry 0).
+    `cases`: (cached, new) per request instead of random ones."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    cases = [(rng.randint(1, 90), 1) for _ in range(rng.randint(1, 6))] + \
-            [(rng.randint(1, 50), rng.randint(2, max_new)), (0, rng.randint(2, 30)), (rng.randint(1, 40), 24)]
-    rng.shuffle(cases)
+    if cases is None:
+        cases = [(rng.randint(1, 90), 1) for _ in range(rng.randint(1, 6))] + \
+                [(rng.randint(1, 50), rng.randint(2, max_new)), (0, rng.randint(2, 30)), (rng.randint(1, 40), 24)]
+        rng.shuffle(cases)
     total_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in cases)
     physical = list(range(1, total_blocks))  # block 0: padding only, never written
     rng.shuffle(physical)
@@ -97,6 +99,21 @@ def test_kernel_matches_reference_bf16(kernel, seed, window, block_size, dim, ti
     expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
     got = _kernel_attention(kernel, q, k, v, cache, meta, layer).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # the output is rounded to bf16 once
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("tiles", ["1", "0"])
+def test_few_query_chunk_rows_see_only_their_keys(kernel, window, block_size, tiles, monkeypatch):
+    """Chunks of 2-4 queries x G = 4 heads (up to 16 rows: the tile path where the CPU has AMX)
+    whose queries' causal and window bounds fall in different sixteens of keys: each row's
+    probabilities must stop at its own bounds, not the chunk's."""
+    monkeypatch.setenv(cpu_paged.TILES_ENV, tiles)
+    cases = [(30, 4), (13, 4), (46, 3), (62, 2), (31, 1)]
+    q, k, v, cache, meta, layer = nan_pool_batch(0, block_size, 8, 2, torch.bfloat16, window, dim=64, cases=cases)
+    expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
+    got = _kernel_attention(kernel, q, k, v, cache, meta, layer).float()
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
 def test_tiles_switch_reaches_the_kernel(monkeypatch):
