@@ -1,7 +1,7 @@
 """Decode attention on CPU: the in-place kernel (attention/cpu_paged.py) against the torch path
 (gather the blocks, two batched matmuls), on SmolLM2's attention shape, interleaved in one process.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/cpu_attention.py [--rounds 7]
+    PYTHONPATH=src .venv/bin/python benchmarks/cpu_attention.py [--rounds 7] [--against no-tiles]
 
 Each case times one layer's attention for a batch of decodes whose contexts are drawn like W1's
 (prompts of 32..512 tokens, up to 128 generated), over a shuffled block pool allocated as the
@@ -10,11 +10,14 @@ engine's is (`zeros_untouched`: transparent huge pages where the kernel offers t
 memory as in a model's step; with 1 (the default) one layer's pool stays in the caches. Both paths run in
 turn within each round, and the table reports the median of the rounds and their ratio; the
 machine's load is printed beside it (a shared machine makes every absolute number noisy).
+`--against no-tiles` compares the kernel with itself with its AMX scores switched off
+(`KVFLOW_CPU_ATTENTION_TILES=0`) instead of with the torch path.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -62,18 +65,33 @@ def time_layer(backend, layers, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats / len(layers)
 
 
+def time_without_tiles(backend, layers, repeats: int) -> float:
+    """time_layer with the kernel's AMX scores switched off (multiply-adds instead)."""
+    os.environ[cpu_paged.TILES_ENV] = "0"
+    try:
+        return time_layer(backend, layers, repeats)
+    finally:
+        del os.environ[cpu_paged.TILES_ENV]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--layers", type=int, default=1, help="pools per case, timed in turn (30: from memory)")
+    parser.add_argument("--against", default="torch", choices=["torch", "no-tiles"],
+                        help="the baseline: the torch path, or the kernel without its AMX scores")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     in_place = TorchSDPABackend()
     if in_place.kernel is None:
         raise SystemExit("the CPU kernel is unavailable here (see the warning above)")
-    os.environ[cpu_paged.DISABLE_ENV] = "0"
-    gather = TorchSDPABackend()
+    if args.against == "torch":
+        os.environ[cpu_paged.DISABLE_ENV] = "0"
+        gather = TorchSDPABackend()
+        baseline = functools.partial(time_layer, gather)
+    else:
+        baseline = functools.partial(time_without_tiles, in_place)
     rows = []
     for batch_size, max_context in ((1, 160), (16, 640), (64, 640), (128, 640)):
         torch.manual_seed(0)
@@ -83,14 +101,15 @@ def main() -> None:
         times = {"kernel": [], "torch": []}
         for _ in range(args.rounds):
             times["kernel"].append(time_layer(in_place, layers, repeats))
-            times["torch"].append(time_layer(gather, layers, repeats))
+            times["torch"].append(baseline(layers, repeats))
         kernel_ms, torch_ms = (statistics.median(times[k]) * 1e3 for k in ("kernel", "torch"))
         rows.append({"batch": batch_size, "mean_context": sum(batch[4].seq_lens_cpu) / batch_size,
                      "kernel_ms": round(kernel_ms, 4), "torch_ms": round(torch_ms, 4),
                      "speedup": round(torch_ms / kernel_ms, 2)})
     print(f"dtype {args.dtype}, {torch.get_num_threads()} threads, {args.layers} layers' pools, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| decodes | mean context | in-place kernel ms/layer | gather + bmm ms/layer | speed-up |")
+    other = "gather + bmm" if args.against == "torch" else "kernel without tiles"
+    print(f"| decodes | mean context | in-place kernel ms/layer | {other} ms/layer | speed-up |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['mean_context']:.0f} | {r['kernel_ms']:.3f} | {r['torch_ms']:.3f} | {r['speedup']:.2f}× |")

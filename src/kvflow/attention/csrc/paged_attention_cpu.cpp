@@ -21,8 +21,9 @@
 // Where the CPU has AMX, the scores of bfloat16 queries over a bfloat16 cache, for up to 16 rows
 // (a decode's G heads, a short chunk's few queries), run on tiles instead (`scores16_amx`): the
 // keys are the A operand exactly as they lie, so no transpose, and each 16 keys x 32 dimensions
-// takes one tile multiply. With the data in cache this cut a W1-shaped decode's attention by
-// 11-25%; from memory it is bound by the reads, and gained 0-5% (docs/performance.md, stop 33).
+// takes one tile multiply. With the K/V in cache this took 9-30% off a W1-shaped decode's
+// attention; read from memory it is bound by the reads either way (docs/performance.md, stop 33).
+// The values stay on multiply-adds: interleaving them by key pairs for tiles cost more than it saved.
 //
 // Quantized caches (kv_quant.py: int8 or fp8 E4M3 codes, one bfloat16 scale per position and head,
 // a (block, head) row holding the block's codes then its scales) are read in place too, at half a
