@@ -95,6 +95,7 @@ def test_kernel_matches_reference_fp32(kernel, seed, block_size, heads, kv_heads
 @pytest.mark.parametrize("tiles", ["1", "0"])  # scores of up to 16 rows on AMX tiles (where the CPU has them), or not
 def test_kernel_matches_reference_bf16(kernel, seed, window, block_size, dim, tiles, monkeypatch):
     monkeypatch.setenv(cpu_paged.TILES_ENV, tiles)
+    monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", 0)  # these batches are smaller than the tiles repay
     q, k, v, cache, meta, layer = nan_pool_batch(seed, block_size, 8, 2, torch.bfloat16, window, dim=dim)
     expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
     got = _kernel_attention(kernel, q, k, v, cache, meta, layer).float()
@@ -109,6 +110,7 @@ def test_few_query_chunk_rows_see_only_their_keys(kernel, window, block_size, ti
     whose queries' causal and window bounds fall in different sixteens of keys: each row's
     probabilities must stop at its own bounds, not the chunk's."""
     monkeypatch.setenv(cpu_paged.TILES_ENV, tiles)
+    monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", 0)
     cases = [(30, 4), (13, 4), (46, 3), (62, 2), (31, 1)]
     q, k, v, cache, meta, layer = nan_pool_batch(0, block_size, 8, 2, torch.bfloat16, window, dim=64, cases=cases)
     expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
@@ -116,12 +118,15 @@ def test_few_query_chunk_rows_see_only_their_keys(kernel, window, block_size, ti
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
-def test_tiles_switch_reaches_the_kernel(monkeypatch):
-    """KVFLOW_CPU_ATTENTION_TILES=0 asks the kernel for multiply-add scores (the A/B switch)."""
+def test_tiles_are_asked_for_where_they_repay_and_not_switched_off(monkeypatch):
+    """The kernel is asked for AMX scores for calls of at least TILES_MIN_KEYS (request, KV head)
+    keys, unless KVFLOW_CPU_ATTENTION_TILES=0 (the A/B switch)."""
     asked = []
     q, k, v, cache, meta, layer = nan_pool_batch(0, 16, 4, 2, torch.bfloat16, None)
-    for value, expected in (("0", False), ("1", True)):
+    keys = sum(meta.seq_lens_cpu) * layer.num_kv_heads
+    for value, min_keys, expected in (("1", keys, True), ("1", keys + 1, False), ("0", 0, False)):
         monkeypatch.setenv(cpu_paged.TILES_ENV, value)
+        monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", min_keys)
         cpu_paged.attend_in_place(lambda *args: asked.append(args[-1]), q, cache, meta, layer,
                                   torch.arange(meta.num_requests), torch.empty_like(q))
         assert asked.pop() is expected

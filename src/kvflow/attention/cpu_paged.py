@@ -38,6 +38,10 @@ MAX_QUERIES = 16
 LONG_CHUNK_MAX_HEAD_DIM = 64
 DISABLE_ENV = "KVFLOW_CPU_ATTENTION_KERNEL"
 TILES_ENV = "KVFLOW_CPU_ATTENTION_TILES"  # =0: bfloat16 scores by multiply-adds, not AMX tiles (A/B)
+# The kernel's AMX scores cost ~6 us more per call than its multiply-adds whatever the keys (one to
+# four decodes of ~150 keys, SmolLM2's heads: 6-10% slower), and repay that from about this many
+# (request, KV head) keys in the call on (8 decodes of ~150 keys: 4% faster; 16 of ~380: 10%).
+TILES_MIN_KEYS = 4096
 
 
 def takes(query_len: int, seq_len: int, head_dim: int) -> bool:
@@ -65,13 +69,14 @@ def attend_in_place(kernel, q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
                     layer: AttentionLayerSpec, requests: torch.Tensor, out: torch.Tensor) -> None:
     """Rows of `requests` (request indices, int64) of `out` [T, H, D] from the pool in place."""
     kernel(out, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, requests,
-           layer.sliding_window or 0, layer.scale, tiles_enabled())
+           layer.sliding_window or 0, layer.scale, use_tiles(meta, layer.num_kv_heads))
 
 
-def tiles_enabled() -> bool:
-    """Whether the kernel may take bfloat16 scores on AMX tiles where the CPU has them (read at every
-    call, like the other A/B switches)."""
-    return os.environ.get(TILES_ENV, "1") != "0"
+def use_tiles(meta: AttentionMetadata, kv_heads: int) -> bool:
+    """Whether the kernel may take bfloat16 scores on AMX tiles (where the CPU has them) for this
+    step's requests: enough keys to repay the tiles' cost per call, and not switched off
+    (TILES_ENV, read at every call like the other A/B switches)."""
+    return os.environ.get(TILES_ENV, "1") != "0" and sum(meta.seq_lens_cpu) * kv_heads >= TILES_MIN_KEYS
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it

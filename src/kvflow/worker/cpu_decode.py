@@ -107,10 +107,10 @@ class CpuDecodeLoop:
         if self.native is not None and rows <= int4_gemv.MAX_ROWS:
             return self._run_native(hidden, positions, meta)
         requests = torch.arange(rows)
-        tiles = cpu_paged.tiles_enabled()
         cos, sin = self.rotary.cos, self.rotary.sin
         q_size, k_size, _ = self.sizes
         eps, heads, kv_heads, d = self.eps, self.heads, self.kv_heads, self.head_dim
+        tiles = cpu_paged.use_tiles(meta, kv_heads)
         normed = torch.empty_like(hidden)
         attended = torch.empty(rows, heads, d, dtype=dtype)
         act = None
@@ -148,7 +148,7 @@ class CpuDecodeLoop:
             out, hidden, positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
             meta.seq_lens, meta.query_start_loc, torch.arange(hidden.shape[0]), tensors, bits, self.final_norm,
             self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width, gemv_path,
-            cpu_paged.tiles_enabled())
+            cpu_paged.use_tiles(meta, self.kv_heads))
         return out
 
 

@@ -24,6 +24,8 @@
 // takes one tile multiply. With the K/V in cache this took 9-30% off a W1-shaped decode's
 // attention; read from memory it is bound by the reads either way (docs/performance.md, stop 33).
 // The values stay on multiply-adds: interleaving them by key pairs for tiles cost more than it saved.
+// The caller asks for tiles (`tiles`) only for calls with enough keys to repay their fixed cost
+// (cpu_paged.TILES_MIN_KEYS).
 //
 // Quantized caches (kv_quant.py: int8 or fp8 E4M3 codes, one bfloat16 scale per position and head,
 // a (block, head) row holding the block's codes then its scales) are read in place too, at half a

@@ -58,7 +58,7 @@ constexpr int64_t kTensorsPerLayer = 12, kBitsPerLayer = 4;
 // place); out [rows, width]: the final norm's output. The sizes: q, k and v widths of the fused
 // projection, the gate_up output's width; gemv_path: how the GEMVs compute (quant/int4_gemv.py:
 // SCALAR, BF16_PRODUCTS, INT8_LEVELS); attention_tiles: paged attention's scores may run on AMX
-// tiles (cpu_paged.tiles_enabled).
+// tiles (cpu_paged.use_tiles).
 void llama_step(Tensor& out, Tensor& hidden, const Tensor& positions, const Tensor& cos, const Tensor& sin,
                 const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
                 const Tensor& query_start_loc, const Tensor& requests, at::TensorList layer_tensors,
