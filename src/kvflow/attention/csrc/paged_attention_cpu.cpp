@@ -655,25 +655,29 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
   // its even ones, then its odd ones (see accumulate_rows); the output is written back in order.
   thread_local std::vector<float> scores, q, keys, values;
   scores.resize(n_rows * span);
-  q.resize(n_rows * head_dim);
   std::vector<float> acc(n_rows * head_dim, 0.f), row_sum(n_rows, 0.f);
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const scalar_t* row = query + (q_start + q0 + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
-    widen(row, q.data() + r * head_dim, head_dim);
-    for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
-    if (fp8 && in_sixteens)  // score_rows_fp8's order: each four dimensions as 0, 2, 1, 3
-      for (int64_t d = 0; d < head_dim; d += 4) std::swap(q[r * head_dim + d + 1], q[r * head_dim + d + 2]);
-  }
+  // Up to 16 rows' scores on AMX tiles (scores16_amx) where `amx` says the types and widths allow
+  // (paged_attention_typed); the tiles take the bfloat16 query rows as they are.
 #ifdef KVFLOW_PAGED_AMX
-  // bfloat16 queries of a bfloat16 cache, up to 16 rows: their scores on AMX tiles (scores16_amx).
-  const bool on_tiles = amx && in_sixteens && bf16 && std::is_same_v<scalar_t, c10::BFloat16> && n_rows <= 16 &&
-                        head_dim <= 128;
+  const bool on_tiles = amx && in_sixteens && n_rows <= 16;
   thread_local AmxQuery amx_query;
   if (on_tiles) {
     amx_query.lay_out(query, q_start, q0, n_rows, group, kv_head, q_token_stride, q_head_stride, head_dim);
     amx_query.load();
   }
+#else
+  constexpr bool on_tiles = false;
 #endif
+  if (!on_tiles) {  // the other paths take the rows widened to float and scaled
+    q.resize(n_rows * head_dim);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const scalar_t* row = query + (q_start + q0 + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
+      widen(row, q.data() + r * head_dim, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= scale;
+      if (fp8 && in_sixteens)  // score_rows_fp8's order: each four dimensions as 0, 2, 1, 3
+        for (int64_t d = 0; d < head_dim; d += 4) std::swap(q[r * head_dim + d + 1], q[r * head_dim + d + 2]);
+    }
+  }
   if (!in_sixteens) {
     keys.resize(block_size * head_dim);
     values.resize(block_size * head_dim);
@@ -720,8 +724,8 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
         const cache_t* keys16 = block_keys + t0 * c.pos_stride;
 #ifdef KVFLOW_PAGED_AMX
         if (on_tiles) {
-          scores16_amx(sc + t0, span, reinterpret_cast<const c10::BFloat16*>(keys16), c.pos_stride, head_dim / 32, n_rows,
-                       scale, prefetch);
+          scores16_amx(sc + t0, span, reinterpret_cast<const c10::BFloat16*>(keys16), c.pos_stride, amx_query.slices,
+                       n_rows, scale, prefetch);
           continue;
         }
 #endif
@@ -823,7 +827,7 @@ void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t table_stride = block_tables.stride(0);
 #ifdef KVFLOW_PAGED_AMX
   const bool amx = tiles && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
-                   layout.head_dim % 32 == 0 && kvflow_amx::permitted();
+                   layout.head_dim % 32 == 0 && layout.head_dim <= 128 && kvflow_amx::permitted();
 #else
   const bool amx = false;
   (void)tiles;
