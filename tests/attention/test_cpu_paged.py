@@ -73,7 +73,8 @@ def _kernel_attention(kernel, q, k, v, cache, meta, layer):
 
     write_kv(k, v, cache, meta)
     out = torch.full_like(q, float("nan"))
-    cpu_paged.attend_in_place(kernel, q, cache, meta, layer, torch.arange(meta.num_requests), out)
+    tiles = cpu_paged.use_tiles(meta.seq_lens_cpu, layer.num_kv_heads, batch_invariant=False)
+    cpu_paged.attend_in_place(kernel, q, cache, meta, layer, torch.arange(meta.num_requests), out, tiles)
     return out
 
 
@@ -118,18 +119,22 @@ def test_few_query_chunk_rows_see_only_their_keys(kernel, window, block_size, ti
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
-def test_tiles_are_asked_for_where_they_repay_and_not_switched_off(monkeypatch):
-    """The kernel is asked for AMX scores for calls of at least TILES_MIN_KEYS (request, KV head)
-    keys, unless KVFLOW_CPU_ATTENTION_TILES=0 (the A/B switch)."""
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_tiles_are_asked_for_where_they_repay_and_not_switched_off(kernel, batch_invariant, monkeypatch):
+    """The backend asks the kernel for AMX scores for a step whose in-place requests hold at least
+    TILES_MIN_KEYS (request, KV head) keys, unless KVFLOW_CPU_ATTENTION_TILES=0 (the A/B switch)
+    or in batch-invariant mode (whether a step has enough keys depends on the batch)."""
     asked = []
-    q, k, v, cache, meta, layer = nan_pool_batch(0, 16, 4, 2, torch.bfloat16, None)
-    keys = sum(meta.seq_lens_cpu) * layer.num_kv_heads
+    backend = TorchSDPABackend(batch_invariant=batch_invariant)
+    backend.kernel = lambda *args: asked.append(args[-1])
+    cases = [(30, 1), (50, 1)]  # decodes: in place either way
+    keys = (31 + 51) * 2
     for value, min_keys, expected in (("1", keys, True), ("1", keys + 1, False), ("0", 0, False)):
         monkeypatch.setenv(cpu_paged.TILES_ENV, value)
         monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", min_keys)
-        cpu_paged.attend_in_place(lambda *args: asked.append(args[-1]), q, cache, meta, layer,
-                                  torch.arange(meta.num_requests), torch.empty_like(q))
-        assert asked.pop() is expected
+        q, k, v, cache, meta, layer = nan_pool_batch(0, 16, 4, 2, torch.bfloat16, None, cases=cases)
+        backend.forward(q, k, v, cache, meta, layer)
+        assert asked.pop() is (expected and not batch_invariant)
 
 
 def quantized_nan_pool(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

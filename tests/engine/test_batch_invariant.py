@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from kvflow import LLM, EngineArgs, SamplingParams
+from kvflow.attention import cpu_paged
+from kvflow.model.layers import cpu_ops
 from kvflow.model.layers.batch_invariant import ROW_TILE, RowTiledMethod
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
 from kvflow.quant.unquantized import UnquantizedMethod
+from kvflow.worker.cpu_decode import CpuDecodeLoop
 from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
@@ -41,7 +44,11 @@ def _tokens_and_logprobs(output) -> list:
 # place, each position's codes and scale fixed by its own K and V (these fail without the mode too).
 @pytest.mark.parametrize("quantization, kv_cache_dtype", [(None, "auto"), ("int4", "auto"), (None, "int8"),
                                                           (None, "fp8")])
-def test_a_request_is_bit_identical_alone_batched_and_chunked(model_dir, quantization, kv_cache_dtype):
+def test_a_request_is_bit_identical_alone_batched_and_chunked(model_dir, quantization, kv_cache_dtype, monkeypatch):
+    # Paged attention takes bf16 scores on AMX tiles only for calls of enough keys: between this
+    # request's keys alone (<= 164 per KV head pair) and the busy batch's, so that outside the mode
+    # the two would run different score paths.
+    monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", 300)
     target = _prompt(70, seed=1)
     others = [_prompt(n, seed=n) for n in (3, 130, 17, 45)]
     kw = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
@@ -50,6 +57,24 @@ def test_a_request_is_bit_identical_alone_batched_and_chunked(model_dir, quantiz
     chunked = _llm(model_dir, max_num_batched_tokens=24, **kw)
     busy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     mixed = chunked.generate(others[:2] + [target] + others[2:], [busy, busy, GREEDY, busy, busy], use_tqdm=False)[2]
+    assert _tokens_and_logprobs(mixed) == _tokens_and_logprobs(alone)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_decode_steps_are_bit_identical_alone_and_beside_others(model_dir, quantization, monkeypatch):
+    # All prompts prefill in one step, then every step is decodes only: the C++/Python decode loop
+    # (worker/cpu_decode.py) runs them. Its attention must not take the AMX scores for the busy
+    # batch (enough keys) and the multiply-adds alone (too few).
+    monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", 300)
+    monkeypatch.setenv(cpu_ops.DISABLE_ENV, "1")  # the loop runs on them (tests/conftest.py switches them off)
+    if cpu_ops.load() is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    target = _prompt(70, seed=1)
+    others = [_prompt(n, seed=n) for n in (90, 110, 60)]
+    alone = _llm(model_dir, quantization=quantization).generate([target], GREEDY, use_tqdm=False)[0]
+    llm = _llm(model_dir, quantization=quantization)
+    assert isinstance(llm.llm_engine.runner.decode_graphs, CpuDecodeLoop)
+    mixed = llm.generate([target] + others, GREEDY, use_tqdm=False)[0]
     assert _tokens_and_logprobs(mixed) == _tokens_and_logprobs(alone)
 
 

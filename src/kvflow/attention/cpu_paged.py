@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -66,17 +67,21 @@ def reads(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def attend_in_place(kernel, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    layer: AttentionLayerSpec, requests: torch.Tensor, out: torch.Tensor) -> None:
-    """Rows of `requests` (request indices, int64) of `out` [T, H, D] from the pool in place."""
+                    layer: AttentionLayerSpec, requests: torch.Tensor, out: torch.Tensor, tiles: bool) -> None:
+    """Rows of `requests` (request indices, int64) of `out` [T, H, D] from the pool in place;
+    `tiles`: as `use_tiles` decided for the step."""
     kernel(out, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, requests,
-           layer.sliding_window or 0, layer.scale, use_tiles(meta, layer.num_kv_heads))
+           layer.sliding_window or 0, layer.scale, tiles)
 
 
-def use_tiles(meta: AttentionMetadata, kv_heads: int) -> bool:
-    """Whether the kernel may take bfloat16 scores on AMX tiles (where the CPU has them) for this
-    step's requests: enough keys to repay the tiles' cost per call, and not switched off
-    (TILES_ENV, read at every call like the other A/B switches)."""
-    return os.environ.get(TILES_ENV, "1") != "0" and sum(meta.seq_lens_cpu) * kv_heads >= TILES_MIN_KEYS
+def use_tiles(seq_lens: Iterable[int], kv_heads: int, batch_invariant: bool) -> bool:
+    """Whether the kernel may take bfloat16 scores on AMX tiles (where the CPU has them) for a call
+    over requests of these lengths: enough keys to repay the tiles' cost per call, and not switched
+    off (TILES_ENV, read once a step like the other A/B switches). Never in batch-invariant mode:
+    whether a call has enough keys depends on the batch, and the tiles sum a score's products in
+    another order than the multiply-adds."""
+    return (not batch_invariant and os.environ.get(TILES_ENV, "1") != "0"
+            and sum(seq_lens) * kv_heads >= TILES_MIN_KEYS)
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it

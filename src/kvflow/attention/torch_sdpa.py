@@ -57,6 +57,7 @@ class _Plan:
     fresh_prompts: list[slice]
     groups: list[_Group]
     in_place: torch.Tensor | None = None  # requests the CPU kernel attends in the pool (cpu_paged)
+    tiles: bool = False  # the kernel may take their bf16 scores on AMX tiles (cpu_paged.use_tiles)
 
 
 class TorchSDPABackend:
@@ -88,7 +89,7 @@ class TorchSDPABackend:
             else:
                 out[rows] = _causal_prompt(q[rows], k[rows], v[rows], layer)
         if plan.in_place is not None:
-            cpu_paged.attend_in_place(self.kernel, q, kv_cache, meta, layer, plan.in_place, out)
+            cpu_paged.attend_in_place(self.kernel, q, kv_cache, meta, layer, plan.in_place, out, plan.tiles)
         for g in plan.groups:
             # Whole blocks: the mask hides the rest.
             keys, values = gather_kv(kv_cache, g.blocks, g.index, meta.block_size, q.dtype)
@@ -110,6 +111,7 @@ def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer
         if in_place_head_dim is None:
             raise ValueError("batch_invariant: the paged-attention kernel cannot read this cache "
                              f"(device {meta.seq_lens.device.type}, or a KV cache of another dtype than the model's)")
+        # No AMX scores (cpu_paged.use_tiles): whether a call takes them would depend on the batch.
         return _Plan([], [], torch.arange(len(meta.query_lens_cpu), device=meta.seq_lens.device))
     starts = meta.query_start_loc.tolist()
     fresh, groups, short, kernel = [], [], {}, []
@@ -127,7 +129,8 @@ def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer
         for bucket in _length_buckets(requests, meta.seq_lens_cpu):
             rows = torch.tensor([starts[i] + j for i in bucket for j in range(n)], device=meta.seq_lens.device)
             groups.append(_group(meta, bucket, rows, n, window, kv_heads))
-    return _Plan(fresh, groups, torch.tensor(kernel, device=meta.seq_lens.device) if kernel else None)
+    return _Plan(fresh, groups, torch.tensor(kernel, device=meta.seq_lens.device) if kernel else None,
+                 tiles=cpu_paged.use_tiles((meta.seq_lens_cpu[i] for i in kernel), kv_heads, batch_invariant=False))
 
 
 def _group(meta: AttentionMetadata, requests: list[int], rows, n: int, window: int | None, kv_heads: int) -> _Group:

@@ -86,6 +86,7 @@ class CpuDecodeLoop:
         quantized = kv_quant.is_quantized(kv_caches[0])
         self.write_kv = torch.ops.kvflow_cpu_kv.write_kv_quantized if quantized else torch.ops.kvflow_cpu_kv.write_kv
         self.attend = torch.ops.kvflow_cpu.paged_attention
+        self.batch_invariant = first.attn.backend.batch_invariant  # a TorchSDPABackend (_takes)
         self.native = _native_step(decoder, self.layers)
 
     @classmethod
@@ -104,13 +105,13 @@ class CpuDecodeLoop:
         meta = attn[0]
         hidden = self.embed(input_ids)
         rows, dtype = hidden.shape[0], hidden.dtype
+        tiles = cpu_paged.use_tiles(meta.seq_lens_cpu, self.kv_heads, self.batch_invariant)
         if self.native is not None and rows <= int4_gemv.MAX_ROWS:
-            return self._run_native(hidden, positions, meta)
+            return self._run_native(hidden, positions, meta, tiles)
         requests = torch.arange(rows)
         cos, sin = self.rotary.cos, self.rotary.sin
         q_size, k_size, _ = self.sizes
         eps, heads, kv_heads, d = self.eps, self.heads, self.kv_heads, self.head_dim
-        tiles = cpu_paged.use_tiles(meta, kv_heads)
         normed = torch.empty_like(hidden)
         attended = torch.empty(rows, heads, d, dtype=dtype)
         act = None
@@ -139,7 +140,8 @@ class CpuDecodeLoop:
         self.rms_norm(out, hidden, residual, self.final_norm, eps)
         return out
 
-    def _run_native(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _run_native(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    tiles: bool) -> torch.Tensor:
         """The Python loop above as one C++ call (csrc/cpu_decode_step.cpp): the same kernels on
         the same buffers, without the interpreter between them."""
         tensors, bits, gate_up_width, gemv_path = self.native
@@ -147,8 +149,7 @@ class CpuDecodeLoop:
         torch.ops.kvflow_cpu_decode.llama_step(
             out, hidden, positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
             meta.seq_lens, meta.query_start_loc, torch.arange(hidden.shape[0]), tensors, bits, self.final_norm,
-            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width, gemv_path,
-            cpu_paged.use_tiles(meta, self.kv_heads))
+            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width, gemv_path, tiles)
         return out
 
 

@@ -25,7 +25,8 @@
 // attention; read from memory it is bound by the reads either way (docs/performance.md, stop 33).
 // The values stay on multiply-adds: interleaving them by key pairs for tiles cost more than it saved.
 // The caller asks for tiles (`tiles`) only for calls with enough keys to repay their fixed cost
-// (cpu_paged.TILES_MIN_KEYS).
+// (cpu_paged.use_tiles), and never in batch-invariant mode: which path a row takes must not
+// depend on its batch, and the two sum a score's products in different orders.
 //
 // Quantized caches (kv_quant.py: int8 or fp8 E4M3 codes, one bfloat16 scale per position and head,
 // a (block, head) row holding the block's codes then its scales) are read in place too, at half a
