@@ -127,12 +127,12 @@ def test_tiles_are_asked_for_where_they_repay_and_not_switched_off(kernel, batch
     asked = []
     backend = TorchSDPABackend(batch_invariant=batch_invariant)
     backend.kernel = lambda *args: asked.append(args[-1])
-    cases = [(30, 1), (50, 1)]  # decodes: in place either way
-    keys = (31 + 51) * 2
+    cases, kv_heads = [(30, 1), (50, 1)], 2  # decodes: in place either way
+    keys = sum(cached + new for cached, new in cases) * kv_heads
     for value, min_keys, expected in (("1", keys, True), ("1", keys + 1, False), ("0", 0, False)):
         monkeypatch.setenv(cpu_paged.TILES_ENV, value)
         monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", min_keys)
-        q, k, v, cache, meta, layer = nan_pool_batch(0, 16, 4, 2, torch.bfloat16, None, cases=cases)
+        q, k, v, cache, meta, layer = nan_pool_batch(0, 16, 4, kv_heads, torch.bfloat16, None, cases=cases)
         backend.forward(q, k, v, cache, meta, layer)
         assert asked.pop() is (expected and not batch_invariant)
 
