@@ -163,3 +163,20 @@ def test_weights_count_as_the_engine_holds_them(tiny_dir):
         head = 2 * (49152 * 576 // 2 + 49152 * (576 // 32) * 4)
     norms = (30 * 2 + 1) * 576 * 2
     assert held_weight_bytes(gguf) == layers + head + norms
+
+
+def test_throughput_is_timed_after_the_engine_warms_up_as_a_server_does(tiny_dir, monkeypatch):
+    from kvflow.bench import throughput
+    from kvflow.config import EngineArgs
+    from kvflow.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=tiny_dir, skip_tokenizer_init=True, max_model_len=128))
+    order = []
+    warm_up, timed = engine.warm_up, throughput.generate_counting_steps
+    monkeypatch.setattr(engine, "warm_up", lambda: (order.append("warm_up"), warm_up())[1])
+    monkeypatch.setattr(throughput, "generate_counting_steps",
+                        lambda e, prompts, *a, **k: (order.append(len(prompts)), timed(e, prompts, *a, **k))[1])
+    workload = throughput.ThroughputWorkload(num_prompts=3, min_input_len=4, max_input_len=20, output_len=3)
+    result = throughput.measure_throughput(engine, workload, Ceilings(10.0, 1e10, "float32", "cpu"))
+    assert order == ["warm_up", 2, 3]  # the warm-up, a short run, then the timed one
+    assert result["output_tokens"] == 9 and result["num_prompts"] == 3
