@@ -44,6 +44,31 @@ def test_matches_float32_attention_as_closely_as_sdpa_in_bfloat16(heads, kv_head
     assert error <= max(2 * sdpa_error, 2**-8), (error, sdpa_error)
 
 
+def _masked(q, k, v):
+    """Attention of q (the last n of k's L positions) in float32 or as SDPA computes it in q's dtype."""
+    n, length = q.shape[0], k.shape[0]
+    mask = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         scale=0.125, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("length,n", [(40, 8), (100, 37), (290, 33), (64, 64), (33, 1), (300, 270)])
+def test_a_chunk_after_a_prefix_sees_the_prefix_and_its_own_earlier_keys(heads, kv_heads, length, n):
+    """The queries are the last n of the keys' positions: query i sees keys [0, length - n + i]."""
+    q, k, v = _qkv(length, heads, kv_heads, seed=length + n)
+    q = q[length - n:]
+    out = torch.full((n, heads, 64), float("nan"), dtype=torch.bfloat16)
+    kernel(out, q, k, v, 0.125)
+    exact = _masked(q.float(), k.float(), v.float())
+    sdpa_error = (_masked(q, k, v).float() - exact).abs().max().item()
+    error = (out.float() - exact).abs().max().item()
+    assert error <= max(2 * sdpa_error, 2**-8), (error, sdpa_error)
+    with pytest.raises(RuntimeError, match="last n of k's"):  # more queries than keys
+        kernel(torch.empty(length + 1, heads, 64, dtype=torch.bfloat16), _qkv(length + 1, heads, kv_heads)[0], k, v, 0.125)
+
+
 def test_causal_rows_see_no_later_key():
     """Changing the last key and value moves only the last query's output."""
     q, k, v = _qkv(40, 9, 3)
@@ -61,6 +86,7 @@ def test_the_switch_and_what_it_refuses(monkeypatch):
     assert cpu_prompt.takes(q, k, v)
     assert not cpu_prompt.takes(q.float(), k.float(), v.float())
     assert not cpu_prompt.takes(q, k.contiguous(), v)  # k and v laid out differently
+    assert cpu_prompt.takes(q[2:], k, v) and not cpu_prompt.takes(torch.cat([q, q]), k, v)  # n <= L queries
     monkeypatch.setenv(cpu_prompt.DISABLE_ENV, "0")
     assert cpu_prompt.load() is None
 
@@ -88,3 +114,30 @@ def test_the_backend_writes_its_fresh_prompts_through_the_kernel(seed, monkeypat
     sdpa = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, layer).float()
     for rows in fresh:
         assert (got[rows] - sdpa[rows]).abs().max() <= 2**-6 * sdpa[rows].abs().max()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_backend_sends_long_chunks_after_a_prefix_through_the_kernel(seed, monkeypatch):
+    """Chunks of PREFIXED_MIN_QUERIES queries or more after a cached prefix: the kernel, over the
+    keys gathered from the blocks (the prefix's, then the chunk's own, written this step); fewer
+    stay with the paged kernel. All within bf16 of the float32 reference, and near the paged path."""
+    from kvflow.attention import torch_sdpa
+
+    cases = [(40, 1), (17, torch_sdpa.PREFIXED_MIN_QUERIES), (0, 30), (70, 45), (5, torch_sdpa.PREFIXED_MIN_QUERIES - 1)]
+    q, k, v, cache, meta, layer = nan_pool_batch(seed, 16, 9, 3, torch.bfloat16, None, dim=64, cases=cases)
+    calls = []
+    backend = TorchSDPABackend()
+    original = backend.prompt_kernel
+    backend.prompt_kernel = lambda out, q_, k_, v_, scale: calls.append((q_.shape[0], k_.shape[0])) or original(
+        out, q_, k_, v_, scale)
+    got = backend.forward(q, k, v, cache.clone(), meta, layer).float()
+    assert calls == [(30, 30), (32, 49), (45, 115)]  # the fresh prompt, then the two long chunks
+    expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(torch_sdpa, "PREFIXED_MIN_QUERIES", 10**6)  # the paged kernel takes them all
+    meta.plans.clear()
+    paged = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, layer).float()
+    starts = meta.query_start_loc.tolist()
+    for i in (1, 3):
+        rows = slice(starts[i], starts[i + 1])
+        assert (got[rows] - paged[rows]).abs().max() <= 2**-6 * paged[rows].abs().max()

@@ -1,5 +1,6 @@
-"""A fresh prompt's causal attention to its own keys on AMX tiles (`csrc/prompt_attention_cpu.cpp`),
-where the CPU has them: bfloat16, head_dim 64.
+"""A prompt's causal attention on AMX tiles (`csrc/prompt_attention_cpu.cpp`), where the CPU has them:
+bfloat16, head_dim 64. A fresh prompt attends to its own keys; a chunk after a cached prefix, its
+queries the last of the keys, to the prefix's and its own (torch_sdpa.py gathers them).
 
 SDPA's flash kernel ran W1's fresh prompts at ~0.13 TFLOP/s, 31% of its prefill steps. The tile
 kernel takes a prompt of 290 tokens (SmolLM2's 9 heads over 3 KV heads) in 0.19 ms against SDPA's
@@ -34,6 +35,7 @@ def load():
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """q [L, H, D], k and v [L, Hkv, D] as the kernel reads them."""
+    """q [n, H, D], k and v [L, Hkv, D] (n <= L: the queries are the last n positions) as the
+    kernel reads them."""
     return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.shape[-1] == HEAD_DIM
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride() == v.stride())
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride() == v.stride() and q.shape[0] <= k.shape[0])

@@ -4,6 +4,10 @@
   the cache back: on AMX tiles where the CPU has them (bfloat16, head_dim 64: cpu_prompt.py), else
   with SDPA's fused causal kernel. Its keys are those `write_kv` gives back: for an int8/fp8 cache,
   code x scale, as every later read sees them.
+- A chunk of at least PREFIXED_MIN_QUERIES queries after a cached prefix (chunked prefill's next
+  chunk, a prompt after a prefix-cache hit) takes the same tile kernel where it can, over its keys
+  gathered from the blocks: in W1's prefill steps the paged kernel spent 20-84 ms a step on one such
+  chunk, its 16 queries' 48 rows a time on float multiply-adds (docs/performance.md, stop 34).
 - On CPU with the C++ kernel built, the requests `cpu_paged.takes` (decodes, verifications, narrow
   heads' chunks after a cached prefix) are read in place from the pool, whether it holds the
   model's dtype or int8/fp8 codes (cpu_paged.py).
@@ -39,6 +43,9 @@ from kvflow.attention.metadata import (
 BUCKET_RATIO = 0.6
 # Requests with at most this many queries are batched with others of the same count.
 SHORT_QUERY = 33
+# A chunk after a cached prefix with at least this many queries takes the prompt tile kernel
+# (cpu_prompt.py); fewer (speculative verifications, short chunks) stay with the paged kernel.
+PREFIXED_MIN_QUERIES = 32
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class _Plan:
     groups: list[_Group]
     in_place: torch.Tensor | None = None  # requests the CPU kernel attends in the pool (cpu_paged)
     tiles: bool = False  # the kernel may take their bf16 scores on AMX tiles (cpu_paged.use_tiles)
+    prefixed: list[tuple[int, slice]] = ()  # (request, rows): chunks after a prefix, for the prompt kernel
 
 
 class TorchSDPABackend:
@@ -78,8 +86,10 @@ class TorchSDPABackend:
         plan = meta.plans.get(key)
         if plan is None:
             in_place = self.kernel is not None and cpu_paged.reads(kv_cache, q.dtype)
+            prefixed = (self.prompt_kernel is not None and q.dtype == kv_cache.dtype == torch.bfloat16
+                        and layer.head_dim == cpu_prompt.HEAD_DIM and q.device.type == "cpu")
             plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv,
-                                                layer.head_dim if in_place else None, self.batch_invariant)
+                                                layer.head_dim if in_place else None, self.batch_invariant, prefixed)
         if layer.writes_kv:  # fresh prompts see their own keys as the cache will give them back
             k, v = write_kv(k, v, kv_cache, meta, read_back=bool(plan.fresh_prompts))
         out = torch.empty_like(q)
@@ -88,6 +98,11 @@ class TorchSDPABackend:
                 self.prompt_kernel(out[rows], q[rows], k[rows], v[rows], layer.scale)
             else:
                 out[rows] = _causal_prompt(q[rows], k[rows], v[rows], layer)
+        for i, rows in plan.prefixed:  # the chunk's keys are in the cache: written above, or by the layer it shares
+            seq_len = meta.seq_lens_cpu[i]
+            keys, values = gather_kv(kv_cache, meta.block_tables[i:i + 1, :-(-seq_len // meta.block_size)])
+            self.prompt_kernel(out[rows], q[rows], keys[0].transpose(0, 1)[:seq_len], values[0].transpose(0, 1)[:seq_len],
+                               layer.scale)
         if plan.in_place is not None:
             cpu_paged.attend_in_place(self.kernel, q, kv_cache, meta, layer, plan.in_place, out, plan.tiles)
         for g in plan.groups:
@@ -99,14 +114,15 @@ class TorchSDPABackend:
 
 
 def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer_writes: bool,
-               in_place_head_dim: int | None = None, all_in_place: bool = False) -> _Plan:
+               in_place_head_dim: int | None = None, all_in_place: bool = False, prefixed_ok: bool = False) -> _Plan:
     """A fresh prompt attends to its own new keys, unless the layer writes none (it reads a
     shared layer's cache) or has a window (the masked path keeps only the window's blocks).
     `in_place_head_dim` (the layer's head_dim where the CPU kernel can read the cache, else
     None): the other requests the kernel takes (`cpu_paged.takes`: decodes, speculative
     verifications, narrow heads' chunks after a cached prefix) go to it; otherwise those of equal
     query length are batched together. `all_in_place`: every request goes to the kernel
-    (batch-invariant mode)."""
+    (batch-invariant mode). `prefixed_ok`: the prompt tile kernel can take this layer's chunks
+    after a cached prefix (of PREFIXED_MIN_QUERIES queries or more, and no window)."""
     if all_in_place:
         if in_place_head_dim is None:
             raise ValueError("batch_invariant: the paged-attention kernel cannot read this cache "
@@ -114,10 +130,12 @@ def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer
         # No AMX scores (cpu_paged.use_tiles): whether a call takes them would depend on the batch.
         return _Plan([], [], torch.arange(len(meta.query_lens_cpu), device=meta.seq_lens.device))
     starts = meta.query_start_loc.tolist()
-    fresh, groups, short, kernel = [], [], {}, []
+    fresh, groups, short, kernel, prefixed = [], [], {}, [], []
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         is_fresh = q_len == seq_len and window is None and layer_writes
-        if in_place_head_dim is not None and not is_fresh and cpu_paged.takes(q_len, seq_len, in_place_head_dim):
+        if prefixed_ok and not is_fresh and window is None and q_len >= PREFIXED_MIN_QUERIES:
+            prefixed.append((i, slice(starts[i], starts[i + 1])))
+        elif in_place_head_dim is not None and not is_fresh and cpu_paged.takes(q_len, seq_len, in_place_head_dim):
             kernel.append(i)
         elif q_len == 1 or (q_len <= SHORT_QUERY and not is_fresh):
             short.setdefault(q_len, []).append(i)
@@ -130,7 +148,8 @@ def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer
             rows = torch.tensor([starts[i] + j for i in bucket for j in range(n)], device=meta.seq_lens.device)
             groups.append(_group(meta, bucket, rows, n, window, kv_heads))
     return _Plan(fresh, groups, torch.tensor(kernel, device=meta.seq_lens.device) if kernel else None,
-                 tiles=cpu_paged.use_tiles((meta.seq_lens_cpu[i] for i in kernel), kv_heads, batch_invariant=False))
+                 tiles=cpu_paged.use_tiles((meta.seq_lens_cpu[i] for i in kernel), kv_heads, batch_invariant=False),
+                 prefixed=prefixed)
 
 
 def _group(meta: AttentionMetadata, requests: list[int], rows, n: int, window: int | None, kv_heads: int) -> _Group:

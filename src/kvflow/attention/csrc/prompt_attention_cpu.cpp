@@ -1,4 +1,5 @@
-// Causal attention of a fresh prompt to its own keys on AMX tiles, for bfloat16 and head_dim 64.
+// Causal attention of a prompt's queries to its keys on AMX tiles, for bfloat16 and head_dim 64:
+// a fresh prompt's, or a chunk's that follows a cached prefix (its queries the keys' last ones).
 //
 // SDPA's flash kernel ran at ~0.13 TFLOP/s in W1's prefill steps (31% of them). Here each unit of
 // work is 16 queries of one head. Keys are laid out once per KV head for the tile multiplies:
@@ -93,18 +94,19 @@ inline void scores32(float* s, const c10::BFloat16* q_tile, const Layout& layout
   _tile_stored(1, s + 16, 128);
 }
 
-// Queries [q0, q0 + 16) of one head.
+// Queries [q0, q0 + 16) of the n_queries of one head, at positions offset + q0 on (query i sees
+// keys [0, offset + i]).
 void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16* query, int64_t q_token_stride,
-              const Layout& layout, int64_t q0, int64_t len, float scale) {
+              const Layout& layout, int64_t q0, int64_t n_queries, int64_t offset, float scale) {
   alignas(64) c10::BFloat16 q_tile[16 * kHeadDim];
   alignas(64) float s[16 * 32];
   alignas(64) c10::BFloat16 p[16 * 32];
   alignas(64) float o[16 * kHeadDim];
-  const int64_t rows = std::min<int64_t>(16, len - q0);
+  const int64_t rows = std::min<int64_t>(16, n_queries - q0);
   std::memset(q_tile, 0, sizeof(q_tile));
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(q_tile + r * kHeadDim, query + (q0 + r) * q_token_stride, kHeadDim * sizeof(c10::BFloat16));
-  const int64_t last = q0 + rows - 1;  // the last query's position: keys beyond it are unseen
+  const int64_t last = offset + q0 + rows - 1;  // the last query's position: keys beyond it are unseen
   const int64_t end32 = last / 32 + 1;
   const __m512 factor = _mm512_set1_ps(scale);
   // Per-row maxima and sums are kept 16 lanes wide and reduced once at the end of their pass.
@@ -116,7 +118,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
     scores32(s, q_tile, layout, b32);
     for (int64_t r = 0; r < rows; ++r)
       for (int half = 0; half < 2; ++half) {
-        const __mmask16 live = seen(b32 * 32 + half * 16, q0 + r);
+        const __mmask16 live = seen(b32 * 32 + half * 16, offset + q0 + r);
         lanes[r] = _mm512_mask_max_ps(lanes[r], live, lanes[r], _mm512_mul_ps(_mm512_loadu_ps(s + r * 32 + half * 16), factor));
       }
   }
@@ -134,7 +136,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
     for (int64_t r = 0; r < 16; ++r) {
       for (int half = 0; half < 2; ++half) {
         const int64_t k0 = b32 * 32 + half * 16;
-        const __mmask16 live = r < rows ? seen(k0, q0 + r) : 0;
+        const __mmask16 live = r < rows ? seen(k0, offset + q0 + r) : 0;
         __m512 e = _mm512_setzero_ps();
         if (live != 0) {
           const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + r * 32 + half * 16), factor, _mm512_set1_ps(row_max[r]));
@@ -181,8 +183,9 @@ bool available() {
 #endif
 }
 
-// out [L, H, 64] = causal attention of q [L, H, 64] to k, v [L, Hkv, 64], all bfloat16 with unit
-// stride in the last dimension.
+// out [n, H, 64] = causal attention of q [n, H, 64] to k, v [L, Hkv, 64], all bfloat16 with unit
+// stride in the last dimension; the queries are the last n of the L positions (n = L: a fresh
+// prompt; n < L: a chunk after a cached prefix of L - n).
 void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   TORCH_CHECK(available(), "prompt_attention: no AMX here");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(), "prompt_attention: [L, heads, 64]");
@@ -192,16 +195,17 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1 &&
                   k.stride(0) == v.stride(0) && k.stride(1) == v.stride(1),
               "prompt_attention: unit-stride rows, k and v laid out alike");
-  TORCH_CHECK(q.size(1) % k.size(1) == 0 && k.size(0) == q.size(0) && v.sizes() == k.sizes(), "prompt_attention: shapes");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && k.size(0) >= q.size(0) && v.sizes() == k.sizes(),
+              "prompt_attention: shapes (q [n, H, 64] for the last n of k's and v's L positions)");
 #ifdef KVFLOW_PROMPT_AMX
-  const int64_t len = q.size(0), heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
+  const int64_t len = k.size(0), n_queries = q.size(0), heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
   std::vector<Layout> layouts(kv_heads);
   const auto* kp = k.data_ptr<c10::BFloat16>();
   const auto* vp = v.data_ptr<c10::BFloat16>();
   at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) lay_out(layouts[h], kp + h * k.stride(1), vp + h * v.stride(1), len, k.stride(0));
   });
-  const int64_t blocks = (len + 15) / 16;
+  const int64_t blocks = (n_queries + 15) / 16;
   const auto* qp = q.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
   // Units (head, query block). A block's cost grows with its position (causal), and parallel_for
@@ -213,7 +217,7 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, 
       const int64_t h = unit % heads, i = unit / heads;
       const int64_t qb = i % 2 == 0 ? blocks - 1 - i / 2 : i / 2;
       attend16(op + h * out.stride(1), out.stride(0), qp + h * q.stride(1), q.stride(0), layouts[h / group], qb * 16,
-               len, static_cast<float>(scale));
+               n_queries, len - n_queries, static_cast<float>(scale));
     }
     _tile_release();
   });
