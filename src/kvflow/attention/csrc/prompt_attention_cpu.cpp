@@ -4,8 +4,8 @@
 // SDPA's flash kernel ran at ~0.13 TFLOP/s in W1's prefill steps (31% of them). Here each unit of
 // work is 16 queries of one head. Keys are laid out once per KV head for the tile multiplies:
 // K transposed to dimension pairs x keys (the B operand of Q·Kᵀ), V interleaved by key pairs (the
-// B operand of P·V). Two passes over the keys the queries see, 32 at a time: the first takes each
-// row's maximum score, the second exp(s - max) as bfloat16 probabilities P (one exp per score;
+// B operand of P·V). Two passes over the keys the queries see, 32 at a time: the first computes
+// the scores, keeps them and takes each row's maximum, the second exp(s - max) as bfloat16 probabilities P (one exp per score;
 // the sums in float) and accumulates P·V in four float tiles; the output is divided by the sums
 // at the end. Scores and sums are float; P is rounded to bfloat16 for its multiply, as SDPA's
 // bfloat16 kernel rounds it.
@@ -61,11 +61,16 @@ struct Layout {  // one KV head's keys and values as tile operands
   std::vector<uint32_t> v;  // [key block of 32][slice of 16 dims][16 key pairs][16 dims]
 };
 
-void lay_out(Layout& out, const c10::BFloat16* key, const c10::BFloat16* value, int64_t len, int64_t token_stride) {
+// A head's layout for len positions, zero where no key lies (lay_out fills it).
+void size_for(Layout& out, int64_t len) {
   const int64_t blocks32 = (len + 31) / 32;
   out.k.assign(blocks32 * 2 * 2 * 256, 0u);
   out.v.assign(blocks32 * 4 * 256, 0u);
-  for (int64_t t = 0; t < len; ++t) {
+}
+
+// Positions [t0, t1) of a head's keys and values into `out` (sized by size_for).
+void lay_out(Layout& out, const c10::BFloat16* key, const c10::BFloat16* value, int64_t t0, int64_t t1, int64_t token_stride) {
+  for (int64_t t = t0; t < t1; ++t) {
     const auto* words = reinterpret_cast<const uint32_t*>(key + t * token_stride);
     uint32_t* block = out.k.data() + (t / 16) * 2 * 256;
     for (int64_t c = 0; c < 2; ++c)
@@ -99,7 +104,7 @@ inline void scores32(float* s, const c10::BFloat16* q_tile, const Layout& layout
 void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16* query, int64_t q_token_stride,
               const Layout& layout, int64_t q0, int64_t n_queries, int64_t offset, float scale) {
   alignas(64) c10::BFloat16 q_tile[16 * kHeadDim];
-  alignas(64) float s[16 * 32];
+  thread_local std::vector<float> saved;  // each 32 keys' scores [16][32], from pass 1 to pass 2
   alignas(64) c10::BFloat16 p[16 * 32];
   alignas(64) float o[16 * kHeadDim];
   const int64_t rows = std::min<int64_t>(16, n_queries - q0);
@@ -108,6 +113,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
     std::memcpy(q_tile + r * kHeadDim, query + (q0 + r) * q_token_stride, kHeadDim * sizeof(c10::BFloat16));
   const int64_t last = offset + q0 + rows - 1;  // the last query's position: keys beyond it are unseen
   const int64_t end32 = last / 32 + 1;
+  saved.resize(end32 * 16 * 32);
   const __m512 factor = _mm512_set1_ps(scale);
   // Per-row maxima and sums are kept 16 lanes wide and reduced once at the end of their pass.
   __m512 lanes[16];
@@ -115,6 +121,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
   for (auto& l : lanes) l = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // 1. Each row's maximum scaled score.
   for (int64_t b32 = 0; b32 < end32; ++b32) {
+    float* s = saved.data() + b32 * 512;
     scores32(s, q_tile, layout, b32);
     for (int64_t r = 0; r < rows; ++r)
       for (int half = 0; half < 2; ++half) {
@@ -132,7 +139,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t b32 = 0; b32 < end32; ++b32) {
-    scores32(s, q_tile, layout, b32);
+    const float* s = saved.data() + b32 * 512;
     for (int64_t r = 0; r < 16; ++r) {
       for (int half = 0; half < 2; ++half) {
         const int64_t k0 = b32 * 32 + half * 16;
@@ -200,10 +207,17 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, 
 #ifdef KVFLOW_PROMPT_AMX
   const int64_t len = k.size(0), n_queries = q.size(0), heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
   std::vector<Layout> layouts(kv_heads);
+  for (auto& layout : layouts) size_for(layout, len);
   const auto* kp = k.data_ptr<c10::BFloat16>();
   const auto* vp = v.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h) lay_out(layouts[h], kp + h * k.stride(1), vp + h * v.stride(1), len, k.stride(0));
+  // Units of 32 positions of one KV head (not a head each: SmolLM2's 3 heads left one of two
+  // threads idle a third of the time).
+  const int64_t spans = (len + 31) / 32;
+  at::parallel_for(0, kv_heads * spans, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t h = unit / spans, t0 = unit % spans * 32;
+      lay_out(layouts[h], kp + h * k.stride(1), vp + h * v.stride(1), t0, std::min(len, t0 + 32), k.stride(0));
+    }
   });
   const int64_t blocks = (n_queries + 15) / 16;
   const auto* qp = q.data_ptr<c10::BFloat16>();
