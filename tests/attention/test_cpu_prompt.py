@@ -27,9 +27,21 @@ def _qkv(length: int, heads: int, kv_heads: int, seed: int = 0):
 
 
 def _sdpa(q, k, v):
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+    """Causal attention of q, the last n of k's L positions (query i sees keys [0, L - n + i]), as
+    SDPA computes it in q's dtype."""
+    n, length = q.shape[0], k.shape[0]
+    mask = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                          scale=0.125, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(0, 1)
+
+
+def _assert_as_close_as_sdpa_in_bfloat16(out, q, k, v):
+    """out's error against float32 attention is within SDPA's own in bfloat16 (plus a rounding)."""
+    exact = _sdpa(q.float(), k.float(), v.float())
+    sdpa_error = (_sdpa(q, k, v).float() - exact).abs().max().item()
+    error = (out.float() - exact).abs().max().item()
+    assert error <= max(2 * sdpa_error, 2**-8), (error, sdpa_error)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
@@ -38,19 +50,7 @@ def test_matches_float32_attention_as_closely_as_sdpa_in_bfloat16(heads, kv_head
     q, k, v = _qkv(length, heads, kv_heads, seed=length)
     out = torch.full((length, heads, 64), float("nan"), dtype=torch.bfloat16)
     kernel(out, q, k, v, 0.125)
-    exact = _sdpa(q.float(), k.float(), v.float())
-    sdpa_error = (_sdpa(q, k, v).float() - exact).abs().max().item()
-    error = (out.float() - exact).abs().max().item()
-    assert error <= max(2 * sdpa_error, 2**-8), (error, sdpa_error)
-
-
-def _masked(q, k, v):
-    """Attention of q (the last n of k's L positions) in float32 or as SDPA computes it in q's dtype."""
-    n, length = q.shape[0], k.shape[0]
-    mask = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         scale=0.125, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+    _assert_as_close_as_sdpa_in_bfloat16(out, q, k, v)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
@@ -61,10 +61,7 @@ def test_a_chunk_after_a_prefix_sees_the_prefix_and_its_own_earlier_keys(heads, 
     q = q[length - n:]
     out = torch.full((n, heads, 64), float("nan"), dtype=torch.bfloat16)
     kernel(out, q, k, v, 0.125)
-    exact = _masked(q.float(), k.float(), v.float())
-    sdpa_error = (_masked(q, k, v).float() - exact).abs().max().item()
-    error = (out.float() - exact).abs().max().item()
-    assert error <= max(2 * sdpa_error, 2**-8), (error, sdpa_error)
+    _assert_as_close_as_sdpa_in_bfloat16(out, q, k, v)
     with pytest.raises(RuntimeError, match="last n of k's"):  # more queries than keys
         kernel(torch.empty(length + 1, heads, 64, dtype=torch.bfloat16), _qkv(length + 1, heads, kv_heads)[0], k, v, 0.125)
 
