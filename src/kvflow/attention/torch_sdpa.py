@@ -87,7 +87,7 @@ class TorchSDPABackend:
         if plan is None:
             in_place = self.kernel is not None and cpu_paged.reads(kv_cache, q.dtype)
             prefixed = (self.prompt_kernel is not None and q.dtype == kv_cache.dtype == torch.bfloat16
-                        and layer.head_dim == cpu_prompt.HEAD_DIM and q.device.type == "cpu")
+                        and layer.head_dim == cpu_prompt.HEAD_DIM and q.device.type == "cpu" and q.stride(-1) == 1)
             plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv,
                                                 layer.head_dim if in_place else None, self.batch_invariant, prefixed)
         if layer.writes_kv:  # fresh prompts see their own keys as the cache will give them back
