@@ -5,10 +5,10 @@
 // work is 16 queries of one head. Keys are laid out once per KV head for the tile multiplies:
 // K transposed to dimension pairs x keys (the B operand of Q·Kᵀ), V interleaved by key pairs (the
 // B operand of P·V). Two passes over the keys the queries see, 32 at a time: the first computes
-// the scores, keeps them and takes each row's maximum, the second exp(s - max) as bfloat16 probabilities P (one exp per score;
-// the sums in float) and accumulates P·V in four float tiles; the output is divided by the sums
-// at the end. Scores and sums are float; P is rounded to bfloat16 for its multiply, as SDPA's
-// bfloat16 kernel rounds it.
+// the scores, keeps them and takes each row's maximum, the second exp(s - max) as bfloat16
+// probabilities P (one exp per score; the sums in float) and accumulates P·V in four float tiles;
+// the output is divided by the sums at the end. Scores and sums are float; P is rounded to
+// bfloat16 for its multiply, as SDPA's bfloat16 kernel rounds it.
 //
 // Tiles: 0, 1 = scores of 16 queries x 2 x 16 keys; 2 = A (Q rows, then P); 3 = B (K or V); 4..7 =
 // the output, 16 queries x 4 x 16 dimensions.
@@ -26,6 +26,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include "kvflow_amx.h"
+#include "kvflow_avx512.h"
 #define KVFLOW_PROMPT_AMX 1
 #endif
 
@@ -34,21 +35,8 @@ namespace {
 constexpr int64_t kHeadDim = 64;
 
 #ifdef KVFLOW_PROMPT_AMX
-// exp(x) on 16 lanes for x <= 0 (a score less the row's maximum): 2^n · e^r with |r| <= ln 2 / 2,
-// e^r by its Taylor polynomial to r^5 (relative error under 2^-16: the probabilities are rounded
-// to bfloat16, 2^-9, right after), clamped below at e^-87.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 round = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 120.0f);
-  for (const float c : {1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+// exp(s - max) of the scores, to r^5: the probabilities are rounded to bfloat16 right after.
+inline __m512 exp16(__m512 x) { return kvflow_avx512::exp_nonpositive16<5>(x); }
 
 // Lanes of the 16 keys from k0 that query position `pos` sees (k <= pos; every such key exists).
 inline __mmask16 seen(int64_t k0, int64_t pos) {
