@@ -1,7 +1,10 @@
-"""The AMX prompt-attention kernel (attention/cpu_prompt.py) against float32 attention of the same
-bfloat16 inputs: its error is within SDPA's own error in bfloat16 (plus a rounding)."""
+"""The prompt-attention kernel (attention/cpu_prompt.py), on AMX tiles where the CPU has them and on
+AVX-512 BF16 dot products, against float32 attention of the same bfloat16 inputs: its error is
+within SDPA's own error in bfloat16 (plus a rounding)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -13,7 +16,13 @@ from kvflow.attention.torch_sdpa import TorchSDPABackend
 from test_cpu_paged import nan_pool_batch
 
 kernel = cpu_prompt.load()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no AMX (or no C++ compiler) here")
+pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX-512 BF16 (or no C++ compiler) here")
+# Each way the kernel multiplies here: dot products, and tiles where there is AMX.
+WAYS = [False, True] if kernel is not None and torch.ops.kvflow_cpu_prompt.has_tiles() else [False]
+
+
+def _way(tiles: bool):
+    return functools.partial(torch.ops.kvflow_cpu_prompt.prompt_attention, tiles=tiles)
 
 
 def _qkv(length: int, heads: int, kv_heads: int, seed: int = 0):
@@ -44,36 +53,61 @@ def _assert_as_close_as_sdpa_in_bfloat16(out, q, k, v):
     assert error <= max(2 * sdpa_error, 2**-8), (error, sdpa_error)
 
 
+@pytest.mark.parametrize("tiles", WAYS)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("length", [1, 7, 16, 17, 33, 100, 290])
-def test_matches_float32_attention_as_closely_as_sdpa_in_bfloat16(heads, kv_heads, length):
+def test_matches_float32_attention_as_closely_as_sdpa_in_bfloat16(heads, kv_heads, length, tiles):
     q, k, v = _qkv(length, heads, kv_heads, seed=length)
     out = torch.full((length, heads, 64), float("nan"), dtype=torch.bfloat16)
-    kernel(out, q, k, v, 0.125)
+    _way(tiles)(out, q, k, v, 0.125)
     _assert_as_close_as_sdpa_in_bfloat16(out, q, k, v)
 
 
+@pytest.mark.parametrize("tiles", WAYS)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
 @pytest.mark.parametrize("length,n", [(40, 8), (100, 37), (290, 33), (64, 64), (33, 1), (300, 270)])
-def test_a_chunk_after_a_prefix_sees_the_prefix_and_its_own_earlier_keys(heads, kv_heads, length, n):
+def test_a_chunk_after_a_prefix_sees_the_prefix_and_its_own_earlier_keys(heads, kv_heads, length, n, tiles):
     """The queries are the last n of the keys' positions: query i sees keys [0, length - n + i]."""
     q, k, v = _qkv(length, heads, kv_heads, seed=length + n)
     q = q[length - n:]
     out = torch.full((n, heads, 64), float("nan"), dtype=torch.bfloat16)
-    kernel(out, q, k, v, 0.125)
+    _way(tiles)(out, q, k, v, 0.125)
     _assert_as_close_as_sdpa_in_bfloat16(out, q, k, v)
 
 
-def test_causal_rows_see_no_later_key():
+@pytest.mark.parametrize("tiles", WAYS)
+def test_causal_rows_see_no_later_key(tiles):
     """Changing the last key and value moves only the last query's output."""
     q, k, v = _qkv(40, 9, 3)
     before = torch.empty(40, 9, 64, dtype=torch.bfloat16)
-    kernel(before, q, k, v, 0.125)
+    _way(tiles)(before, q, k, v, 0.125)
     k2, v2 = k.clone(), v.clone()
     k2[-1], v2[-1] = 7.0, -7.0
     after = torch.empty(40, 9, 64, dtype=torch.bfloat16)
-    kernel(after, q, k2, v2, 0.125)
+    _way(tiles)(after, q, k2, v2, 0.125)
     assert torch.equal(before[:-1], after[:-1]) and not torch.equal(before[-1], after[-1])
+
+
+@pytest.mark.skipif(len(WAYS) < 2, reason="no AMX here: one way only")
+def test_tiles_and_dot_products_differ_by_at_most_a_rounding():
+    """The same products, summed in another order: each output within a bfloat16 rounding or two."""
+    q, k, v = _qkv(290, 9, 3, seed=5)
+    tiles, dots = (torch.empty(290, 9, 64, dtype=torch.bfloat16) for _ in range(2))
+    _way(True)(tiles, q, k, v, 0.125)
+    _way(False)(dots, q, k, v, 0.125)
+    torch.testing.assert_close(tiles.float(), dots.float(), atol=2**-7, rtol=2**-7)
+
+
+def test_tiles_are_asked_for_only_where_there_are_tiles(monkeypatch):
+    """The loaded kernel multiplies on tiles exactly where there is AMX and the switch allows it;
+    asked for tiles where there are none, it refuses by name."""
+    assert kernel.keywords["tiles"] == (len(WAYS) == 2)
+    monkeypatch.setenv(cpu_prompt.TILES_ENV, "0")
+    assert cpu_prompt.load().keywords["tiles"] is False
+    if len(WAYS) == 1:
+        q, k, v = _qkv(8, 9, 3)
+        with pytest.raises(RuntimeError, match="no AMX here"):
+            _way(True)(torch.empty(8, 9, 64, dtype=torch.bfloat16), q, k, v, 0.125)
 
 
 def test_the_switch_and_what_it_refuses(monkeypatch):

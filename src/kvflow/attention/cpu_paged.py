@@ -90,4 +90,6 @@ if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays
     print("CPU KV-write kernel:", "ready" if cpu_kv_write.load_writer() is not None else "unavailable (torch path)")
     from kvflow.attention import cpu_prompt  # imported here: only the build needs it
 
-    print("CPU prompt-attention kernel (AMX):", "ready" if cpu_prompt.load() is not None else "unavailable (SDPA)")
+    kernel = cpu_prompt.load()
+    print("CPU prompt-attention kernel:", "unavailable (SDPA)" if kernel is None else
+          "ready (AMX tiles)" if kernel.keywords["tiles"] else "ready (AVX-512 BF16 dot products)")

@@ -1,19 +1,23 @@
-"""A prompt's causal attention on AMX tiles (`csrc/prompt_attention_cpu.cpp`), where the CPU has them:
-bfloat16, head_dim 64. A fresh prompt attends to its own keys; a chunk after a cached prefix, its
-queries the last of the keys, to the prefix's and its own (torch_sdpa.py gathers them).
+"""A prompt's causal attention (`csrc/prompt_attention_cpu.cpp`) on AMX tiles where the CPU has them,
+else on AVX-512 BF16 dot products: bfloat16, head_dim 64. A fresh prompt attends to its own keys; a
+chunk after a cached prefix, its queries the last of the keys, to the prefix's and its own
+(torch_sdpa.py gathers them).
 
-SDPA's flash kernel ran W1's fresh prompts at ~0.13 TFLOP/s, 31% of its prefill steps. The tile
-kernel takes a prompt of 290 tokens (SmolLM2's 9 heads over 3 KV heads) in 0.19 ms against SDPA's
-0.39, 512 in 0.46 against 0.80, 2,048 in 6.7 against 8.1 (2 threads, medians of 20). Its error
-against float32 is SDPA's own in bfloat16 (tests/attention/test_cpu_prompt.py).
+SDPA's flash kernel ran W1's fresh prompts at ~0.13 TFLOP/s on AMX, 31% of its prefill steps. The
+tile kernel takes a prompt of 290 tokens (SmolLM2's 9 heads over 3 KV heads) in 0.19 ms against
+SDPA's 0.39, 512 in 0.46 against 0.80, 2,048 in 6.7 against 8.1 (2 threads, medians of 20). On a
+CPU without AMX (AMD EPYC, AVX-512 BF16) SDPA ran at 20-30 GFLOP/s, 26% of W1's prefill steps; the
+dot-product form there: see docs/performance.md, stop 35. Either way its error against float32 is
+SDPA's own in bfloat16 (tests/attention/test_cpu_prompt.py).
 
 Built once per machine like the other kernels (kvflow/cpu_extension.py); where it cannot be built
-or the CPU has no AMX, `load()` is None and SDPA runs. `KVFLOW_CPU_PROMPT_ATTENTION=0` asks for
-SDPA (A/B measurements).
+or the CPU has no AVX-512 BF16, `load()` is None and SDPA runs. `KVFLOW_CPU_PROMPT_ATTENTION=0` asks
+for SDPA, `KVFLOW_CPU_PROMPT_TILES=0` for dot products where there are tiles (A/B measurements).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -23,15 +27,19 @@ from kvflow import cpu_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "prompt_attention_cpu.cpp"
 DISABLE_ENV = "KVFLOW_CPU_PROMPT_ATTENTION"
+TILES_ENV = "KVFLOW_CPU_PROMPT_TILES"
 HEAD_DIM = 64
 
 
 def load():
-    """torch.ops.kvflow_cpu_prompt.prompt_attention where it runs here, else None."""
+    """The kernel as `kernel(out, q, k, v, scale)` where it runs here (on tiles where it can), else None."""
     if os.environ.get(DISABLE_ENV, "1") == "0" or not cpu_extension.load_library(
             "kvflow_cpu_prompt", SOURCE, "the CPU prompt-attention kernel", extra_cflags=cpu_extension.WIDE_VECTORS):
         return None
-    return torch.ops.kvflow_cpu_prompt.prompt_attention if torch.ops.kvflow_cpu_prompt.available() else None
+    ops = torch.ops.kvflow_cpu_prompt
+    if not ops.available():
+        return None
+    return functools.partial(ops.prompt_attention, tiles=os.environ.get(TILES_ENV, "1") != "0" and ops.has_tiles())
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
