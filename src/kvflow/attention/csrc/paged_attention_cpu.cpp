@@ -159,7 +159,10 @@ inline void accumulate_values(float* ar, const float* p, const float* values, in
 
 // The lines of one block of one KV head, requested a line at a time between the loads of the block
 // in use: requested all at once, they stalled the core while they waited for free line-fill
-// buffers.
+// buffers. They are requested into L2 (prefetcht1), not L1: on an AMD EPYC (Zen 4) 128 W1-shaped
+// decodes from memory took 1.43-1.80 ms a layer so against 2.04-2.21 into L1, whose few miss
+// buffers capped the lines in flight; on the Xeon the two hints measured alike (docs/performance.md,
+// stops 33 and 35).
 struct Prefetcher {
   const char* next = nullptr;
   const char* end = nullptr;
@@ -170,7 +173,7 @@ struct Prefetcher {
   void stop() { next = end = nullptr; }
   void step() {
     if (next < end) {
-      __builtin_prefetch(next, 0, 3);
+      __builtin_prefetch(next, 0, 2);
       next += 64;
     }
   }
