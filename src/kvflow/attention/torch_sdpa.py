@@ -1,11 +1,11 @@
 """The CPU fast path over the paged cache, in plain torch.
 
 - A chunk that starts a prompt (nothing cached before it) attends to its own keys, without reading
-  the cache back: on AMX tiles where the CPU has them (bfloat16, head_dim 64: cpu_prompt.py), else
-  with SDPA's fused causal kernel. Its keys are those `write_kv` gives back: for an int8/fp8 cache,
+  the cache back: on cpu_prompt.py's kernel where it runs (bfloat16, head_dim 64; AMX tiles or
+  AVX-512 BF16 dot products), else with SDPA's fused causal kernel. Its keys are those `write_kv` gives back: for an int8/fp8 cache,
   code x scale, as every later read sees them.
 - A chunk of at least PREFIXED_MIN_QUERIES queries after a cached prefix (chunked prefill's next
-  chunk, a prompt after a prefix-cache hit) takes the same tile kernel where it can, over its keys
+  chunk, a prompt after a prefix-cache hit) takes the same kernel where it can, over its keys
   gathered from the blocks: in W1's prefill steps the paged kernel spent 20-84 ms a step on one such
   chunk, its 16 queries' 48 rows a time on float multiply-adds (docs/performance.md, stop 34).
 - On CPU with the C++ kernel built, the requests `cpu_paged.takes` (decodes, verifications, narrow
@@ -43,7 +43,7 @@ from kvflow.attention.metadata import (
 BUCKET_RATIO = 0.6
 # Requests with at most this many queries are batched with others of the same count.
 SHORT_QUERY = 33
-# A chunk after a cached prefix with at least this many queries takes the prompt tile kernel
+# A chunk after a cached prefix with at least this many queries takes the prompt kernel
 # (cpu_prompt.py); fewer (speculative verifications, short chunks) stay with the paged kernel.
 PREFIXED_MIN_QUERIES = 32
 
@@ -73,7 +73,7 @@ class TorchSDPABackend:
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.kernel = cpu_paged.load_kernel()  # None: no compiler here, or switched off
-        self.prompt_kernel = cpu_prompt.load()  # None: no AMX or no compiler here, or switched off
+        self.prompt_kernel = cpu_prompt.load()  # None: no AVX-512 BF16 or no compiler here, or switched off
         # Batch-invariant (model.layers.batch_invariant): every request, whatever its query
         # count, through the kernel, whose query rows never depend on each other.
         self.batch_invariant = batch_invariant
@@ -121,7 +121,7 @@ def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer
     None): the other requests the kernel takes (`cpu_paged.takes`: decodes, speculative
     verifications, narrow heads' chunks after a cached prefix) go to it; otherwise those of equal
     query length are batched together. `all_in_place`: every request goes to the kernel
-    (batch-invariant mode). `prefixed_ok`: the prompt tile kernel can take this layer's chunks
+    (batch-invariant mode). `prefixed_ok`: the prompt kernel can take this layer's chunks
     after a cached prefix (of PREFIXED_MIN_QUERIES queries or more, and no window)."""
     if all_in_place:
         if in_place_head_dim is None:

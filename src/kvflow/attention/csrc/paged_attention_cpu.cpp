@@ -5,8 +5,8 @@
 // walking the key blocks; (2) each row's softmax over all its scores at once (one max, one sum);
 // (3) the probability-weighted values, walking the value blocks. Blocks lie anywhere in the pool,
 // where the hardware prefetcher, which follows addresses, never sees the next one coming, so each
-// pass requests the block three ahead of the one in use, a line between each of its own loads
-// (`Prefetcher`). Scores over a block come 16 keys at a time for bfloat16 caches (`scores16`: keys
+// pass requests the block three ahead of the one in use into L2, a line between each of its own
+// loads (`Prefetcher`). Scores over a block come 16 keys at a time for bfloat16 caches (`scores16`: keys
 // transposed in registers, widened to float by a shift or a mask, float multiply-adds) and one key
 // at a time from keys widened to float otherwise; the values accumulate in float (bfloat16 caches:
 // each value row widened once for the query's G heads, `accumulate_rows`; others: values widened
