@@ -162,6 +162,81 @@ def test_warm_up_leaves_no_trace(model_dir):
     assert warm.get_stats().prefix_cache_hits_total == 0
 
 
+def _steps_and_tokens(engine: LLMEngine, seed: int = 0) -> tuple[int, list[int]]:
+    """Steps and tokens of a 100-token prompt (another `seed`: no prefix in the cache) to 4 tokens."""
+    engine.add_request(f"r{seed}", {"prompt_token_ids": _prompt(100, seed)}, SamplingParams(max_tokens=4, temperature=0))
+    steps, outs = 0, []
+    while engine.has_unfinished_requests():
+        steps += 1
+        outs.extend(engine.step())
+    return steps, outs[-1].outputs[0].token_ids
+
+
+def _budget_engine(model_dir) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                                num_kv_blocks=64, max_num_batched_tokens=128))
+
+
+def test_a_set_token_budget_chunks_prompts_by_it_and_leaves_outputs_as_they_were(model_dir):
+    """After set_token_budget(32) a 100-token prompt's prefill takes four steps instead of one, its
+    tokens as before (float32); the budget never goes past the configured one."""
+    wide, narrow = _budget_engine(model_dir), _budget_engine(model_dir)
+    narrow.set_token_budget(32)
+    assert narrow.config.scheduler.max_num_batched_tokens == narrow.scheduler.config.max_num_batched_tokens == 32
+    (wide_steps, wide_tokens), (narrow_steps, narrow_tokens) = _steps_and_tokens(wide), _steps_and_tokens(narrow)
+    assert narrow_steps - wide_steps == 3  # ceil(100 / 32) prefill steps instead of one
+    assert narrow_tokens == wide_tokens
+    narrow.set_token_budget(128)  # back up to the configured budget: allowed
+    for bad in (0, 129):
+        with pytest.raises(ValueError, match="max_num_batched_tokens=.*configured"):
+            narrow.set_token_budget(bad)
+
+
+def test_a_fitted_budget_follows_the_steps_it_sees(model_dir, monkeypatch):
+    """With fit_token_budget on, a step slower than the target lowers the budget for the steps after
+    it; without it, the configured budget stays whatever the steps take."""
+    from kvflow.engine import step_budget
+
+    monkeypatch.setattr(step_budget, "STEP_TARGET_S", 1e-9)  # every step is too slow
+    monkeypatch.setattr(step_budget, "MIN_BUDGET", 32)
+    monkeypatch.setattr(step_budget, "MIN_MEASURED_TOKENS", 64)
+    fitted, fixed = _budget_engine(model_dir), _budget_engine(model_dir)
+    fitted.fit_token_budget()
+    first = [_steps_and_tokens(e) for e in (fitted, fixed)]
+    assert first[0] == first[1]  # the first prompt's one step set it; nothing it ran changed
+    assert fitted.config.scheduler.max_num_batched_tokens == 32 and fixed.config.scheduler.max_num_batched_tokens == 128
+    (fitted_steps, fitted_tokens), (fixed_steps, fixed_tokens) = (_steps_and_tokens(e, seed=1) for e in (fitted, fixed))
+    assert fitted_steps - fixed_steps == 3 and fitted_tokens == fixed_tokens
+
+
+@pytest.mark.parametrize("budget,step_s,fitted", [
+    (1024, 0.22, 1024),  # the Xeon's full step: kept
+    (1024, 0.55, 512),  # the EPYC's: halved, a step then ~0.28 s
+    (1024, 1.7, 256),  # a third halving would reach 0.21 s, past the floor: stops at it
+    (128, 9.0, 128),  # below the floor already: kept
+    (1000, 0.9, 500),  # not a power of two: halved all the same
+])
+def test_the_fitted_budget_keeps_a_step_within_its_target(budget, step_s, fitted):
+    from kvflow.engine.step_budget import MIN_BUDGET, STEP_TARGET_S, fitted_token_budget
+
+    got = fitted_token_budget(budget, step_s)
+    assert got == fitted
+    assert got == budget or step_s * got / budget <= STEP_TARGET_S or got // 2 < MIN_BUDGET
+
+
+def test_a_step_budget_learns_from_the_fastest_large_step():
+    """Small steps and slower ones than the fastest seen say nothing; a faster one raises the budget
+    back toward the configured one."""
+    from kvflow.engine.step_budget import MIN_MEASURED_TOKENS, StepBudget
+
+    budget = StepBudget(1024)
+    assert budget.observe(MIN_MEASURED_TOKENS - 1, 100.0) is None
+    assert budget.observe(1024, 0.87) == 256  # a first step, slowed by what it builds
+    assert budget.observe(256, 0.3) is None  # slower per token than the fastest seen
+    assert budget.observe(512, 0.28) == 512
+    assert budget.observe(1024, 0.2) == 1024
+
+
 def test_warm_up_refuses_to_run_beside_requests(model_dir):
     engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
                                   num_kv_blocks=64))

@@ -90,3 +90,16 @@ def test_serve_defaults_to_latency_first_settings_offline_runs_do_not_take():
     assert parser.parse_args(["serve", "--kv-populate", "off"]).kv_populate == "off"
     with pytest.raises(ValueError, match="kv_populate"):
         EngineArgs(kv_populate="sometimes").create_config(2048)
+
+
+def test_serve_fits_only_a_budget_its_user_did_not_give(monkeypatch):
+    """Without --max-num-batched-tokens the server is told to fit the budget to the machine; with
+    it, even at the default's value, not."""
+    from kvflow.entrypoints import cli
+    from kvflow.entrypoints.openai import api_server
+
+    seen = []
+    monkeypatch.setattr(api_server, "run_server", lambda args: seen.append(args) or 0)
+    assert cli.main(["serve"]) == 0 and cli.main(["serve", "--max-num-batched-tokens", "1024"]) == 0
+    assert [a.fit_token_budget for a in seen] == [True, False]
+    assert [a.max_num_batched_tokens for a in seen] == [cli.SERVE_MAX_NUM_BATCHED_TOKENS, 1024]

@@ -6,6 +6,7 @@ requests and emit outputs. Nothing else drives the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,6 +20,7 @@ from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
 from kvflow.engine.speculation import setup_speculation
+from kvflow.engine.step_budget import StepBudget
 from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
@@ -71,6 +73,8 @@ class LLMEngine:
             kv_connector=self._make_kv_connector(),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._configured_budget = self.config.scheduler.max_num_batched_tokens
+        self.step_budget: StepBudget | None = None  # fit_token_budget
         self._children: dict[str, list[str]] = {}  # user request id → engine request ids
         self._ids = itertools.count()
         self._running_at_step: set[str] = set()
@@ -239,6 +243,24 @@ class LLMEngine:
          kv.prefix_cache_hits) = counters
         self.reset_prefix_cache()
 
+    def fit_token_budget(self) -> None:
+        """From now on the token budget follows this machine's speed: lowered (never above the
+        configured one) until a full step takes at most step_budget.STEP_TARGET_S."""
+        self.step_budget = StepBudget(self._configured_budget)
+
+    def set_token_budget(self, max_num_batched_tokens: int) -> None:
+        """Schedule at most this many tokens a step from now on, at most the configured budget, so
+        whatever the workers sized for it still fits."""
+        if not 1 <= max_num_batched_tokens <= self._configured_budget:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}: within 1..{self._configured_budget} "
+                             "(the configured budget) only")
+        if max_num_batched_tokens == self.config.scheduler.max_num_batched_tokens:
+            return
+        scheduler = dataclasses.replace(self.config.scheduler, max_num_batched_tokens=max_num_batched_tokens)
+        self.config = dataclasses.replace(self.config, scheduler=scheduler)
+        self.scheduler.config = scheduler
+        logger.info("%d tokens a step from now on", max_num_batched_tokens)
+
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         engine_ids = [c for rid in ids for c in self._children.pop(rid, [])]
@@ -292,7 +314,12 @@ class LLMEngine:
         except SchedulerStallError as e:
             self._running_at_step.update(e.request_ids)  # abort_failed_step ends them too
             raise
+        started = time.perf_counter()
         runner_out = self.model_executor.execute_model(sched)
+        if self.step_budget is not None:
+            budget = self.step_budget.observe(sched.num_batched_tokens, time.perf_counter() - started)
+            if budget is not None:
+                self.set_token_budget(budget)
         if runner_out.kv_load_failed:  # before anything of theirs counts
             self.scheduler.recompute_failed_loads(sched, runner_out.kv_load_failed)
         produced = self.scheduler.update_from_output(sched, runner_out.sampled, runner_out.draft_token_ids)

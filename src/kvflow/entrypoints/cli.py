@@ -13,6 +13,10 @@ from kvflow.sampling_params import RequestOutputKind, SamplingParams
 SERVE_MAX_NUM_BATCHED_TOKENS = 1024  # `kvflow serve`'s default; offline (LLM, bench): EngineArgs' 4096
 
 
+class ServeDefault(int):
+    """A flag's value that `kvflow serve` chose, not its user (an int everywhere else)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -64,11 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, models, metrics)")
     add_server_args(serve)
     EngineArgs.add_cli_args(serve)
-    # A server's prompts come in bursts of clients: half the offline budget per step lets the first
-    # of a burst stream sooner (TTFT p50 −25% for −2% throughput here, docs/performance.md), as vLLM
-    # also gives its API server a smaller default budget than its `LLM`; and the KV pool's pages are
-    # mapped in only while no step runs, so that the first requests keep both cores.
-    serve.set_defaults(func=run_serve, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS, kv_populate="when-idle")
+    # A server's prompts come in bursts of clients: a quarter of the offline budget per step lets the
+    # first of a burst stream sooner (TTFT p50 −25% for −2% throughput, docs/performance.md), as
+    # vLLM also gives its API server a smaller default budget than its `LLM`; left unset, it also
+    # follows the machine's speed (engine/step_budget.py). And the KV pool's pages
+    # are mapped in only while no step runs, so that the first requests keep both cores.
+    serve.set_defaults(func=run_serve, max_num_batched_tokens=ServeDefault(SERVE_MAX_NUM_BATCHED_TOKENS),
+                       kv_populate="when-idle")
 
     gen = sub.add_parser("generate", help="stream a completion of one prompt")
     gen.add_argument("prompt")
@@ -160,6 +166,9 @@ def stream(engine, prompt, params: SamplingParams, out=sys.stdout) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from kvflow.entrypoints.openai.api_server import run_server
 
+    # Without --max-num-batched-tokens the budget follows the machine's speed once the engine is
+    # warm; a budget given is kept as it is.
+    args.fit_token_budget = isinstance(args.max_num_batched_tokens, ServeDefault)
     return run_server(args)
 
 

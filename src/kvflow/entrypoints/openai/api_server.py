@@ -244,15 +244,19 @@ def served_name(model: str | None) -> str:
     return model if model else default_model_path().stem
 
 
-def _start_engine(engine_args: EngineArgs, limits: ServerLimits, lora_modules: list[LoRARequest]) -> AsyncLLM:
+def _start_engine(engine_args: EngineArgs, limits: ServerLimits, lora_modules: list[LoRARequest],
+                  fit_budget: bool = False) -> AsyncLLM:
     """One engine, or `data_parallel_size` replicas behind a router; a bad adapter stops the
-    start, naming it."""
+    start, naming it. `fit_budget`: the engine's token budget follows this machine's speed
+    (LLMEngine.fit_token_budget; replicas keep theirs)."""
     if engine_args.data_parallel_size == 1:
         def build() -> LLMEngine:
             engine = LLMEngine(engine_args)
             for adapter in lora_modules:
                 engine.add_lora(adapter)
             engine.warm_up()  # before /health answers: the first requests find its lazily built state made
+            if fit_budget:  # after the warm-up, whose first steps are slow by what they build
+                engine.fit_token_budget()
             return engine
 
         return AsyncLLM(build_on_fresh_thread(build), limits.load_limits())
@@ -272,7 +276,7 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     limits = ServerLimits.from_cli_args(args)
     lora_modules = parse_lora_modules(args.lora_modules)
-    async_llm = _start_engine(EngineArgs.from_cli_args(args), limits, lora_modules)
+    async_llm = _start_engine(EngineArgs.from_cli_args(args), limits, lora_modules, getattr(args, "fit_token_budget", False))
     name = args.served_model_name or served_name(args.model)
     try:
         app = build_app(async_llm, name, args.api_key, limits, args.disallow_special_tokens_in_content,
