@@ -314,10 +314,9 @@ class LLMEngine:
         except SchedulerStallError as e:
             self._running_at_step.update(e.request_ids)  # abort_failed_step ends them too
             raise
-        started = time.perf_counter()
         runner_out = self.model_executor.execute_model(sched)
         if self.step_budget is not None:
-            budget = self.step_budget.observe(sched.num_batched_tokens, time.perf_counter() - started)
+            budget = self.step_budget.observe(sched.num_batched_tokens, runner_out.target_seconds)
             if budget is not None:
                 self.set_token_budget(budget)
         if runner_out.kv_load_failed:  # before anything of theirs counts

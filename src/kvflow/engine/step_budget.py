@@ -7,28 +7,27 @@ prompt's TTFT: 217-228 ms), where 512 had lost a third of the served throughput 
 ~40% and TTFT p50 by ~25% for 2-13% of the throughput (docs/performance.md, stop 35). So the
 budget is halved, down to MIN_BUDGET, until a step of it would take at most STEP_TARGET_S.
 
-A step's time is taken in proportion to its tokens (a prompt's products are compute-bound), from
-the fastest per-token time of any step of at least MIN_MEASURED_TOKENS tokens seen so far: the
-first steps, which build what runs lazily, and steps slowed by a busy machine only ever make it
-look slower than it is, and the budget goes back up as faster steps are seen. Timing at start
-instead took a throwaway step (+1.3 s to `/health`) that touched the KV pool's pages for the first
-time and read 0.87 s where the steady state takes 0.55.
+A step's time comes from the step-time model adaptive speculation fits (T(n) = a + b·n over the
+recent steps, `StepTimeModel`), fed the target model's time of every step: the first steps, slowed
+by what they build and by the KV pages they touch first, fade out of it. Timing one throwaway step
+at start instead added 1.3 s before `/health` and read 0.87 s where the steady state takes 0.55.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
+
+from kvflow.spec_decode.adaptive import StepTimeModel
 
 STEP_TARGET_S = 0.4
 MIN_BUDGET = 256
-MIN_MEASURED_TOKENS = 256  # fewer: per-step costs, not the products, would set the time
 
 
-def fitted_token_budget(budget: int, full_step_s: float) -> int:
-    """`budget` halved until a step of it would take at most STEP_TARGET_S, but not below
-    MIN_BUDGET; `full_step_s`: what a step of `budget` tokens takes."""
+def fitted_token_budget(budget: int, step_seconds: Callable[[int], float]) -> int:
+    """`budget` halved until a step of that many tokens would take at most STEP_TARGET_S by
+    `step_seconds`, but not below MIN_BUDGET."""
     fitted = budget
-    while fitted // 2 >= MIN_BUDGET and full_step_s * fitted / budget > STEP_TARGET_S:
+    while fitted // 2 >= MIN_BUDGET and step_seconds(fitted) > STEP_TARGET_S:
         fitted //= 2
     return fitted
 
@@ -38,12 +37,16 @@ class StepBudget:
 
     def __init__(self, configured: int) -> None:
         self.configured = configured
-        self.fastest_token_s = math.inf
+        self.step_time = StepTimeModel()
 
     def observe(self, num_tokens: int, seconds: float) -> int | None:
-        """After a step of `num_tokens` that took `seconds`: the budget from now on, or None where
-        the step says nothing new."""
-        if num_tokens < MIN_MEASURED_TOKENS or seconds / num_tokens >= self.fastest_token_s:
+        """After a step of `num_tokens` that took `seconds`: the budget from now on, or None while
+        the steps seen have not yet varied enough in size to say (or the step ran no token)."""
+        if num_tokens == 0:
             return None
-        self.fastest_token_s = seconds / num_tokens
-        return fitted_token_budget(self.configured, self.fastest_token_s * self.configured)
+        self.step_time.observe(num_tokens, seconds)
+        fit = self.step_time.fit()
+        if fit is None:
+            return None
+        a, b = fit
+        return fitted_token_budget(self.configured, lambda n: a + b * n)

@@ -106,12 +106,13 @@ class ModelRunner:
                 self._collect_samples(chunks, self.sampler(logits, sampling), out)
         if batch.prompt_rows:
             self._collect_prompt_logprobs(batch, hidden, out)
+        out.target_seconds = time.perf_counter() - started  # the sampled ids were read back: the device is done
         if self.speculator is not None:
-            proposing = time.perf_counter()  # the sampled ids were read back: the device is done
+            proposing = time.perf_counter()
             grammars = self.structured_output
             self.speculator.propose(batch.sample_chunks, self._generator, out,
                                     grammars.valid_prefix if grammars is not None and grammars.active else None)
-            out.target_seconds, out.proposer_seconds = proposing - started, time.perf_counter() - proposing
+            out.proposer_seconds = time.perf_counter() - proposing
         if out.kv_load_failed:
             self._discard_failed_loads(out)
         return out

@@ -27,7 +27,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     # request id → tokens proposed to follow this step's last sampled token (speculative decoding)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # With speculation on: the step's time in the target (forward and sampling) and in the proposer.
+    # The step's time in the target model (forward and sampling), and with speculation on in the
+    # proposer.
     target_seconds: float = 0.0
     proposer_seconds: float = 0.0
     # request id → KV it loaded from or saved for another engine this step
