@@ -42,6 +42,12 @@ def load():
     return functools.partial(ops.prompt_attention, tiles=os.environ.get(TILES_ENV, "1") != "0" and ops.has_tiles())
 
 
+def reads(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The kernel can take chunks of q over keys gathered from this cache (`takes`, of the gather)."""
+    return (q.device.type == "cpu" and q.dtype == kv_cache.dtype == torch.bfloat16 and q.shape[-1] == HEAD_DIM
+            and q.stride(-1) == 1)
+
+
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """q [n, H, D], k and v [L, Hkv, D] (n <= L: the queries are the last n positions) as the
     kernel reads them."""

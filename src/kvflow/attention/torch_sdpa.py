@@ -2,8 +2,8 @@
 
 - A chunk that starts a prompt (nothing cached before it) attends to its own keys, without reading
   the cache back: on cpu_prompt.py's kernel where it runs (bfloat16, head_dim 64; AMX tiles or
-  AVX-512 BF16 dot products), else with SDPA's fused causal kernel. Its keys are those `write_kv` gives back: for an int8/fp8 cache,
-  code x scale, as every later read sees them.
+  AVX-512 BF16 dot products), else with SDPA's fused causal kernel. Its keys are those `write_kv`
+  gives back: for an int8/fp8 cache, code x scale, as every later read sees them.
 - A chunk of at least PREFIXED_MIN_QUERIES queries after a cached prefix (chunked prefill's next
   chunk, a prompt after a prefix-cache hit) takes the same kernel where it can, over its keys
   gathered from the blocks: in W1's prefill steps the paged kernel spent 20-84 ms a step on one such
@@ -86,8 +86,7 @@ class TorchSDPABackend:
         plan = meta.plans.get(key)
         if plan is None:
             in_place = self.kernel is not None and cpu_paged.reads(kv_cache, q.dtype)
-            prefixed = (self.prompt_kernel is not None and q.dtype == kv_cache.dtype == torch.bfloat16
-                        and layer.head_dim == cpu_prompt.HEAD_DIM and q.device.type == "cpu" and q.stride(-1) == 1)
+            prefixed = self.prompt_kernel is not None and cpu_prompt.reads(q, kv_cache)
             plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv,
                                                 layer.head_dim if in_place else None, self.batch_invariant, prefixed)
         if layer.writes_kv:  # fresh prompts see their own keys as the cache will give them back

@@ -6,8 +6,8 @@
 // (3) the probability-weighted values, walking the value blocks. Blocks lie anywhere in the pool,
 // where the hardware prefetcher, which follows addresses, never sees the next one coming, so each
 // pass requests the block three ahead of the one in use into L2, a line between each of its own
-// loads (`Prefetcher`). Scores over a block come 16 keys at a time for bfloat16 caches (`scores16`: keys
-// transposed in registers, widened to float by a shift or a mask, float multiply-adds) and one key
+// loads (`Prefetcher`). Scores over a block come 16 keys at a time for bfloat16 caches (`scores16`:
+// keys transposed in registers, widened to float by a shift or a mask, float multiply-adds) and one key
 // at a time from keys widened to float otherwise; the values accumulate in float (bfloat16 caches:
 // each value row widened once for the query's G heads, `accumulate_rows`; others: values widened
 // to float first). A running softmax, rescaled block by block, had spent more time in its short
@@ -160,7 +160,7 @@ inline void accumulate_values(float* ar, const float* p, const float* values, in
 // The lines of one block of one KV head, requested a line at a time between the loads of the block
 // in use: requested all at once, they stalled the core while they waited for free line-fill
 // buffers. They are requested into L2 (prefetcht1), not L1: on an AMD EPYC (Zen 4) 128 W1-shaped
-// decodes from memory took 1.43-1.80 ms a layer so against 2.04-2.21 into L1, whose few miss
+// decodes from memory took 1.43-1.80 ms a layer against 2.04-2.21 into L1, whose few miss
 // buffers capped the lines in flight; on the Xeon the two hints measured alike (docs/performance.md,
 // stops 33 and 35).
 struct Prefetcher {

@@ -166,6 +166,23 @@ inline void values_dots(float* o, const c10::BFloat16* p, const Layout& layout, 
   }
 }
 
+// The two ways of scores32 and values, chosen at compile time.
+template <bool kTiles>
+inline void scores32(float* s, const c10::BFloat16* q_tile, const Layout& layout, int64_t b32) {
+#ifdef KVFLOW_PROMPT_AMX
+  if constexpr (kTiles) return scores32_tiles(s, q_tile, layout, b32);
+#endif
+  scores32_dots(s, q_tile, layout, b32);
+}
+
+template <bool kTiles>
+inline void values(float* o, const c10::BFloat16* p, const Layout& layout, int64_t end32, int64_t rows) {
+#ifdef KVFLOW_PROMPT_AMX
+  if constexpr (kTiles) return values_tiles(o, p, layout, end32);
+#endif
+  values_dots(o, p, layout, end32, rows);
+}
+
 // Queries [q0, q0 + 16) of the n_queries of one head, at positions offset + q0 on (query i sees
 // keys [0, offset + i]); on tiles (kTiles) or dot products.
 template <bool kTiles>
@@ -191,11 +208,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
   // 1. Each row's maximum scaled score.
   for (int64_t b32 = 0; b32 < end32; ++b32) {
     float* s = saved.data() + b32 * 512;
-#ifdef KVFLOW_PROMPT_AMX
-    if constexpr (kTiles) scores32_tiles(s, q_tile, layout, b32);
-    else
-#endif
-      scores32_dots(s, q_tile, layout, b32);
+    scores32<kTiles>(s, q_tile, layout, b32);
     for (int64_t r = 0; r < rows; ++r)
       for (int half = 0; half < 2; ++half) {
         const __mmask16 live = seen(b32 * 32 + half * 16, offset + q0 + r);
@@ -227,11 +240,7 @@ void attend16(c10::BFloat16* out, int64_t out_token_stride, const c10::BFloat16*
     }
   }
   for (int64_t r = 0; r < 16; ++r) row_sum[r] = _mm512_reduce_add_ps(lanes[r]);
-#ifdef KVFLOW_PROMPT_AMX
-  if constexpr (kTiles) values_tiles(o, p.data(), layout, end32);
-  else
-#endif
-    values_dots(o, p.data(), layout, end32, rows);
+  values<kTiles>(o, p.data(), layout, end32, rows);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f);
     for (int64_t d = 0; d < kHeadDim; d += 16) {
