@@ -262,15 +262,15 @@ def test_warm_up_fits_a_kv_pool_smaller_than_a_step(model_dir):
     assert len(_drain(engine)[-1].outputs[0].token_ids) == 4
 
 
-def test_warm_up_lays_out_the_amx_panels_of_few_row_products(model_dir, monkeypatch):
-    from kvflow.quant import amx_linear
+def test_warm_up_lays_out_the_panels_of_few_row_products(model_dir, monkeypatch):
+    from kvflow.quant import panel_linear
     from kvflow.quant.packed_linear import GatedPair, PackedWeight
 
-    if not amx_linear.available():
-        pytest.skip("the CPU has no AMX, or the kernel could not be built")
+    if not panel_linear.available():
+        pytest.skip("no AVX-512 BF16 here, or the kernel could not be built")
     # a full step of more rows than the kernel takes (as a server's 1,024 rows against 512): its
     # prompt lays out no panels
-    monkeypatch.setattr(amx_linear, "MAX_ROWS", 64)
+    monkeypatch.setattr(panel_linear, "MAX_ROWS", 64)
     engine = LLMEngine(EngineArgs(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256,
                                   num_kv_blocks=64, max_num_batched_tokens=96))
     model = engine.runner.model
@@ -281,7 +281,7 @@ def test_warm_up_lays_out_the_amx_panels_of_few_row_products(model_dir, monkeypa
             values = list(vars(module).values())
             pair = [v for v in values if isinstance(v, GatedPair)]
             # a [gate; up] layer's own packed copy is not multiplied once its pair exists
-            found += pair or [v for v in values if isinstance(v, PackedWeight) and amx_linear.takes(16, v.main.shape)]
+            found += pair or [v for v in values if isinstance(v, PackedWeight) and panel_linear.takes(16, v.main.shape)]
         return found
 
     assert held() and not any(p.panels is not None for p in held())  # laid out lazily

@@ -1,6 +1,6 @@
 """Float weights packed once for oneDNN (quant/packed_linear.py): the same products as F.linear,
 used by unquantized bf16 layers on CPU, and never for other dtypes. The oneDNN tests switch the
-AMX kernel off (its products sum in another order: tests/quant/test_amx_linear.py)."""
+panel kernel off (its products sum in another order: tests/quant/test_panel_linear.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.model.layers.linear import MergedColumnParallelLinear
-from kvflow.quant import amx_linear, packed_linear
+from kvflow.quant import panel_linear, packed_linear
 
 
 @pytest.fixture
 def onednn_only(monkeypatch):
-    monkeypatch.setenv(amx_linear.DISABLE_ENV, "0")
+    monkeypatch.setenv(panel_linear.DISABLE_ENV, "0")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 130, 200, 1100])  # x has 2 * rows: 400 is a middle count

@@ -97,7 +97,7 @@ def measure_throughput(engine, workload: ThroughputWorkload, ceilings: Ceilings)
     params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
     # Warmed up as a server is before it answers (LLMEngine.warm_up), as vLLM's engine is by its
     # start-up dummy run: what a first full step and a first batch of decode rows build lazily (the
-    # AMX panels of a GGUF model's dense copies: ~180 ms in W1's first decode step) is built before
+    # panels of a GGUF model's dense copies: ~180 ms in W1's first decode step) is built before
     # the clock starts. Then a short run, whose steps also decode.
     engine.warm_up()
     generate_counting_steps(engine, prompts[:2], params.clone(max_tokens=4))

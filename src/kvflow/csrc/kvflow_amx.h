@@ -1,5 +1,5 @@
 // AMX tile setup shared by kvflow's CPU kernels that multiply on tiles (attention/csrc/
-// prompt_attention_cpu.cpp, quant/csrc/amx_linear_cpu.cpp). Included only where the compiler
+// prompt_attention_cpu.cpp, quant/csrc/panel_linear_cpu.cpp). Included only where the compiler
 // targets AMX (the includer checks __AMX_TILE__ and __AMX_BF16__) on Linux. A change here names new
 // builds of every kernel (cpu_extension.build_name hashes this folder's headers).
 #pragma once

@@ -1,5 +1,5 @@
 // AVX-512 pieces shared by kvflow's CPU kernels (attention/csrc/paged_attention_cpu.cpp,
-// attention/csrc/kv_write_cpu.cpp, quant/csrc/amx_linear_cpu.cpp). Included only where the
+// attention/csrc/kv_write_cpu.cpp, quant/csrc/panel_linear_cpu.cpp). Included only where the
 // compiler targets AVX-512 (the includer checks __AVX512F__). A change here names new builds of
 // every kernel (cpu_extension.build_name hashes this folder's headers).
 #pragma once

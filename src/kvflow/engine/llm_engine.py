@@ -219,7 +219,7 @@ class LLMEngine:
         """Run one throwaway prompt the size of a full step, then one step of 16 one-token prompts
         (a decode batch's row count), before the first request, so that the first requests do not
         wait for what a first step builds lazily: oneDNN's primitives, the packed weights' layout
-        for middle row counts, the SiLU·up pairs, the AMX kernel's panels for few rows (on the
+        for middle row counts, the SiLU·up pairs, the panel kernel's panels for few rows (on the
         2026-11-27 VM a server's first ~1,000-token prompt took 604 ms to its first token, the next
         ones 217-228). It leaves no trace: its blocks go back to the pool and out of the prefix
         cache, and the counters read as before. One token is sampled each, so no decode step runs

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.quant import amx_linear
+from kvflow.quant import panel_linear
 
 DISABLE_ENV = "KVFLOW_PACKED_LINEAR"  # =0: F.linear at every call (for A/B measurements)
 
@@ -41,8 +41,8 @@ MIDDLE_ROWS = (384, 1280)
 class PackedWeight:
     """A bf16 W [N, K] packed for oneDNN: for 512 rows, and for 1 row once a product of middle size
     needs it (see MIDDLE_ROWS); `for_rows(m)` is the one an [m, K] input multiplies fastest. Where
-    the CPU has AMX, products of up to `amx_linear.MAX_ROWS` rows take the AMX kernel instead, on
-    panels laid out from the packed copy when first asked (`amx_panels`)."""
+    the CPU has AVX-512 BF16 (or AMX), products of up to `panel_linear.MAX_ROWS` rows take the
+    panel kernel instead, on panels laid out from the packed copy when first asked (`panels_for`)."""
 
     __slots__ = ("main", "middle", "panels")
 
@@ -51,12 +51,12 @@ class PackedWeight:
         self.middle: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
 
-    def amx_panels(self, rows: int) -> torch.Tensor | None:
-        """The AMX kernel's panels for an [rows, K] input, or None: oneDNN's product."""
-        if not amx_linear.takes(rows, self.main.shape):
+    def panels_for(self, rows: int) -> torch.Tensor | None:
+        """The panel kernel's panels for an [rows, K] input, or None: oneDNN's product."""
+        if not panel_linear.takes(rows, self.main.shape):
             return None
         if self.panels is None:
-            self.panels = amx_linear.pack(self.main.to_dense())
+            self.panels = panel_linear.pack(self.main.to_dense())
         return self.panels
 
     def for_rows(self, rows: int) -> torch.Tensor:
@@ -70,9 +70,9 @@ class PackedWeight:
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with W packed (`PackedWeight`)."""
     rows = x.reshape(-1, x.shape[-1])
-    panels = packed.amx_panels(rows.shape[0]) if rows.stride(-1) == 1 else None
+    panels = packed.panels_for(rows.shape[0]) if rows.stride(-1) == 1 else None
     if panels is not None:
-        y = amx_linear.linear(rows, panels, bias)
+        y = panel_linear.linear(rows, panels, bias)
     else:
         y = torch.ops.mkldnn._linear_pointwise(rows, packed.for_rows(rows.shape[0]), bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
@@ -89,15 +89,15 @@ class GatedPair:
     def __init__(self, weight: torch.Tensor) -> None:
         half = weight.shape[0] // 2
         self.gate, self.up = PackedWeight(weight[:half].contiguous()), PackedWeight(weight[half:].contiguous())
-        self.panels: torch.Tensor | None = None  # the AMX kernel's gate and up panels, side by side
+        self.panels: torch.Tensor | None = None  # the panel kernel's gate and up panels, side by side
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
-        if x2.stride(-1) == 1 and amx_linear.takes(m, self.gate.main.shape):
+        if x2.stride(-1) == 1 and panel_linear.takes(m, self.gate.main.shape):
             if self.panels is None:
-                self.panels = amx_linear.pack_gated(self.gate.main.to_dense(), self.up.main.to_dense())
-            return amx_linear.silu_and_mul(x2, self.panels).view(*x.shape[:-1], self.panels.shape[0] * 16)
+                self.panels = panel_linear.pack_gated(self.gate.main.to_dense(), self.up.main.to_dense())
+            return panel_linear.silu_and_mul(x2, self.panels).view(*x.shape[:-1], self.panels.shape[0] * 16)
         act = torch.ops.mkldnn._linear_pointwise(x2, self.gate.for_rows(m), None, "swish", [], "")
         out = torch.ops.mkldnn._linear_pointwise.binary(x2, act, self.up.for_rows(m), None, "mul")
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,100 @@
+"""bf16 products for decode-sized row counts on weights laid out as 16-column panels
+(`csrc/panel_linear_cpu.cpp`): on AMX tiles where the CPU has them, else on AVX-512 BF16 dot
+products, from the same panels.
+
+oneDNN's products at 1-512 rows fall short of what the CPU can do. On the Xeon (AMX) they read
+the weights at 15-17 GB/s where it reads 23-25; measured on SmolLM2's 30 layers (weights cycling,
+2026-11-27): 16 rows 14.9 -> 9.3 ms, 128 rows 28 -> 21 ms, 512 rows 69 -> 60 ms. On the AMD EPYC
+(AVX-512 BF16, no AMX) they reach half its bf16 rate at 16 rows, where the dot products here reach
+two thirds of it: per layer 0.57 -> 0.41 ms at 16 rows, 1.27x-1.75x a product, ~1.1x at 128 rows,
+parity at 512 (docs/performance.md, stop 36). At 4,096 rows oneDNN's blocked kernel is faster, so
+larger products stay there (`MAX_ROWS`), and so do an LM head's past 32 rows.
+
+Each output sums K in one fixed order whatever the row count, so a row's result does not depend
+on its batch. Against oneDNN's products the sums differ in order only (1 bf16 ulp in ~1 output of
+10,000; tests/quant/test_panel_linear.py).
+
+Built once per machine like the other kernels (kvflow/cpu_extension.py); where it cannot be built
+or the CPU has no AVX-512 BF16, `available()` is False and oneDNN runs. `KVFLOW_PANEL_LINEAR=0`
+asks for oneDNN, `KVFLOW_PANEL_LINEAR_TILES=0` for dot products where there are tiles (A/B
+measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from kvflow import cpu_extension
+
+SOURCE = Path(__file__).parent / "csrc" / "panel_linear_cpu.cpp"
+DISABLE_ENV = "KVFLOW_PANEL_LINEAR"
+TILES_ENV = "KVFLOW_PANEL_LINEAR_TILES"
+MAX_ROWS = 512
+# Products with wide outputs (an LM head: 49,152 columns) only up to 32 rows: SmolLM2's head read
+# from memory at 16 rows took 2.4 ms on tiles against oneDNN's 2.9, at 64 rows 3.9 against 3.8, at
+# 128 rows 6.2 against 4.4-5.0; on dot products 1.05-1.12x oneDNN up to 32 rows, level beyond.
+WIDE_COLUMNS, WIDE_MAX_ROWS = 4096, 32
+
+
+def available() -> bool:
+    """The kernel is built here (KVFLOW_PANEL_LINEAR=0: False, read at every call)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    return _loaded()
+
+
+@functools.cache  # once per process: asked before every product
+def _loaded() -> bool:
+    return (cpu_extension.load_library("kvflow_panel_linear", SOURCE, "the panel linear kernel",
+                                       extra_cflags=cpu_extension.WIDE_VECTORS)
+            and torch.ops.kvflow_panel_linear.available())
+
+
+def has_tiles() -> bool:
+    """Products go to AMX tiles: the CPU has them and KVFLOW_PANEL_LINEAR_TILES is not 0."""
+    return os.environ.get(TILES_ENV, "1") != "0" and _loaded() and _tiles_permitted()
+
+
+@functools.cache
+def _tiles_permitted() -> bool:
+    return torch.ops.kvflow_panel_linear.has_tiles()
+
+
+def takes(rows: int, weight_shape: torch.Size | tuple[int, int]) -> bool:
+    """An [rows, K] x [N, K] product the kernel runs here: at most MAX_ROWS rows (WIDE_MAX_ROWS
+    past WIDE_COLUMNS columns), N a multiple of 16, K of 32."""
+    n, k = weight_shape
+    return (rows <= (MAX_ROWS if n <= WIDE_COLUMNS else WIDE_MAX_ROWS) and n % 16 == 0 and k % 32 == 0
+            and available())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] as 16-column panels [N / 16, K / 32, 16, 32]: panel p's tile for K slice s holds
+    W[16p + j, 32s + 2i + h] at [i, 2j + h] (the B operand's K pairs x columns; for dot products,
+    row i is the 16 columns' pair i)."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
+
+
+def pack_gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gate's and the up's panels of the same columns side by side: [I / 16, 2, K / 32, 16, 32]."""
+    return torch.stack([pack(gate), pack(up)], dim=1).contiguous()
+
+
+def linear(rows: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: bool | None = None) -> torch.Tensor:
+    """rows [M, K] @ Wᵀ (+ bias) for W packed by `pack`; on tiles or dot products (None: `has_tiles()`)."""
+    out = torch.empty(rows.shape[0], panels.shape[0] * 16, dtype=rows.dtype)
+    torch.ops.kvflow_panel_linear.linear(out, rows, panels, bias, False, has_tiles() if tiles is None else tiles)
+    return out
+
+
+def silu_and_mul(rows: torch.Tensor, panels: torch.Tensor, tiles: bool | None = None) -> torch.Tensor:
+    """SiLU(rows W_gateᵀ) * (rows W_upᵀ) for panels by `pack_gated`."""
+    out = torch.empty(rows.shape[0], panels.shape[0] * 16, dtype=rows.dtype)
+    torch.ops.kvflow_panel_linear.linear(out, rows, panels, None, True, has_tiles() if tiles is None else tiles)
+    return out
