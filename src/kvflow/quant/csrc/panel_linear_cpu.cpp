@@ -106,7 +106,8 @@ inline void store_gated(const Operands& op, int64_t row, int64_t u, __m512 gate,
 constexpr int64_t kDotRows = 12;
 
 template <int R>
-inline void dot_block(const Operands& op, int64_t row0, const char* p0, const char* p1, __m512 (&out)[R][2]) {
+inline void dot_block(const Operands& op, int64_t row0, const char* p0, const char* p1, const char* next,
+                      __m512 (&out)[R][2]) {
   __m512 acc[R][2];  // local, so that the sums stay in registers (through `out` they went to memory)
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -117,6 +118,10 @@ inline void dot_block(const Operands& op, int64_t row0, const char* p0, const ch
     const c10::BFloat16* xk = x + kb * 32;
     for (int i = 0; i < 16; ++i) {
       const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + i), b1 = (__m512bh)_mm512_loadu_si512(w1 + i);
+      if (next != nullptr) {
+        _mm_prefetch(next + kb * kTileBytes + i * 64, _MM_HINT_T1);
+        _mm_prefetch(next + op.k / 32 * kTileBytes + kb * kTileBytes + i * 64, _MM_HINT_T1);
+      }
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xk + r * op.ldx + 2 * i));
@@ -129,19 +134,22 @@ inline void dot_block(const Operands& op, int64_t row0, const char* p0, const ch
   for (int r = 0; r < R; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
 }
 
+// The first block of rows prefetches the next unit's two panels into L2 as it goes (when the next
+// unit has two), so that they stream in from memory while this one multiplies.
 template <int R>
 void dot_unit(const Operands& op, bool gated, int64_t panels, int64_t u, int64_t row0) {
   const int64_t panel_bytes = op.k / 32 * kTileBytes;
+  const int64_t total = gated ? 2 * panels : panels;  // panels in all, gate and up counted apart
+  const char* p0 = op.panels + 2 * u * panel_bytes;   // gated: the gate panel, then the up one
+  const char* next = row0 == 0 && 2 * u + 3 < total ? p0 + 2 * panel_bytes : nullptr;
   __m512 acc[R][2];
   if (gated) {
-    const char* gate = op.panels + 2 * u * panel_bytes;
-    dot_block<R>(op, row0, gate, gate + panel_bytes, acc);
+    dot_block<R>(op, row0, p0, p0 + panel_bytes, next, acc);
     for (int r = 0; r < R; ++r) store_gated(op, row0 + r, u, acc[r][0], acc[r][1]);
     return;
   }
   const int64_t first = 2 * u, width = std::min<int64_t>(2, panels - first);
-  const char* p0 = op.panels + first * panel_bytes;
-  dot_block<R>(op, row0, p0, width == 2 ? p0 + panel_bytes : p0, acc);
+  dot_block<R>(op, row0, p0, width == 2 ? p0 + panel_bytes : p0, next, acc);
   for (int r = 0; r < R; ++r) store_plain(op, row0 + r, first, width, acc[r][0], acc[r][1]);
 }
 
