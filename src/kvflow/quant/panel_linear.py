@@ -77,12 +77,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     W[16p + j, 32s + 2i + h] at [i, 2j + h] (the B operand's K pairs x columns; for dot products,
     row i is the 16 columns' pair i)."""
     n, k = weight.shape
-    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
+    return _pairs_as_panels(weight).contiguous().view(torch.bfloat16).view(n // 16, k // 32, 16, 32)
 
 
 def pack_gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The gate's and the up's panels of the same columns side by side: [I / 16, 2, K / 32, 16, 32]."""
-    return torch.stack([pack(gate), pack(up)], dim=1).contiguous()
+    n, k = gate.shape
+    both = torch.stack([_pairs_as_panels(gate), _pairs_as_panels(up)], dim=1)
+    return both.view(torch.bfloat16).view(n // 16, 2, k // 32, 16, 32)
+
+
+def _pairs_as_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W's K pairs as int32s, permuted to the panels' order (a view): moving pairs, not bfloat16s,
+    lays out SmolLM2's weights ~6x faster (half a second of a server's start)."""
+    n, k = weight.shape
+    return weight.contiguous().view(torch.int32).view(n // 16, 16, k // 32, 16).permute(0, 2, 3, 1)
 
 
 def linear(rows: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None,
