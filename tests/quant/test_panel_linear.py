@@ -136,9 +136,10 @@ def test_tiles_and_dot_products_differ_by_at_most_a_rounding():
     x = torch.randn(40, 576, generator=gen).bfloat16()
     panels = panel_linear.pack(weight)
     tiles, dots = panel_linear.linear(x, panels, tiles=True), panel_linear.linear(x, panels, tiles=False)
-    _close_to_float32(tiles, F.linear(x.float(), weight.float()))
-    assert ((tiles.float() - dots.float()).abs() <= tiles.float().abs() * 2**-7).all()
-    assert (tiles == dots).float().mean() >= 0.95  # the same sums in another order
+    reference = F.linear(x.float(), weight.float())
+    _close_to_float32(tiles, reference)
+    _close_to_float32(dots, reference)
+    assert (tiles == dots).float().mean() >= 0.95  # the same sums in another order: nearly always one rounding
 
 
 def test_tiles_are_asked_for_only_where_there_are_tiles(monkeypatch):
