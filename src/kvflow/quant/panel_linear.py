@@ -6,9 +6,10 @@ oneDNN's products at 1-512 rows fall short of what the CPU can do. On the Xeon (
 the weights at 15-17 GB/s where it reads 23-25; measured on SmolLM2's 30 layers (weights cycling,
 2026-11-27): 16 rows 14.9 -> 9.3 ms, 128 rows 28 -> 21 ms, 512 rows 69 -> 60 ms. On the AMD EPYC
 (AVX-512 BF16, no AMX) they reach half its bf16 rate at 16 rows, where the dot products here reach
-two thirds of it: per layer 0.57 -> 0.41 ms at 16 rows, 1.27x-1.75x a product, ~1.1x at 128 rows,
-parity at 512 (docs/performance.md, stop 36). At 4,096 rows oneDNN's blocked kernel is faster, so
-larger products stay there (`MAX_ROWS`), and so do an LM head's past 32 rows.
+two thirds of it: SmolLM2's layer 0.58 -> 0.36 ms at 16 rows (1.4-2x a product), 1.02-1.18x at 128
+rows, level at 512 (docs/performance.md, stop 36). Past 512 rows oneDNN's blocked kernel is as fast
+or faster (2x on tiles at 4,096), so larger products stay there (`MAX_ROWS`), and so do an LM
+head's past 32 rows.
 
 Each output sums K in one fixed order whatever the row count, so a row's result does not depend
 on its batch. Against oneDNN's products the sums differ in order only (1 bf16 ulp in ~1 output of
