@@ -58,7 +58,7 @@ inline __m512 silu16(__m512 g) {
 struct Operands {
   const c10::BFloat16* x;     // [M, K], rows ldx apart
   int64_t ldx;
-  const c10::BFloat16* tail;  // the last rows when M % 16 != 0, zero-padded to 16: [16, K]
+  const c10::BFloat16* tail;  // tiles: the last rows when M % 16 != 0, zero-padded to 16: [16, K]
   int64_t m, k;
   const char* panels;         // 16-column panels, K / 32 tiles each
   const float* bias;          // [N] or null
@@ -75,7 +75,7 @@ struct Operands {
 inline int64_t group_units(const Operands& op) { return op.n_out * 2 >= 4096 ? 8 : 1; }
 
 // Units [begin, end) in order (in groups, above), each meeting every block of rows while its
-// panels are in cache: unit(u, first row, rows) for blocks from `block_rows(m, b)`.
+// panels are in cache: unit(u, first row, rows) for each block b of `block_rows(b)` rows.
 template <typename BlockRows, typename Unit>
 void run_units(const Operands& op, int64_t begin, int64_t end, int64_t blocks, BlockRows&& block_rows, Unit&& unit) {
   const int64_t group = group_units(op);
