@@ -105,10 +105,11 @@ inline void store_gated(const Operands& op, int64_t row, int64_t u, __m512 gate,
 // columns' sums in registers (2 per row, 24 of the 32) while the unit's panels stream past once.
 constexpr int64_t kDotRows = 12;
 
-template <int R>
-inline void dot_block(const Operands& op, int64_t row0, const char* p0, const char* p1, const char* next,
-                      __m512 (&out)[R][2]) {
-  __m512 acc[R][2];  // local, so that the sums stay in registers (through `out` they went to memory)
+// Rows [row0, row0 + R) times a unit's panels p0, p1; then store(r, sums of p0's columns, sums of
+// p1's) for each row r. `next`: the next unit's panels, prefetched into L2 as this one goes (or null).
+template <int R, typename Store>
+inline void dot_block(const Operands& op, int64_t row0, const char* p0, const char* p1, const char* next, Store&& store) {
+  __m512 acc[R][2];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const c10::BFloat16* x = op.x + row0 * op.ldx;
@@ -131,26 +132,25 @@ inline void dot_block(const Operands& op, int64_t row0, const char* p0, const ch
     }
   }
 #pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
+  for (int r = 0; r < R; ++r) store(r, acc[r][0], acc[r][1]);
 }
 
-// The first block of rows prefetches the next unit's two panels into L2 as it goes (when the next
-// unit has two), so that they stream in from memory while this one multiplies.
+// The first block of rows prefetches the next unit's two panels (when the next unit has two), so
+// that they stream in from memory while this one multiplies.
 template <int R>
 void dot_unit(const Operands& op, bool gated, int64_t panels, int64_t u, int64_t row0) {
   const int64_t panel_bytes = op.k / 32 * kTileBytes;
   const int64_t total = gated ? 2 * panels : panels;  // panels in all, gate and up counted apart
   const char* p0 = op.panels + 2 * u * panel_bytes;   // gated: the gate panel, then the up one
   const char* next = row0 == 0 && 2 * u + 3 < total ? p0 + 2 * panel_bytes : nullptr;
-  __m512 acc[R][2];
   if (gated) {
-    dot_block<R>(op, row0, p0, p0 + panel_bytes, next, acc);
-    for (int r = 0; r < R; ++r) store_gated(op, row0 + r, u, acc[r][0], acc[r][1]);
+    dot_block<R>(op, row0, p0, p0 + panel_bytes, next,
+                 [&](int r, __m512 gate, __m512 up) { store_gated(op, row0 + r, u, gate, up); });
     return;
   }
   const int64_t first = 2 * u, width = std::min<int64_t>(2, panels - first);
-  dot_block<R>(op, row0, p0, width == 2 ? p0 + panel_bytes : p0, next, acc);
-  for (int r = 0; r < R; ++r) store_plain(op, row0 + r, first, width, acc[r][0], acc[r][1]);
+  dot_block<R>(op, row0, p0, width == 2 ? p0 + panel_bytes : p0, next,
+               [&](int r, __m512 v0, __m512 v1) { store_plain(op, row0 + r, first, width, v0, v1); });
 }
 
 template <int R = kDotRows>
