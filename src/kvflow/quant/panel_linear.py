@@ -56,8 +56,9 @@ def _loaded() -> bool:
 
 
 def has_tiles() -> bool:
-    """Products go to AMX tiles: the CPU has them and KVFLOW_PANEL_LINEAR_TILES is not 0."""
-    return os.environ.get(TILES_ENV, "1") != "0" and _loaded() and _tiles_permitted()
+    """Products go to AMX tiles: the CPU has them and KVFLOW_PANEL_LINEAR_TILES is not 0 (asked at
+    every product: the environment is read only where there are tiles)."""
+    return _loaded() and _tiles_permitted() and os.environ.get(TILES_ENV, "1") != "0"
 
 
 @functools.cache
