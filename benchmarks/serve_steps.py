@@ -26,7 +26,7 @@ LOAD = ["--num-prompts", "64", "--input-len", "256", "--input-dist", "fixed", "-
 
 def serve_timed(record: str, serve_args: list[str]) -> int:
     """`kvflow serve` in this process, every step appended to `record` as JSON lines:
-    [start, seconds, decode rows, prompt tokens]."""
+    [start, seconds, decode rows (verifications' included), prompt tokens]."""
     from kvflow.entrypoints.cli import main
     from kvflow.executor.in_process import InProcessExecutor
 
@@ -36,7 +36,7 @@ def serve_timed(record: str, serve_args: list[str]) -> int:
     def timed(self, sched):
         start = time.perf_counter()
         out = execute(self, sched)
-        decode_rows = sum(1 for c in sched.chunks if c.num_tokens == 1)
+        decode_rows = sum(c.num_tokens for c in sched.chunks if c.is_decode)
         steps.append([time.time(), time.perf_counter() - start, decode_rows, sched.num_batched_tokens - decode_rows])
         return out
 

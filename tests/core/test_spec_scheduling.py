@@ -50,11 +50,12 @@ def test_a_decode_verifies_its_proposals_and_rolls_back_the_rejected():
     r = _request("a", [1, 2, 3, 4, 5])
     s.add_request(r)
     out = _prefill(s, 50, {"a": [60, 61, 62]})
-    assert out.chunks[0].num_lookahead_tokens == 3
+    assert out.chunks[0].num_lookahead_tokens == 3 and not out.chunks[0].is_decode  # the prompt
     assert r.spec_token_ids == [60, 61, 62]
     out = s.schedule()
     chunk = out.chunks[0]
     assert (chunk.token_ids, chunk.start_pos, chunk.num_spec_tokens) == ([50, 60, 61, 62], 5, 3)
+    assert chunk.is_decode  # a verification: one token to sample after the proposals
     assert chunk.spec_token_ids == [60, 61, 62] and out.num_batched_tokens == 4
     # 60 accepted, 61 rejected and replaced by 70: positions 5 (50) and 6 (60) hold accepted KV.
     produced = s.update_from_output(out, {"a": [60, 70]}, {"a": [80]})

@@ -41,6 +41,11 @@ class ScheduledChunk:
         return len(self.token_ids)
 
     @property
+    def is_decode(self) -> bool:
+        """A decode or a verification: one new token to sample, after any proposals (no prompt tokens)."""
+        return self.sample and self.num_tokens == 1 + self.num_spec_tokens
+
+    @property
     def spec_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_spec_tokens:] if self.num_spec_tokens else []
 

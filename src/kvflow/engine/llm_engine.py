@@ -328,7 +328,7 @@ class LLMEngine:
             self._kv_transfer_seconds_total += sum(t.seconds for t in runner_out.kv_transfer.values())
         self._generation_tokens_total += sum(n for _, n in produced)
         if self.speculation is not None:
-            decode_only = all(c.sample and c.num_tokens == 1 + c.num_spec_tokens for c in sched.chunks)
+            decode_only = all(c.is_decode for c in sched.chunks)
             self.speculation.observe_step(sched.num_batched_tokens, runner_out.target_seconds,
                                           sum(map(len, runner_out.draft_token_ids.values())),
                                           runner_out.proposer_seconds, decode_only)
