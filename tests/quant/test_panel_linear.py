@@ -31,7 +31,8 @@ def test_the_panels_hold_each_weight_where_the_tiles_read_it():
     for p, s, i, j, h in [(0, 0, 0, 0, 0), (1, 2, 7, 5, 1), (2, 1, 15, 15, 1), (2, 2, 3, 9, 0)]:
         assert panels[p, s, i, 2 * j + h] == weight[16 * p + j, 32 * s + 2 * i + h]
     pair = panel_linear.pack_gated(weight, -weight)
-    assert pair.shape == (n // 16, 2, k // 32, 16, 32) and torch.equal(pair[:, 1], -panels)
+    assert pair.shape == (n // 16, 2, k // 32, 16, 32)
+    assert torch.equal(pair[:, 0], panels) and torch.equal(pair[:, 1], -panels)
 
 
 # tiles: whole and partial 16-row blocks, odd block counts; dots: every block size up to 12 rows
