@@ -99,13 +99,16 @@ def _pairs_as_panels(weight: torch.Tensor) -> torch.Tensor:
 def linear(rows: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None,
            tiles: bool | None = None) -> torch.Tensor:
     """rows [M, K] @ Wᵀ (+ bias) for W packed by `pack`; on tiles or dot products (None: `has_tiles()`)."""
-    out = torch.empty(rows.shape[0], panels.shape[0] * 16, dtype=rows.dtype)
-    torch.ops.kvflow_panel_linear.linear(out, rows, panels, bias, False, has_tiles() if tiles is None else tiles)
-    return out
+    return _product(rows, panels, bias, False, tiles)
 
 
 def silu_and_mul(rows: torch.Tensor, panels: torch.Tensor, tiles: bool | None = None) -> torch.Tensor:
     """SiLU(rows W_gateᵀ) * (rows W_upᵀ) for panels by `pack_gated`."""
+    return _product(rows, panels, None, True, tiles)
+
+
+def _product(rows: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+             tiles: bool | None) -> torch.Tensor:
     out = torch.empty(rows.shape[0], panels.shape[0] * 16, dtype=rows.dtype)
-    torch.ops.kvflow_panel_linear.linear(out, rows, panels, None, True, has_tiles() if tiles is None else tiles)
+    torch.ops.kvflow_panel_linear.linear(out, rows, panels, bias, gated, has_tiles() if tiles is None else tiles)
     return out
