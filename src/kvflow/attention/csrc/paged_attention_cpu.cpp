@@ -11,12 +11,15 @@
 // at a time from keys widened to float otherwise; the values accumulate in float (bfloat16 caches:
 // each value row widened once for the query's G heads, `accumulate_rows`; others: values widened
 // to float first). A running softmax, rescaled block by block, had spent more time in its short
-// reductions than the scores took. On the AVX-512 CPUs tuned
-// for, bfloat16 dot products (`vdpbf16ps`) were the slower way: one occupies the vector ports ~4.5×
-// as long as a float multiply-add. Values and scores of keys no query sees are never used: a
-// block's unwritten tail, padding entries of the block table and blocks a window released hold
-// whatever bits the pool had (`scores16` reads a visible block's whole sixteens of keys, but a
-// score of an unwritten key is never read), and using them would let 0 x NaN into the sum.
+// reductions than the scores took. On the Intel Xeons this was tuned on, bfloat16 dot products
+// (`vdpbf16ps`) were the slower way: one occupies the vector ports ~4.5× as long as a float
+// multiply-add. On the AMD EPYC (Zen 4) scores on them measured no faster either (128 decodes:
+// 1.49-1.52 against 1.51-1.70 ms a layer): the passes are bound by their reads of K and V more
+// than by the multiply-adds (docs/performance.md, stop 37). Values and scores of keys no query
+// sees are never used: a block's unwritten tail, padding entries of the block table and blocks a
+// window released hold whatever bits the pool had (`scores16` reads a visible block's whole
+// sixteens of keys, but a score of an unwritten key is never read), and using them would let
+// 0 x NaN into the sum.
 //
 // Where the CPU has AMX, the scores of bfloat16 queries over a bfloat16 cache, for up to 16 rows
 // (a decode's G heads, a short chunk's few queries), run on tiles instead (`scores16_amx`): the
