@@ -10,13 +10,14 @@ import torch
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.model.layers import cpu_ops
-from kvflow.quant import int4_gemv
+from kvflow.quant import int4_gemv, panel_linear
 from kvflow.worker import cpu_decode
 from kvflow.worker.cpu_decode import CpuDecodeLoop
 from test_cuda_graphs import _generate
 from tiny_models import make_tiny_model, write_tiny_tokenizer
 
-PROMPTS = [[5, 17, 3, 88, 40, 2, 9, 61, 33, 12, 7, 70, 1, 4], [44, 45], [90, 3, 3, 3, 8, 11], [7] * 21, [60, 61, 62]]
+PROMPTS = [[5, 17, 3, 88, 40, 2, 9, 61, 33, 12, 7, 70, 1, 4], [44, 45], [90, 3, 3, 3, 8, 11], [7] * 21, [60, 61, 62],
+           [8, 9, 10, 11], [90, 1], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
 
 
 @pytest.fixture(autouse=True)
@@ -80,6 +81,39 @@ def test_cpp_step_matches_the_python_loop_and_the_modules(llama_dir, num_prompts
     assert native == python_loop == modules
 
 
+def _count_panel_steps(engine: LLMEngine, steps: list[int]) -> LLMEngine:
+    """Records the rows of each step the C++ step ran on panels."""
+    run = engine.runner.decode_graphs._run_panels
+    engine.runner.decode_graphs._run_panels = lambda hidden, *a: steps.append(hidden.shape[0]) or run(hidden, *a)
+    return engine
+
+
+@pytest.mark.parametrize("quantization,num_prompts", [(None, 1), (None, 5), ("int4", 8)])
+def test_cpp_step_on_panels_matches_the_python_loop_and_the_modules(llama_dir, quantization, num_prompts, monkeypatch):
+    """bf16 products on the panel kernel (a bf16 model's packed weights at any row count; int4
+    planes' dense copy past int4_gemv.MAX_ROWS) run as one C++ call per step from the second step
+    of a row count on (the first, in Python, builds the gated pairs' panels)."""
+    if not panel_linear.available():
+        pytest.skip("no AVX-512 BF16 here: no panel kernel")
+    steps = []
+    kw = dict(quantization=quantization)
+    native = _generate(_count_panel_steps(_engine(llama_dir, "bfloat16", True, monkeypatch, **kw), steps),
+                       PROMPTS[:num_prompts])
+    python_loop = _generate(_engine(llama_dir, "bfloat16", True, monkeypatch, native=False, **kw), PROMPTS[:num_prompts])
+    modules = _generate(_engine(llama_dir, "bfloat16", False, monkeypatch, **kw), PROMPTS[:num_prompts])
+    assert steps == [num_prompts] * 5  # 6 decode steps (7 tokens, the first from the prompt), the first in Python
+    assert native == python_loop == modules
+
+
+def test_no_panel_step_where_a_product_runs_elsewhere(llama_dir, monkeypatch):
+    """int8 rows (`--quantization int8`) past the GEMV's rows are no panels: every step stays in
+    Python, and the row count is looked at once."""
+    engine = _engine(llama_dir, "bfloat16", True, monkeypatch, quantization="int8")
+    steps = []
+    _generate(_count_panel_steps(engine, steps), PROMPTS[:8])
+    assert steps == [] and engine.runner.decode_graphs.panel_steps == {8: None}
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("num_prompts", [1, 5])
 def test_one_byte_kv_runs_in_the_loop_and_the_cpp_step(llama_dir, kv_cache_dtype, num_prompts, monkeypatch):
@@ -121,16 +155,22 @@ def test_awq_is_built_before_its_calibration(tmp_path, monkeypatch):
     assert with_loop == _generate(_engine(str(tmp_path), "bfloat16", False, monkeypatch, **kw), PROMPTS[:2])
 
 
-def test_default_gguf_model_matches_the_modules(monkeypatch):
+@pytest.mark.parametrize("num_prompts", [2, 8])
+def test_default_gguf_model_matches_the_modules(num_prompts, monkeypatch):
     """The default model (Q4_1 int4 planes, bfloat16): the loop calls the planes directly, and its
-    steps run as one C++ call."""
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300]]
+    steps run as one C++ call: on the GEMV up to int4_gemv.MAX_ROWS rows, past it on the dense
+    copy's panels."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300], [7, 7], [42] * 9, [11, 12, 13], [500], [64, 65], [3, 1, 4, 1, 5]]
+    prompts = prompts[:num_prompts]
     steps = []
     engine = _count_steps(_engine(None, "bfloat16", True, monkeypatch, kv_cache_memory_gb=0.05), steps)
+    if engine.runner.decode_graphs.panel_steps is not None:
+        _count_panel_steps(engine, steps)
     native = _generate(engine, prompts)
     python_loop = _generate(_engine(None, "bfloat16", True, monkeypatch, native=False, kv_cache_memory_gb=0.05), prompts)
     modules = _generate(_engine(None, "bfloat16", False, monkeypatch, kv_cache_memory_gb=0.05), prompts)
-    assert steps == [2] * len(steps) and steps
+    if int4_gemv.fast() or panel_linear.available():  # a C++ step for these rows exists here
+        assert steps and set(steps) == {num_prompts}
     assert native == python_loop == modules
 
 

@@ -149,12 +149,18 @@ class Int4Planes(nn.Module):
         from the dense copy's weights on first use) where `forward` would take the dense copy; None
         elsewhere (few rows: the GEMV; batch-invariant: the int4 kernel), and the caller runs
         `forward` and the activation."""
-        m = x.numel() // self.in_features
-        if (x.dtype != torch.bfloat16 or m <= self.max_kernel_rows or self.kernel_at_any_rows or self.dense is None
-                or not isinstance(self.dense, PackedWeight) or x.dtype != self._scale_dtype):
+        if self.packed_for(x.numel() // self.in_features, x.dtype) is None:
             return None
         return gated_silu_and_mul(
             self, x, lambda: self._dense_source if self._dense_source is not None else self.dequantize())
+
+    def packed_for(self, rows: int, dtype: torch.dtype) -> PackedWeight | None:
+        """The packed dense copy a bf16 product of `rows` rows of `dtype` multiplies (`forward` and
+        `silu_and_mul` both go there), or None: the int4 kernels run, or there is no packed copy."""
+        if (dtype != torch.bfloat16 or rows <= self.max_kernel_rows or self.kernel_at_any_rows
+                or not isinstance(self.dense, PackedWeight) or dtype != self._scale_dtype):
+            return None
+        return self.dense
 
     def _unbind_planes(self) -> None:
         """(packed, scale_zero) per plane as plain attributes, made once, and the scales' dtype:

@@ -91,13 +91,20 @@ class GatedPair:
         self.gate, self.up = PackedWeight(weight[:half].contiguous()), PackedWeight(weight[half:].contiguous())
         self.panels: torch.Tensor | None = None  # the panel kernel's gate and up panels, side by side
 
+    def panels_for(self, rows: int) -> torch.Tensor | None:
+        """The panel kernel's gated panels for an [rows, K] input, or None: oneDNN's two products."""
+        if not panel_linear.takes(rows, self.gate.main.shape):
+            return None
+        if self.panels is None:
+            self.panels = panel_linear.pack_gated(self.gate.main.to_dense(), self.up.main.to_dense())
+        return self.panels
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
-        if x2.stride(-1) == 1 and panel_linear.takes(m, self.gate.main.shape):
-            if self.panels is None:
-                self.panels = panel_linear.pack_gated(self.gate.main.to_dense(), self.up.main.to_dense())
-            return panel_linear.silu_and_mul(x2, self.panels).view(*x.shape[:-1], self.panels.shape[0] * 16)
+        panels = self.panels_for(m) if x2.stride(-1) == 1 else None
+        if panels is not None:
+            return panel_linear.silu_and_mul(x2, panels).view(*x.shape[:-1], panels.shape[0] * 16)
         act = torch.ops.mkldnn._linear_pointwise(x2, self.gate.for_rows(m), None, "swish", [], "")
         out = torch.ops.mkldnn._linear_pointwise.binary(x2, act, self.up.for_rows(m), None, "mul")
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -15,11 +15,17 @@ loaded, one KV group, no window, no LoRA, one rank; a KV cache of the model's dt
 modules.
 `KVFLOW_CPU_DECODE_LOOP=0` switches it off (A/B measurements).
 
-Where every projection has kvflow's few-row GEMV form (int4 planes: the default GGUF, or
-`--quantization int4`; int8 rows: `--quantization int8`) and the step has at most
-`int4_gemv.MAX_ROWS` rows, the loop runs as one
-C++ call (`csrc/cpu_decode_step.cpp`): the same operators in the same order on the same kinds of
-buffers, so the same numbers, without ~2 ms of interpreter a SmolLM2 token.
+The loop runs as one C++ call (`csrc/cpu_decode_step.cpp`: the same operators in the same order
+on the same kinds of buffers, so the same numbers) where every projection takes one kind of
+kernel at the step's row count:
+- kvflow's few-row GEMV (int4 planes: the default GGUF, or `--quantization int4`; int8 rows:
+  `--quantization int8`) up to `int4_gemv.MAX_ROWS` rows: without ~2 ms of interpreter a
+  SmolLM2 token;
+- the panel kernel's bf16 products (`quant/panel_linear.py`: a bf16 model's packed weights, or
+  the int4 planes' dense copy past the GEMV's rows): ~12 µs of Python a product and ~1 ms of
+  other calls a step at 16 rows, where the products themselves take ~10 ms. Which panels a
+  layer multiplies is read from the layers after the first step of each row count has run here
+  (it builds the gated pairs' panels), and kept.
 `KVFLOW_CPU_DECODE_STEP=0` keeps the Python loop.
 """
 
@@ -41,9 +47,12 @@ from kvflow.model.layers import activation, cpu_ops
 from kvflow.model.layers.linear import LinearBase
 from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, RopeAttention
-from kvflow.quant import int4_gemv
+from kvflow.quant import int4_gemv, panel_linear
 from kvflow.quant.gguf import GGUFMethod
+from kvflow.quant.int4pack import Int4Planes
 from kvflow.quant.online import OnlineQuantMethod
+from kvflow.quant.packed_linear import DenseWeight, PackedWeight
+from kvflow.quant.unquantized import UnquantizedMethod
 
 DISABLE_ENV = "KVFLOW_CPU_DECODE_LOOP"
 NATIVE_DISABLE_ENV = "KVFLOW_CPU_DECODE_STEP"
@@ -88,6 +97,11 @@ class CpuDecodeLoop:
         self.attend = torch.ops.kvflow_cpu.paged_attention
         self.batch_invariant = first.attn.backend.batch_invariant  # a TorchSDPABackend (_takes)
         self.native = _native_step(decoder, self.layers)
+        self.decoder = decoder
+        # The C++ step on panels: per row count, its layers' tensors (None: not on panels); a row
+        # count absent runs the Python loop first. Empty and never filled without the library.
+        self.panel_steps: dict[int, list[torch.Tensor] | None] | None = (
+            {} if _native_library() and self.final_norm.dtype == torch.bfloat16 else None)
 
     @classmethod
     def build(cls, model: nn.Module, kv_caches: list[torch.Tensor]) -> CpuDecodeLoop | None:
@@ -104,10 +118,22 @@ class CpuDecodeLoop:
         group and no LoRA rows: `build` takes no model that could have others)."""
         meta = attn[0]
         hidden = self.embed(input_ids)
-        rows, dtype = hidden.shape[0], hidden.dtype
+        rows = hidden.shape[0]
         tiles = cpu_paged.use_tiles(meta.seq_lens_cpu, self.kv_heads, self.batch_invariant)
         if self.native is not None and rows <= int4_gemv.MAX_ROWS:
             return self._run_native(hidden, positions, meta, tiles)
+        panels = self.panel_steps.get(rows) if self.panel_steps is not None else None
+        if panels is not None and panel_linear.available():
+            return self._run_panels(hidden, positions, meta, tiles, panels)
+        out = self._run_python(hidden, positions, meta, tiles)
+        if self.panel_steps is not None and rows not in self.panel_steps:
+            self.panel_steps[rows] = _panel_layers(self.decoder, self.layers, rows)
+        return out
+
+    def _run_python(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    tiles: bool) -> torch.Tensor:
+        """The step through the layers' own callables, kernel call by kernel call."""
+        rows, dtype = hidden.shape[0], hidden.dtype
         requests = torch.arange(rows)
         cos, sin = self.rotary.cos, self.rotary.sin
         q_size, k_size, _ = self.sizes
@@ -153,6 +179,68 @@ class CpuDecodeLoop:
         return out
 
 
+    def _run_panels(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, tiles: bool,
+                    layer_tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The Python loop as one C++ call with every product on the panel kernel."""
+        out = torch.empty_like(hidden)
+        torch.ops.kvflow_cpu_decode.llama_step_panels(
+            out, hidden, positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
+            meta.seq_lens, meta.query_start_loc, torch.arange(hidden.shape[0]), layer_tensors, self.final_norm,
+            self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, layer_tensors[4].shape[0] * 16, tiles,
+            panel_linear.has_tiles())
+        return out
+
+
+def _native_library() -> bool:
+    """The C++ step's library is loaded (built first if need be), and KVFLOW_CPU_DECODE_STEP is not 0."""
+    return os.environ.get(NATIVE_DISABLE_ENV, "1") != "0" and cpu_extension.load_library(
+        "kvflow_cpu_decode", NATIVE_SOURCE, "the C++ decode step")
+
+
+def _panel_layers(decoder: DecoderModel, layers: list[_Layer], rows: int) -> list[torch.Tensor] | None:
+    """Per layer, the tensors of the C++ step on panels for `rows` rows (input norm, qkv panels, o
+    panels, post norm, gate_up's gated panels, down panels, key and value caches), or None where a
+    product of that many rows runs elsewhere."""
+    tensors = []
+    for module, layer in zip(decoder.layers, layers):
+        attn, mlp = module.self_attn, module.mlp
+        qkv, o, down = (_panels(lin, rows) for lin in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
+        gate_up = _gated_panels(mlp.gate_up_proj, rows)
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        tensors += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down, layer.key_cache, layer.value_cache]
+    return tensors
+
+
+def _packed(layer: LinearBase, rows: int) -> tuple[PackedWeight, object] | None:
+    """The packed bf16 weight the layer's product of `rows` bf16 rows multiplies, and what holds
+    its gated pair (`packed_linear.gated_silu_and_mul`'s owner); None where it multiplies other
+    weights (int4 kernels, int8 rows, ...)."""
+    if type(layer.quant_method) is UnquantizedMethod:
+        holder, packed = layer, getattr(layer, "packed_weight", None)
+    else:
+        holder = _weights(layer)
+        if isinstance(holder, Int4Planes):
+            packed = holder.packed_for(rows, torch.bfloat16)
+        elif isinstance(holder, DenseWeight):
+            packed = holder.packed_weight
+        else:
+            return None
+    return (packed, holder) if isinstance(packed, PackedWeight) else None
+
+
+def _panels(layer: LinearBase, rows: int) -> torch.Tensor | None:
+    packed = _packed(layer, rows)
+    return packed[0].panels_for(rows) if packed is not None else None
+
+
+def _gated_panels(layer: LinearBase, rows: int) -> torch.Tensor | None:
+    """The gated pair's panels, once the layer's `silu_and_mul` has built the pair."""
+    packed = _packed(layer, rows)
+    pair = getattr(packed[1], "gated", None) if packed is not None else None
+    return pair.panels_for(rows) if pair is not None else None
+
+
 def _native_step(decoder: DecoderModel, layers: list[_Layer]) -> tuple[list[torch.Tensor], list[int], int, int] | None:
     """The C++ step's per-layer tensors and code widths, the gate_up width and how the GEMVs compute
     (the layers' own choice), or None where it cannot run: a projection without the few-row GEMV
@@ -170,8 +258,7 @@ def _native_step(decoder: DecoderModel, layers: list[_Layer]) -> tuple[list[torc
                     gate_up.weight, gate_up.scale_zero, down.weight, down.scale_zero, layer.key_cache,
                     layer.value_cache]
         bits += [g.bits for g in gemvs]
-    if decoder.norm.weight.dtype != torch.bfloat16 or not cpu_extension.load_library(
-            "kvflow_cpu_decode", NATIVE_SOURCE, "the C++ decode step"):
+    if decoder.norm.weight.dtype != torch.bfloat16 or not _native_library():
         return None
     return tensors, bits, gemvs[2].out_features, gemvs[0].path
 
