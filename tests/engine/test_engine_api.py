@@ -243,6 +243,30 @@ def test_a_step_budget_follows_the_step_time_of_recent_steps():
     assert got == [1024, 1024]
 
 
+def test_warm_up_prompt_is_a_full_step_up_to_its_cap(model_dir, monkeypatch):
+    """The warm-up's prompt fills a step, but never past WARM_UP_MAX_TOKENS (a server's start pays
+    for its products)."""
+    from kvflow.engine import llm_engine
+
+    def warm_up_steps(budget: int) -> list[int]:
+        engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                                      num_kv_blocks=64, max_num_batched_tokens=budget))
+        schedule, steps = engine.scheduler.schedule, []
+
+        def recorded():
+            out = schedule()
+            steps.append(out.num_batched_tokens)
+            return out
+
+        engine.scheduler.schedule = recorded
+        engine.warm_up()
+        return steps
+
+    monkeypatch.setattr(llm_engine, "WARM_UP_MAX_TOKENS", 40)
+    assert warm_up_steps(96)[0] == 40  # capped
+    assert warm_up_steps(32)[0] == 32  # a full step below the cap
+
+
 def test_warm_up_refuses_to_run_beside_requests(model_dir):
     engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
                                   num_kv_blocks=64))

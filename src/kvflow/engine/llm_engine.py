@@ -38,6 +38,13 @@ logger = logging.getLogger("kvflow")
 
 PromptType = str | list[int] | dict
 
+# The warm-up's prompt: a full step, up to this many tokens. Its products are what a start pays
+# most for (a 1,024-token warm-up took 1.3 s of `kvflow serve`'s ~5 s cold start on the 2-core
+# EPYC, 0.6 s of it the products), and steps of up to 512 rows already meet every lazily built
+# kernel state but oneDNN's middle layout (packed_linear.MIDDLE_ROWS), which a first step of more
+# rows then lays out once.
+WARM_UP_MAX_TOKENS = 512
+
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
@@ -216,17 +223,19 @@ class LLMEngine:
         return request_id
 
     def warm_up(self) -> None:
-        """Run one throwaway prompt the size of a full step, then one step of 16 one-token prompts
-        (a decode batch's row count), before the first request, so that the first requests do not
-        wait for what a first step builds lazily: oneDNN's primitives, the packed weights' layout
-        for middle row counts, the SiLU·up pairs, the panel kernel's panels for few rows (on the
-        2026-11-27 VM a server's first ~1,000-token prompt took 604 ms to its first token, the next
-        ones 217-228). It leaves no trace: its blocks go back to the pool and out of the prefix
-        cache, and the counters read as before. One token is sampled each, so no decode step runs
-        (and no speculation)."""
+        """Run one throwaway prompt the size of a full step (at most WARM_UP_MAX_TOKENS), then one
+        step of 16 one-token prompts (a decode batch's row count), before the first request, so
+        that the first requests do not wait for what a first step builds lazily: oneDNN's
+        primitives, the SiLU·up pairs, the panel kernel's panels (on the 2026-11-27 VM a server's
+        first ~1,000-token prompt took 604 ms to its first token, the next ones 217-228). A first
+        step of more than WARM_UP_MAX_TOKENS still lays out oneDNN's middle layout (+0.17 s once
+        for 1,000 tokens on the EPYC, where the warm-up gained 0.55 s). It leaves no trace: its
+        blocks go back to the pool and out of the prefix cache, and the counters read as before.
+        One token is sampled each, so no decode step runs (and no speculation)."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up runs before any request")
-        num_tokens = max(1, min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len - 1))
+        num_tokens = max(1, min(self.config.scheduler.max_num_batched_tokens, WARM_UP_MAX_TOKENS,
+                                self.config.model.max_model_len - 1))
         while num_tokens > 1 and self.scheduler.admission_error(num_tokens, 1):
             num_tokens //= 2  # a KV pool smaller than a step: as much of a step as it holds
         kv = self.scheduler.kv_cache

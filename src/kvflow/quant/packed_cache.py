@@ -27,6 +27,18 @@ from kvflow.quant import gguf_blocks, int4_gemv, int4pack
 KEEP = 2  # files per dtype, torch and layout: this code's and the newest other (two versions in turn)
 
 
+def _read_ahead(path: Path) -> None:
+    """Ask the kernel to read the whole file into the page cache now, in the background: a cold
+    start otherwise faults the mapped file in page by page as the layers are built and first run
+    (a hint; nothing happens where the OS has no posix_fadvise)."""
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+
 class PackedWeightsCache:
     """Per layer prefix, a list of parts' states (dicts of tensors and ints) for the file that
     `checkpoint_dir` caches, packed to `dtype` by `packing_modules`."""
@@ -38,6 +50,7 @@ class PackedWeightsCache:
         self.path = checkpoint_dir / f"packed-{dtype_name}-torch{torch.__version__}-{layout}-{code}.pt"
         self.stored: dict | None = None
         if self.path.is_file():
+            _read_ahead(self.path)
             try:
                 self.stored = torch.load(self.path, mmap=True, weights_only=True)
             except (OSError, RuntimeError):  # truncated or foreign: repack and overwrite

@@ -178,7 +178,6 @@ class CpuDecodeLoop:
             self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, gate_up_width, gemv_path, tiles)
         return out
 
-
     def _run_panels(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, tiles: bool,
                     layer_tensors: list[torch.Tensor]) -> torch.Tensor:
         """The Python loop as one C++ call with every product on the panel kernel."""
