@@ -209,6 +209,20 @@ def test_a_fitted_budget_follows_the_steps_it_sees(model_dir, monkeypatch):
     assert fitted_steps - fixed_steps == 3 and fitted_tokens == fixed_tokens
 
 
+def test_a_fitted_budget_starts_at_the_warm_up_size_and_rises_when_steps_are_fast(model_dir, monkeypatch):
+    """A step larger than the warm-up's would pay for what it builds and read as slow: the fitted
+    budget starts at the warm-up's size and goes up to the configured one once fitted steps say so."""
+    from kvflow.engine import llm_engine, step_budget
+
+    monkeypatch.setattr(llm_engine, "WARM_UP_MAX_TOKENS", 64)
+    monkeypatch.setattr(step_budget, "STEP_TARGET_S", 1e9)  # every step is fast
+    engine = _budget_engine(model_dir)
+    engine.fit_token_budget()
+    assert engine.config.scheduler.max_num_batched_tokens == 64
+    _steps_and_tokens(engine)
+    assert engine.config.scheduler.max_num_batched_tokens == 128
+
+
 @pytest.mark.parametrize("budget,full_step_s,fitted", [
     (1024, 0.22, 1024),  # the Xeon's full step: kept
     (1024, 0.55, 512),  # the EPYC's: halved, a step then ~0.28 s

@@ -142,3 +142,28 @@ def test_a_save_deletes_older_codes_packed_files_beyond_the_newest_other(tmp_pat
     assert cache.path.is_file() and olds[2].is_file() and other_dtype.is_file()
     assert not olds[0].exists() and not olds[1].exists()
     assert packed_cache.PackedWeightsCache(tmp_path, torch.bfloat16, ()).get("layer")[0]["w"].shape == (2,)
+
+
+def test_a_file_is_hashed_once_while_it_stays_the_same(tmp_path, monkeypatch):
+    """The cache entry's key, the file's SHA-256, is remembered by the file's identity: a start
+    does not read a GGUF whole to hash it again, and a file written anew is hashed anew."""
+    import hashlib
+    import os
+
+    from kvflow.model.loader import gguf_cache
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"first weights")
+    assert gguf_cache.file_digest_remembered(path) == hashlib.sha256(b"first weights").hexdigest()
+    hashed = []
+    real = gguf_cache.file_digest
+    monkeypatch.setattr(gguf_cache, "file_digest", lambda p: hashed.append(p) or real(p))
+    assert gguf_cache.file_digest_remembered(path) == hashlib.sha256(b"first weights").hexdigest()
+    assert hashed == []  # remembered
+    path.write_bytes(b"other weights")  # same size; a new modification time
+    os.utime(path, ns=(0, path.stat().st_mtime_ns + 1))
+    assert gguf_cache.file_digest_remembered(path) == hashlib.sha256(b"other weights").hexdigest()
+    assert hashed == [path]
+    (tmp_path / "cache" / "gguf" / "digests.json").write_text("not json")  # a damaged memo: hashed again
+    assert gguf_cache.file_digest_remembered(path) == hashlib.sha256(b"other weights").hexdigest()

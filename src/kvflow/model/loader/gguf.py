@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from kvflow.disk_cache import code_fingerprint, file_digest
+from kvflow.disk_cache import code_fingerprint
 from kvflow.model import gguf_sentencepiece, gguf_tokenizer, registry
 from kvflow.model import tokenizer as tokenizer_module
 from kvflow.model.gguf_tokenizer import tokenizer_from_gguf
@@ -69,7 +69,7 @@ def _cached_index(path: Path, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
     # Keyed by what the file holds and by the code that parses it.
     code = code_fingerprint(sys.modules[__name__], gguf_cache, gguf_tokenizer, gguf_sentencepiece, tokenizer_module,
                             registry)
-    entry = gguf_cache.entry_dir(file_digest(path), code)
+    entry = gguf_cache.entry_dir(gguf_cache.file_digest_remembered(path), code)
     index = gguf_cache.read_index(entry, path, with_tokenizer)
     if index is not None:
         return index
