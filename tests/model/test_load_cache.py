@@ -167,3 +167,27 @@ def test_a_file_is_hashed_once_while_it_stays_the_same(tmp_path, monkeypatch):
     assert hashed == [path]
     (tmp_path / "cache" / "gguf" / "digests.json").write_text("not json")  # a damaged memo: hashed again
     assert gguf_cache.file_digest_remembered(path) == hashlib.sha256(b"other weights").hexdigest()
+
+
+def test_a_new_entry_deletes_the_same_files_older_code_entries_beyond_the_newest_other(tiny_gguf):
+    """Each change of the parsing code names a new entry: writing it deletes the same file's
+    entries of other code but the newest, and leaves other files' entries and unfinished ones."""
+    import os
+    import shutil
+
+    load_gguf(tiny_gguf)  # the entry of this code
+    (entry,) = [p for p in (tiny_gguf.parent / "cache" / "gguf").iterdir() if p.is_dir()]
+    digest = entry.name.rsplit("-", 1)[0]
+    olds = [entry.with_name(f"{digest}-{code * 12}") for code in "abc"]
+    for age, old in enumerate(olds):
+        shutil.copytree(entry, old)
+        os.utime(old / "index.json", (1000 + age, 1000 + age))  # ...ccc the newest
+    unfinished = entry.with_name(f"{digest}-{'d' * 12}.123.partial")
+    other_file = entry.with_name(f"{'0' * 64}-{'a' * 12}")
+    unfinished.mkdir()
+    other_file.mkdir()
+    shutil.rmtree(entry)  # this code's entry is written again
+    load_gguf(tiny_gguf)
+    assert (entry / "index.json").is_file() and (olds[2] / "index.json").is_file()
+    assert not olds[0].exists() and not olds[1].exists()
+    assert unfinished.is_dir() and other_file.is_dir()

@@ -12,7 +12,10 @@ and later loads memory-map the tensors straight from the file. The directory nam
 fingerprint of the code that produced its contents (this package's parsing modules), so a change
 to that code never reads a stale entry. Entries are written under a temporary name and renamed
 when whole: concurrent starts never see half an entry. Derived forms of the weights (the int4
-planes of `kvflow.quant.gguf`) live beside them, in `entry_dir()`.
+planes of `kvflow.quant.gguf`) live beside them, in `entry_dir()`. A new entry deletes the same
+file's entries of older code beyond the newest KEEP_ENTRIES, with everything derived in them:
+each change of the parsing code had left one behind, SmolLM2's with ~1 GB of packed weights
+(4.9 GB here after a day of development).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +85,10 @@ def file_digest_remembered(path: Path) -> str:
     return digest
 
 
+KEEP_ENTRIES = 2  # a file's entries: this code's and the newest other (two versions in turn)
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}-[0-9a-f]{12}")  # <sha256>-<code fingerprint>; not a .partial
+
+
 def entry_dir(digest: str, fingerprint: str) -> Path:
     return kvflow_cache_dir() / "gguf" / f"{digest}-{fingerprint}"
 
@@ -123,3 +131,21 @@ def write_index(entry: Path, index: GGUFIndex) -> None:
         pass
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+    _prune_older_entries(entry)
+
+
+def _prune_older_entries(entry: Path) -> None:
+    """Delete the entries of the same file by other code beyond the newest KEEP_ENTRIES (by their
+    index's time). A process still mapping a file from one keeps its pages: unlinking does not
+    unmap; one starting from it meanwhile finds no index and parses again."""
+    def written(path: Path) -> float:
+        try:
+            return (path / "index.json").stat().st_mtime
+        except OSError:  # no index (yet, or any more)
+            return 0.0
+
+    digest = entry.name.rsplit("-", 1)[0]
+    others = sorted((p for p in entry.parent.glob(f"{digest}-*") if p != entry and _ENTRY_NAME.fullmatch(p.name)),
+                    key=written, reverse=True)
+    for old in others[KEEP_ENTRIES - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
