@@ -24,8 +24,9 @@ kernel at the step's row count:
 - the panel kernel's bf16 products (`quant/panel_linear.py`: a bf16 model's packed weights, or
   the int4 planes' dense copy past the GEMV's rows): ~12 µs of Python a product and ~1 ms of
   other calls a step at 16 rows, where the products themselves take ~10 ms. Which panels a
-  layer multiplies is read from the layers after the first step of each row count has run here
-  (it builds the gated pairs' panels), and kept.
+  layer multiplies is read from the layers at the first step of each row count, and kept. The
+  MLPs' gated pairs must exist by then: the first product of more than the GEMV's rows builds
+  them (the warm-up's, or any prompt's); a row count met before stays in Python.
 `KVFLOW_CPU_DECODE_STEP=0` keeps the Python loop.
 """
 
@@ -98,8 +99,8 @@ class CpuDecodeLoop:
         self.batch_invariant = first.attn.backend.batch_invariant  # a TorchSDPABackend (_takes)
         self.native = _native_step(decoder, self.layers)
         self.decoder = decoder
-        # The C++ step on panels: per row count, its layers' tensors (None: not on panels); a row
-        # count absent runs the Python loop first. Empty and never filled without the library.
+        # The C++ step on panels: per row count, its layers' tensors (None: not on panels); filled
+        # at a row count's first step (`run`). None without the library.
         self.panel_steps: dict[int, list[torch.Tensor] | None] | None = (
             {} if _native_library() and self.final_norm.dtype == torch.bfloat16 else None)
 
@@ -122,13 +123,13 @@ class CpuDecodeLoop:
         tiles = cpu_paged.use_tiles(meta.seq_lens_cpu, self.kv_heads, self.batch_invariant)
         if self.native is not None and rows <= int4_gemv.MAX_ROWS:
             return self._run_native(hidden, positions, meta, tiles)
-        panels = self.panel_steps.get(rows) if self.panel_steps is not None else None
+        steps = self.panel_steps  # None: no C++ step here
+        if steps is not None and rows not in steps:  # read from the layers once a row count
+            steps[rows] = _panel_layers(self.decoder, self.layers, rows)
+        panels = steps[rows] if steps is not None else None
         if panels is not None and panel_linear.available():
             return self._run_panels(hidden, positions, meta, tiles, panels)
-        out = self._run_python(hidden, positions, meta, tiles)
-        if self.panel_steps is not None and rows not in self.panel_steps:
-            self.panel_steps[rows] = _panel_layers(self.decoder, self.layers, rows)
-        return out
+        return self._run_python(hidden, positions, meta, tiles)
 
     def _run_python(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                     tiles: bool) -> torch.Tensor:

@@ -64,18 +64,21 @@ const c10::TypedOperatorHandle<Panels>& panels_op() {
 }
 
 // The step's buffers and the layers' loop, whatever computes the four products. `Products` has
-// qkv(out, in, l), o(out, in, l), gated(act, in, l) (SiLU(in W_gateᵀ) · in W_upᵀ) and
-// down(out, in, l); the layer's norms and caches are at `norm_at` and `cache_at` of its tensors.
+// qkv(out, in, t, l), o(out, in, t, l), gated(act, in, t, l) (SiLU(in W_gateᵀ) · in W_upᵀ) and
+// down(out, in, t, l) for layer l's tensors t; kTensors a layer, its norms at kInputNorm and
+// kPostNorm, its key and value caches last.
 template <typename Products>
 void run_layers(Tensor& out, Tensor& hidden, const Tensor& positions, const Tensor& cos, const Tensor& sin,
                 const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
                 const Tensor& query_start_loc, const Tensor& requests, at::TensorList layer_tensors,
-                int64_t tensors_per_layer, const Tensor& final_norm, double eps, int64_t heads, int64_t kv_heads,
-                int64_t head_dim, double scale, int64_t act_width, bool attention_tiles, const Products& products) {
+                const Tensor& final_norm, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
+                int64_t act_width, bool attention_tiles, const Products& products) {
+  constexpr int64_t per_layer = Products::kTensors;
+  TORCH_CHECK(layer_tensors.size() % per_layer == 0, "llama_step: ", per_layer, " tensors per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && out.sizes() == hidden.sizes(),
               "llama_step: hidden and out are contiguous [rows, width]");
   const Ops& op = ops();
-  const int64_t layers = static_cast<int64_t>(layer_tensors.size()) / tensors_per_layer;
+  const int64_t layers = static_cast<int64_t>(layer_tensors.size()) / per_layer;
   const int64_t rows = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const auto like = hidden.options();
   Tensor normed = at::empty_like(hidden);
@@ -89,10 +92,10 @@ void run_layers(Tensor& out, Tensor& hidden, const Tensor& positions, const Tens
   Tensor act = at::empty({rows, act_width}, like);
   const c10::optional<Tensor> residual(hidden);
   for (int64_t l = 0; l < layers; ++l) {
-    const Tensor* t = layer_tensors.data() + l * tensors_per_layer;
+    const Tensor* t = layer_tensors.data() + l * per_layer;
     const Tensor& input_norm = t[Products::kInputNorm];
     const Tensor& post_norm = t[Products::kPostNorm];
-    Tensor key_cache = t[tensors_per_layer - 2], value_cache = t[tensors_per_layer - 1];
+    Tensor key_cache = t[per_layer - 2], value_cache = t[per_layer - 1];
     // The first layer's input is the embeddings themselves, which are its residual stream.
     op.rms_norm.call(normed, l == 0 ? hidden : projected, l == 0 ? c10::nullopt : residual, input_norm, eps);
     products.qkv(qkv, normed, t, l);
@@ -149,14 +152,13 @@ void llama_step(Tensor& out, Tensor& hidden, const Tensor& positions, const Tens
                 const Tensor& query_start_loc, const Tensor& requests, at::TensorList layer_tensors,
                 at::IntArrayRef layer_bits, const Tensor& final_norm, double eps, int64_t heads, int64_t kv_heads,
                 int64_t head_dim, double scale, int64_t gate_up_width, int64_t gemv_path, bool attention_tiles) {
-  const int64_t layers = static_cast<int64_t>(layer_tensors.size()) / GemvProducts::kTensors;
-  TORCH_CHECK(layers * GemvProducts::kTensors == static_cast<int64_t>(layer_tensors.size()) &&
-                  layers * GemvProducts::kBits == static_cast<int64_t>(layer_bits.size()),
+  TORCH_CHECK(static_cast<int64_t>(layer_bits.size()) * GemvProducts::kTensors ==
+                  static_cast<int64_t>(layer_tensors.size()) * GemvProducts::kBits,
               "llama_step: ", GemvProducts::kTensors, " tensors and ", GemvProducts::kBits, " code widths per layer");
   const GemvProducts products{layer_bits.data(), gemv_path, at::empty({hidden.size(0), gate_up_width}, hidden.options())};
   run_layers(out, hidden, positions, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc, requests,
-             layer_tensors, GemvProducts::kTensors, final_norm, eps, heads, kv_heads, head_dim, scale, gate_up_width / 2,
-             attention_tiles, products);
+             layer_tensors, final_norm, eps, heads, kv_heads, head_dim, scale, gate_up_width / 2, attention_tiles,
+             products);
 }
 
 // The same step with every product on the panel kernel's bf16 panels (PanelProducts); act_width:
@@ -166,11 +168,9 @@ void llama_step_panels(Tensor& out, Tensor& hidden, const Tensor& positions, con
                        const Tensor& query_start_loc, const Tensor& requests, at::TensorList layer_tensors,
                        const Tensor& final_norm, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
                        double scale, int64_t act_width, bool attention_tiles, bool product_tiles) {
-  TORCH_CHECK(layer_tensors.size() % PanelProducts::kTensors == 0,
-              "llama_step_panels: ", PanelProducts::kTensors, " tensors per layer");
   run_layers(out, hidden, positions, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc, requests,
-             layer_tensors, PanelProducts::kTensors, final_norm, eps, heads, kv_heads, head_dim, scale, act_width,
-             attention_tiles, PanelProducts{product_tiles});
+             layer_tensors, final_norm, eps, heads, kv_heads, head_dim, scale, act_width, attention_tiles,
+             PanelProducts{product_tiles});
 }
 
 }  // namespace
