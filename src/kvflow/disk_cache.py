@@ -1,9 +1,11 @@
 """Keys for what kvflow caches on disk: a file's content hash, and a fingerprint of the code that
-derived the cached value from it (so a code change never reads a stale entry)."""
+derived the cached value from it (so a code change never reads a stale entry); and which of a
+family of cached versions to delete."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 _HASH_CHUNK = 8 << 20
@@ -24,3 +26,16 @@ def code_fingerprint(*modules) -> str:
     for module in modules:
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:12]
+
+
+def beyond_newest(paths: Iterable[Path], keep: int, stamp: Callable[[Path], Path] = lambda p: p) -> list[Path]:
+    """`paths` but the `keep` most recently modified, by the modification time of `stamp(path)`
+    (one gone meanwhile, or not written yet, counts as the oldest): what a cache deletes of its
+    older versions."""
+    def modified(path: Path) -> float:
+        try:
+            return stamp(path).stat().st_mtime
+        except OSError:
+            return 0.0
+
+    return sorted(paths, key=modified, reverse=True)[keep:]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvflow.disk_cache import code_fingerprint
+from kvflow.disk_cache import beyond_newest, code_fingerprint
 from kvflow.quant import gguf_blocks, int4_gemv, int4pack
 
 
@@ -83,14 +83,7 @@ class PackedWeightsCache:
     def _prune(self) -> None:
         """Delete the older codes' files beside this one beyond the newest KEEP (a process still
         mapping one keeps its pages: unlinking does not unmap)."""
-        def modified(path: Path) -> float:
-            try:
-                return path.stat().st_mtime
-            except OSError:  # deleted meanwhile by another start
-                return 0.0
-
         family = self.path.name.rsplit("-", 1)[0] + "-"
-        others = sorted((p for p in self.path.parent.glob(f"{family}*.pt") if p != self.path), key=modified, reverse=True)
-        for old in others[KEEP - 1:]:
+        for old in beyond_newest((p for p in self.path.parent.glob(f"{family}*.pt") if p != self.path), KEEP - 1):
             with contextlib.suppress(OSError):
                 old.unlink()

@@ -31,7 +31,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from kvflow.disk_cache import file_digest
+from kvflow.disk_cache import beyond_newest, file_digest
 from kvflow.model.packaged_models import kvflow_cache_dir
 from kvflow.model.tokenizer import Tokenizer
 
@@ -138,14 +138,7 @@ def _prune_older_entries(entry: Path) -> None:
     """Delete the entries of the same file by other code beyond the newest KEEP_ENTRIES (by their
     index's time). A process still mapping a file from one keeps its pages: unlinking does not
     unmap; one starting from it meanwhile finds no index and parses again."""
-    def written(path: Path) -> float:
-        try:
-            return (path / "index.json").stat().st_mtime
-        except OSError:  # no index (yet, or any more)
-            return 0.0
-
     digest = entry.name.rsplit("-", 1)[0]
-    others = sorted((p for p in entry.parent.glob(f"{digest}-*") if p != entry and _ENTRY_NAME.fullmatch(p.name)),
-                    key=written, reverse=True)
-    for old in others[KEEP_ENTRIES - 1:]:
+    others = (p for p in entry.parent.glob(f"{digest}-*") if p != entry and _ENTRY_NAME.fullmatch(p.name))
+    for old in beyond_newest(others, KEEP_ENTRIES - 1, lambda p: p / "index.json"):
         shutil.rmtree(old, ignore_errors=True)
