@@ -43,6 +43,30 @@ def test_decodes_come_first_and_share_the_step_with_a_prompt_chunk():
     assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 7)]
 
 
+def test_held_requests_compute_prompt_chunks_but_never_sample():
+    """What a grammar whose next mask is not ready gets: no sampling chunk, the rest as usual."""
+    s = _scheduler(budget=64)
+    for rid, length in (("decoding", 3), ("prefilling", 10), ("other", 3)):
+        s.add_request(_request(rid, length))
+    _run_step(s)  # all three prefilled and sampled once
+    s.add_request(_request("new", 6))
+    s.requests["prefilling"].num_computed_tokens = 4  # (as after a preemption's partial recompute)
+    out = s.schedule(held={"decoding", "prefilling", "new"})
+    assert [(c.request_id, c.num_tokens, c.sample) for c in out.chunks] == [("other", 1, True), ("prefilling", 6, False)]
+    assert [r.request_id for r in s.waiting] == ["new"]  # a held waiting request is not started either
+    s.update_from_output(out, {"other": [5]})
+    out = s.schedule()  # released: each samples again
+    assert {(c.request_id, c.sample) for c in out.chunks} == {("decoding", True), ("prefilling", True),
+                                                              ("other", True), ("new", True)}
+
+
+def test_only_held_requests_is_no_stall():
+    s = _scheduler()
+    s.add_request(_request("a", 3))
+    out = s.schedule(held={"a"})  # its first chunk would sample: it waits, and nothing is wrong
+    assert out.chunks == [] and s.num_waiting == 1
+
+
 def test_max_num_seqs_caps_running_requests():
     s = _scheduler(max_seqs=2)
     for rid in "abc":

@@ -55,6 +55,13 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
     assert different != alone  # the seed matters (12 tokens from a 97-token vocabulary)
 
 
+def test_seeds_that_differ_only_above_bit_32_draw_differently(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=1234)
+    draws = [llm.generate([_prompt(8)], params.clone(seed=seed), use_tqdm=False)[0].outputs[0].token_ids
+             for seed in (1234, 1234 + 2**32, 1234 + 2**40, 1234 - 2**63)]
+    assert len({tuple(d) for d in draws}) == 4  # (12 tokens from a 97-token vocabulary)
+
+
 def test_n_completions_each_equal_a_seeded_single_request(llm):
     params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=10)
     out = llm.generate([_prompt(6)], params, use_tqdm=False)[0]
@@ -125,8 +132,8 @@ def test_bad_request_is_refused_and_others_are_unaffected(model_dir, prompt, par
 
 def test_request_larger_than_the_whole_cache_is_refused(model_dir):
     llm = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=2, block_size=4)
-    with pytest.raises(ValueError, match="needs 3 KV blocks"):
-        llm.generate([_prompt(8)], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="needs 3 KV blocks .* has 2; raise num_kv_blocks or lower max_tokens"):
+        llm.generate([_prompt(8)], SamplingParams(max_tokens=4))  # the setting that sized this pool
 
 
 def test_llm_generate_refuses_the_whole_batch_and_names_the_prompt(llm):
@@ -267,8 +274,8 @@ def test_warm_up_prompt_is_a_full_step_up_to_its_cap(model_dir, monkeypatch):
                                       num_kv_blocks=64, max_num_batched_tokens=budget))
         schedule, steps = engine.scheduler.schedule, []
 
-        def recorded():
-            out = schedule()
+        def recorded(*args):
+            out = schedule(*args)
             steps.append(out.num_batched_tokens)
             return out
 

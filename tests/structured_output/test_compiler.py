@@ -1,6 +1,8 @@
 """The grammar compiler's contract, with a stand-in backend whose compiles we control: each spec
-compiles once (concurrent askers share it), errors are cached and name what failed, and a compile
-past the time limit is refused while it finishes in the background for the next asker."""
+compiles once (concurrent askers share it), errors are cached and name what failed, a compile
+past the time limit is refused while it finishes in the background for the next asker, and no
+spec's compile waits behind another's: slow ones hold their own threads, and a compile that
+never got a thread is refused as busy (a retry-later), never blamed, and taken off the queue."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import threading
 import pytest
 
 from kvflow.structured_output.backend import GrammarBackend
-from kvflow.structured_output.compiler import GrammarCompiler
+from kvflow.structured_output.compiler import GrammarCompiler, GrammarCompilerBusyError
 from kvflow.structured_output.params import StructuredOutputsParams
 
 
@@ -19,12 +21,16 @@ class StandIn(GrammarBackend):
 
     def __init__(self) -> None:
         self.compiles: list[str] = []
-        self.release = threading.Event()
+        self.release = threading.Event()  # every spec without a gate of its own waits for this
         self.release.set()
+        self.gates: dict[str, threading.Event] = {}
 
     def compile(self, spec):
+        raise NotImplementedError
+
+    def prepare(self, spec):
         self.compiles.append(spec.text)
-        self.release.wait(30)
+        self.gates.get(spec.text, self.release).wait(30)
         if "bad" in spec.text:
             raise ValueError("no such thing")
         return ("compiled", spec.text)
@@ -42,8 +48,8 @@ def backend():
     return StandIn()
 
 
-def make(backend, timeout_s=30.0, max_entries=256) -> GrammarCompiler:
-    return GrammarCompiler(lambda: backend, timeout_s, max_entries)
+def make(backend, timeout_s=30.0, max_entries=256, **kwargs) -> GrammarCompiler:
+    return GrammarCompiler(lambda: backend, timeout_s, max_entries, **kwargs)
 
 
 def test_one_compile_per_spec(backend):
@@ -108,6 +114,34 @@ def test_async_waits_without_blocking_the_loop_and_times_out_alike(backend):
 
     asyncio.run(main())
     assert backend.compiles == ["slow"]
+
+
+def test_slow_compiles_do_not_hold_up_another_spec(backend):
+    compiler = make(backend, timeout_s=5.0)
+    for name in ("slow 1", "slow 2", "slow 3"):  # more than the threads a fixed pair would have
+        backend.gates[name] = threading.Event()
+        compiler.submit(spec(name))
+    assert compiler.compile(spec("quick")) == ("compiled", "quick")
+    for gate in backend.gates.values():
+        gate.set()
+
+
+def test_a_compile_that_never_got_a_thread_is_busy_not_blamed_and_leaves_the_queue(backend):
+    compiler = make(backend, timeout_s=0.2, max_threads=1)
+    backend.gates["slow"] = threading.Event()
+    hog = threading.Thread(target=lambda: pytest.raises(ValueError, compiler.compile, spec("slow")))
+    hog.start()
+    while "slow" not in backend.compiles:  # it holds the only thread
+        threading.Event().wait(0.01)
+    with pytest.raises(GrammarCompilerBusyError, match="the regex was not compiled: every grammar compiler thread "
+                                                       "stayed busy .* try again later") as refused:
+        compiler.compile(spec("victim"))
+    assert "simplify" not in str(refused.value)
+    hog.join(30)
+    backend.gates["slow"].set()
+    compiler.submit(spec("slow")).result(30)
+    assert backend.compiles == ["slow"]  # the victim's abandoned compile never ran
+    assert compiler.compile(spec("victim")) == ("compiled", "victim")  # and is compiled when asked again
 
 
 def test_the_cache_is_bounded(backend):

@@ -104,38 +104,52 @@ def manager(backend, tokenizer, eos_ids):
     return manager
 
 
-def test_manager_follows_the_output_forward_and_back(manager, backend, tokenizer, eos_ids):
+def masks_after(manager, outputs: list[int], proposals: list[int] = ()) -> tuple[torch.Tensor, int]:
+    """What the engine does after a step that produced `outputs` (and proposed `proposals`): start
+    the request's job, settle it, take the step's rows. Returns (rows, proposals it verifies)."""
+    manager.advance("r", outputs, list(proposals))
+    settled = manager.settle({"r"})
+    assert not settled.held and not settled.failed, settled
+    valid = settled.valid_proposals.get("r", 0)
+    grammar = manager.step_masks([("plain", 0), ("r", valid)])
+    assert grammar.first_row == {"r": 0}
+    return grammar.bitmask, valid
+
+
+def test_manager_follows_the_output(manager, backend, tokenizer, eos_ids):
     _, tokens, masks = walk(backend, tokenizer, eos_ids)
-    # Any order of output lengths: preemption keeps the output, a speculative step may move back.
-    for n in (0, 5, 2, len(tokens) - 1, 1, 7, 0, 3):
-        out = manager.bitmask([("plain", [11, 12]), ("r", tokens[:n])])
-        assert out.rows == [1] and torch.equal(out.bitmask, masks[n])
-    assert manager.bitmask([("plain", [])]) is None  # no row with a grammar: nothing to do
+    first = manager.step_masks([("r", 0)])  # the compile's first mask: no job needed
+    assert torch.equal(first.bitmask, masks[0])
+    for n in (1, 2, 5, len(tokens) - 1):
+        rows, _ = masks_after(manager, tokens[:n])
+        assert torch.equal(rows, masks[n])
+    assert manager.step_masks([("plain", 0)]) is None  # no row with a grammar: nothing to do
 
 
 def test_speculative_masks_and_valid_prefix(manager, backend, tokenizer, eos_ids):
     _, tokens, masks = walk(backend, tokenizer, eos_ids)
     bad = tokenizer.encode("{", add_special_tokens=False)
     # tokens: '{"', 'name', '":', ' "', ... — a brace right after '":' is refused (name is a string)
-    assert manager.valid_prefix("r", tokens[:1], tokens[1:5]) == 4
-    assert manager.valid_prefix("r", tokens[:1], tokens[1:3] + bad + tokens[3:5]) == 2
-    assert manager.valid_prefix("no grammar", [], bad) == 1
-    rows = manager.speculative_bitmask("r", tokens[:1], tokens[1:5])
-    assert all(torch.equal(rows[j:j + 1], masks[1 + j]) for j in range(5))
-    rows = manager.speculative_bitmask("r", tokens[:1], tokens[1:3] + bad + tokens[3:5])
-    assert all(torch.equal(rows[j:j + 1], masks[1 + j]) for j in range(3))
-    assert bad[0] not in allowed(rows, 2)  # so verification rejects it
-    assert allowed(rows, 3) == allowed(rows, 4) == set(eos_ids)  # past it: rows never used
-    # ending on the end token, then nothing
-    rows = manager.speculative_bitmask("r", tokens[:-2], tokens[-2:] + tokens[:1])
-    assert torch.equal(rows[:2], torch.cat(masks[-2:])) and allowed(rows, 2) == set(eos_ids)
-    # the matcher is back where the output leaves it
-    assert torch.equal(manager.bitmask([("r", tokens[:1])]).bitmask, masks[1])
+    rows, valid = masks_after(manager, tokens[:1], tokens[1:5])
+    assert valid == 4 and all(torch.equal(rows[j:j + 1], masks[1 + j]) for j in range(5))
+    rows, valid = masks_after(manager, tokens[:2], tokens[2:3] + bad + tokens[3:5])
+    assert valid == 1 and all(torch.equal(rows[j:j + 1], masks[2 + j]) for j in range(2))
+    assert bad[0] not in allowed(rows, 1)  # so verification would reject it, were it verified
+    # ending on the end token: the row after it allows only the end
+    rows, valid = masks_after(manager, tokens[:-2], tokens[-2:] + tokens[:1])
+    assert valid == 2 and torch.equal(rows[:2], torch.cat(masks[-2:])) and allowed(rows, 2) == set(eos_ids)
 
 
-def test_a_refused_output_token_ends_the_request(manager, tokenizer, eos_ids):
+def test_a_refused_output_token_breaks_the_grammar_and_the_request_is_forgotten(manager, tokenizer):
     bad = tokenizer.encode("nope", add_special_tokens=False)
-    out = manager.bitmask([("r", bad)])
-    assert allowed(out.bitmask) == set(eos_ids)
-    manager.free(["r"])
-    assert manager.bitmask([("r", bad)]) is None
+    manager.advance("r", bad, [])
+    settled = manager.settle({"r"})
+    assert settled.failed == {"r": f"the JSON schema could not be followed: the grammar library refused token {bad[0]} "
+                                    "after its mask had allowed it (it may have reached one of its work limits)"}
+    assert not manager.active and manager.step_masks([("r", 0)]) is None
+
+
+def test_past_the_end_only_end_tokens_may_follow(manager, backend, tokenizer, eos_ids):
+    _, tokens, _ = walk(backend, tokenizer, eos_ids)
+    rows, _ = masks_after(manager, tokens + [eos_ids[0]] * 2)  # ignore_eos: the end token again and again
+    assert allowed(rows) == set(eos_ids)

@@ -18,6 +18,8 @@ from kvflow.core.kv_connector import KVConnectorMetadata
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from kvflow.lora.request import LoRARequest
 
 
@@ -51,6 +53,16 @@ class ScheduledChunk:
 
 
 @dataclass
+class StepGrammar:
+    """The grammar masks of one step, by request (structured output): rows first_row[r] ..
+    first_row[r] + k are request r's masks after its output and after each of the k proposals it
+    verifies. The engine fills them; the worker applies them to the logits it samples from."""
+
+    bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32 on the CPU; bit set = allowed
+    first_row: dict[str, int]
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Requests that ended since the last step: the worker drops their per-request state.
@@ -64,6 +76,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Blocks the KV connector loads before the forward pass and saves after it (None: no connector).
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # The grammar masks of the sampling rows whose requests have one, filled by the engine after
+    # scheduling (None: no row has a grammar).
+    grammar: StepGrammar | None = None
 
     num_batched_tokens: int = 0
 

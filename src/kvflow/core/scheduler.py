@@ -27,6 +27,7 @@ scheduled, and a rollback never goes below that (the chunk's own tokens stay com
 from __future__ import annotations
 
 import itertools
+from collections.abc import Set
 
 from kvflow.config import SchedulerConfig
 from kvflow.core.block_pool import BlockPool
@@ -50,8 +51,12 @@ class SchedulerStallError(RuntimeError):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  host_pool: BlockPool | None = None, max_loras: int | None = None,
-                 speculation: SpeculationPolicy | None = None, kv_connector: KVConnectorScheduler | None = None) -> None:
+                 speculation: SpeculationPolicy | None = None, kv_connector: KVConnectorScheduler | None = None,
+                 pool_size_setting: str = "kv_cache_memory_gb") -> None:
+        """`pool_size_setting`: the engine argument that sized the KV pool, for the advice of a
+        request too big for it."""
         self.config = config
+        self.pool_size_setting = pool_size_setting
         self.max_loras = max_loras  # None: no LoRA
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -81,7 +86,7 @@ class Scheduler:
         if self._max_chunk(total) == 0:
             blocks = self.kv_cache.max_blocks_held(total - 1, 1)
             return (f"request needs {blocks} KV blocks ({total} tokens) but the whole cache has "
-                    f"{self.kv_cache.num_blocks}; raise kv_cache_memory_gb or lower max_tokens")
+                    f"{self.kv_cache.num_blocks}; raise {self.pool_size_setting} or lower max_tokens")
         return None
 
     def _max_chunk(self, total_tokens: int) -> int:
@@ -115,7 +120,9 @@ class Scheduler:
         return len(self.waiting)
 
     # -- one step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, held: Set[str] = frozenset()) -> SchedulerOutput:
+        """`held`: requests that may not sample this step (what they sample with is not ready:
+        a grammar's masks); they may still compute prompt chunks that sample nothing."""
         out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
         # Decodes (one uncomputed token) before unfinished prompts; stable, so in order within each.
@@ -126,12 +133,16 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_uncomputed_tokens, budget, request.max_chunk_tokens)
+            if request.request_id in held and num_new == request.num_uncomputed_tokens:
+                num_new -= 1  # up to the token that would sample
+                if num_new == 0:
+                    continue
             drafts = self._proposals_to_verify(request, num_new, budget)
             if self._reserve_or_preempt(request, num_new, out):
                 out.add(self._chunk(request, num_new, drafts))
         if not out.preempted_request_ids or self.config.policy == "priority":
-            self._admit_waiting(out)
-        if self.waiting and not self.running and not out.preempted_request_ids:
+            self._admit_waiting(out, held)
+        if self.waiting and not self.running and not out.preempted_request_ids and not held:
             self._finished_since_last_step |= out.finished_request_ids  # still owed to the worker
             raise SchedulerStallError([self.waiting.peek().request_id])
         if self._host_blocks_read:
@@ -145,12 +156,15 @@ class Scheduler:
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.num_batched_tokens
 
-    def _admit_waiting(self, out: SchedulerOutput) -> None:
-        held_back = []  # requests whose prefix another request is computing, or whose adapter has no slot
+    def _admit_waiting(self, out: SchedulerOutput, held: Set[str]) -> None:
+        # Requests whose prefix another request is computing, whose adapter has no slot, or that
+        # may not sample yet (a resumed request's first chunk may be its last).
+        held_back = []
         adapters = {r.lora_int_id for r in self.running} - {0}
         while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.pop()
-            if request.lora_int_id and request.lora_int_id not in adapters and len(adapters) >= (self.max_loras or 0):
+            if request.request_id in held or (
+                    request.lora_int_id and request.lora_int_id not in adapters and len(adapters) >= (self.max_loras or 0)):
                 held_back.append(request)
                 continue
             starts = self._start_points(request)

@@ -30,6 +30,8 @@ from kvflow.engine.stats import EngineStats
 from kvflow.lora.request import LoRARequest
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured_output.backend import CompiledGrammar
+from kvflow.structured_output.compiler import GrammarCompiler, GrammarCompilerBusyError
 
 __all__ = ["AsyncLLM", "RequestStream", "EngineDeadError", "EngineOverloadedError", "RequestFailedError", "LoadLimits"]
 
@@ -106,16 +108,16 @@ class AsyncLLM:
                           priority: int = 0, cache_salt: str | None = None,
                           lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it. Raises ValueError for bad input
-        (nothing queued), EngineOverloadedError when too many requests wait, and EngineDeadError
-        when the engine is not running. A grammar is compiled here, off the engine thread, so the
-        engine finds it in the cache."""
-        if params.structured_outputs is not None and self._grammar_compiler is not None:
-            await self._grammar_compiler.compile_async(params.structured_outputs.spec)
+        (nothing queued), EngineOverloadedError when too many requests wait (or the grammar
+        compiler is saturated), and EngineDeadError when the engine is not running. A grammar is
+        compiled here, off the engine thread, and handed to the engine compiled."""
+        grammar = await compile_grammar(self._grammar_compiler, params)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self._abort_stream)
         accepted = loop.create_future()
         self._thread.submit(AddCommand(request_id, prompt, params, time.monotonic(), priority, cache_salt,
-                                       loop, stream.put, accepted, owner=stream, lora_request=lora_request))
+                                       loop, stream.put, accepted, owner=stream, lora_request=lora_request,
+                                       grammar=grammar))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -173,3 +175,15 @@ class AsyncLLM:
     def _on_finished(self, finished: FinishedRequest) -> None:
         for listener in self._listeners:
             listener(finished)
+
+
+async def compile_grammar(compiler: GrammarCompiler | None, params: SamplingParams) -> CompiledGrammar | None:
+    """A request's structured_outputs compiled on the compiler's threads (None: it has none, or
+    the engine has no tokenizer and refuses it itself). A compiler saturated by other requests'
+    constraints is an overload (retry later), not a fault of this request."""
+    if params.structured_outputs is None or compiler is None:
+        return None
+    try:
+        return await compiler.compile_async(params.structured_outputs.spec)
+    except GrammarCompilerBusyError as e:
+        raise EngineOverloadedError(str(e)) from None

@@ -13,8 +13,13 @@ replica → client: first ("ready", EngineStats) or ("failed", message), then ba
     ("batch", [("accepted", key, error | None) | ("item", key, outputs | error)
                | ("finished", FinishedRequest) | ("called", call_id, result, error)], EngineStats, progressed)
 one per engine iteration, and a heartbeat every HEARTBEAT_SECONDS besides. `progressed` says
-whether the engine finished an iteration since the previous batch: the server's watchdog
-(dp_watchdog.py) kills a replica that is busy and makes none, whose heartbeat alone would not tell.
+whether the engine finished an iteration since the previous batch, or waits idle for work: the
+server's watchdog (dp_watchdog.py) kills a replica that is busy and makes none, whose heartbeat
+alone would not tell.
+
+A request's grammar (structured output) is compiled here, on the replica's event loop and the
+compiler's threads, before the request is handed to the engine thread: a compile that takes
+seconds must never stop the replica's other streams, nor look to the watchdog like a hung step.
 When the client's end closes (the server died), or the engine thread dies, the replica stops.
 """
 
@@ -25,8 +30,10 @@ import logging
 from multiprocessing.connection import Connection
 
 from kvflow.config import EngineArgs
+from kvflow.engine.async_llm import compile_grammar
 from kvflow.engine.engine_thread import (
-    AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineThread, StopCommand, build_on_fresh_thread,
+    AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineThread, RequestFailedError, StopCommand,
+    build_on_fresh_thread,
 )
 from kvflow.engine.load_limits import LoadLimits
 from kvflow.engine.request_timing import FinishedRequest
@@ -72,6 +79,8 @@ class _Replica:
     def __init__(self, conn: Connection, engine, limits: LoadLimits) -> None:
         self.conn = conn
         self.thread = EngineThread(engine, self._on_finished, limits)
+        # Safe to use from this loop's thread (the matchers stay the engine's).
+        self.compiler = engine.structured_output.compiler if engine.structured_output else None
         self.handles: dict[int, _Handle] = {}  # requests the client may still abort
         self.outbox: list[tuple] = []
         # The stats last sent. EngineThread replaces its stats object after every iteration, so a
@@ -103,14 +112,7 @@ class _Replica:
     def _apply(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, key, request_id, prompt, params, arrival, priority, salt, lora = msg
-            handle = _Handle(key, request_id)
-            accepted = self.loop.create_future()
-            accepted.add_done_callback(lambda f: self._accepted(handle, f))
-            self.handles[key] = handle
-            self._submit(AddCommand(request_id, prompt, params, arrival, priority, salt, self.loop,
-                                    lambda item: self._deliver(handle, item), accepted, owner=handle,
-                                    lora_request=lora))
+            self._add(*msg[1:])
         elif kind == "abort":
             handle = self.handles.pop(msg[1], None)
             if handle is not None:
@@ -122,6 +124,31 @@ class _Replica:
             self._submit(CallCommand(lambda engine: getattr(engine, method)(argument), self.loop, done))
         elif kind == "stop":
             self._stop(msg[1])
+
+    def _add(self, key: int, request_id: str, prompt, params, arrival: float, priority: int, salt, lora) -> None:
+        handle = _Handle(key, request_id)
+        accepted = self.loop.create_future()
+        accepted.add_done_callback(lambda f: self._accepted(handle, f))
+        self.handles[key] = handle  # now, so that an abort read right after finds it
+        command = AddCommand(request_id, prompt, params, arrival, priority, salt, self.loop,
+                             lambda item: self._deliver(handle, item), accepted, owner=handle, lora_request=lora)
+        if params.structured_outputs is None or self.compiler is None:
+            self._submit(command)
+        else:
+            self.loop.create_task(self._compile_then_submit(handle, command))
+
+    async def _compile_then_submit(self, handle: _Handle, command: AddCommand) -> None:
+        """Compile the request's grammar on this loop's compiler threads (never on the engine
+        thread, which would stop every stream of the replica), then queue it."""
+        try:
+            command.grammar = await compile_grammar(self.compiler, command.params)
+        except Exception as e:  # refused (ValueError) or overloaded: the client is told, nothing is queued
+            command.accepted.set_exception(e)
+            return
+        if self.handles.get(handle.key) is not handle:  # aborted while its grammar compiled
+            command.accepted.set_exception(RequestFailedError("aborted before it was queued"))
+            return
+        self._submit(command)
 
     def _submit(self, command) -> None:
         try:
@@ -171,7 +198,8 @@ class _Replica:
     def _flush(self) -> None:
         messages, self.outbox = self.outbox, []
         stats = self.thread.stats
-        progressed, self.sent_stats = stats is not self.sent_stats, stats
+        # An idle engine is not a hung one: its requests may still be compiling their grammars here.
+        progressed, self.sent_stats = stats is not self.sent_stats or self.thread.idle, stats
         try:
             self.conn.send(("batch", messages, stats, progressed))
         except (BrokenPipeError, OSError):

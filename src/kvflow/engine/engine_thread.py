@@ -44,6 +44,7 @@ from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.request_timing import FinishedRequest, RequestTiming
 from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured_output.backend import CompiledGrammar
 from kvflow.worker.device_faults import is_device_fault
 
 logger = logging.getLogger("kvflow")
@@ -74,6 +75,7 @@ class AddCommand:
     accepted: asyncio.Future  # resolved (or failed with the ValueError) before any output
     owner: object  # the caller's handle of this request (its stream), for AbortCommand.owner
     lora_request: LoRARequest | None = None
+    grammar: CompiledGrammar | None = None  # its structured_outputs, compiled off this thread
 
 
 @dataclass
@@ -132,6 +134,9 @@ class EngineThread:
         self._closed_reason: str | None = None
         self._live: dict[str, _Live] = {}
         self._outbox = _Outbox()
+        # Waiting for a command with nothing to run: whoever watches for a hung engine must not
+        # count this time (a request may be on its way: its grammar compiling, say).
+        self.idle = False
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._thread.start()
 
@@ -189,7 +194,14 @@ class EngineThread:
         return None
 
     def _take(self, block: bool) -> list:
-        commands = [self._commands.get()] if block else []
+        if block:
+            self.idle = True
+            try:
+                commands = [self._commands.get()]
+            finally:
+                self.idle = False
+        else:
+            commands = []
         while not self._commands.empty():
             commands.append(self._commands.get_nowait())
         return commands
@@ -201,7 +213,7 @@ class EngineThread:
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority, cmd.cache_salt,
-                                    cmd.lora_request)
+                                    cmd.lora_request, cmd.grammar)
         except ValueError as e:  # bad input: the engine queued nothing
             self._outbox.post(cmd.loop, _settle(cmd.accepted), e)
             return

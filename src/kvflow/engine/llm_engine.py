@@ -16,6 +16,7 @@ from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_connector import KVStoreConnector
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
+from kvflow.core.sched_output import SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
@@ -31,7 +32,8 @@ from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
-from kvflow.structured_output.manager import StructuredOutputManager
+from kvflow.structured_output.backend import CompiledGrammar
+from kvflow.structured_output.manager import MASK_WAIT_S, Settled, StructuredOutputManager
 from kvflow.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kvflow")
@@ -66,9 +68,8 @@ class LLMEngine:
         self.num_kv_blocks, num_host_blocks = self.model_executor.num_kv_blocks, self.model_executor.num_host_blocks
         cache, layout = self.config.cache, self.arch.kv_layout
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
-        # Rank 0 samples for every rank, so only its runner masks with the grammars and speculates.
+        # The grammars are the engine's: their masks travel to the sampler in the step.
         self.structured_output = self._make_structured_output()
-        self.runner.structured_output = self.structured_output
         self.speculation = setup_speculation(self.config, self.arch, self.runner, self.num_kv_blocks)
         self.scheduler = Scheduler(
             self.config.scheduler,
@@ -78,6 +79,7 @@ class LLMEngine:
             max_loras=None if self.config.lora is None else self.config.lora.max_loras,
             speculation=self.speculation,
             kv_connector=self._make_kv_connector(),
+            pool_size_setting="kv_cache_memory_gb" if cache.num_kv_blocks is None else "num_kv_blocks",
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._configured_budget = self.config.scheduler.max_num_batched_tokens
@@ -150,11 +152,13 @@ class LLMEngine:
             return None
         cfg = self.config.structured_outputs
         return StructuredOutputManager(cfg.backend, self.tokenizer.backend, self.arch.vocab_size,
-                                       sorted(self.eos_token_ids), cfg.compile_timeout_s)
+                                       sorted(self.eos_token_ids), cfg.compile_timeout_s,
+                                       max_jobs=self.config.scheduler.max_num_seqs)
 
-    def _compile_grammar(self, params: StructuredOutputsParams) -> object:
+    def _compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of a request's structured_outputs (cached); ValueError if it is
-        invalid, unsupported or too slow to compile."""
+        invalid, unsupported or too slow to compile. The server compiles off this thread
+        (AsyncLLM) and passes the result to add_request."""
         if self.structured_output is None:
             raise ValueError("structured_outputs needs the model's tokenizer; this engine was started without one")
         return self.structured_output.compile(params)
@@ -165,8 +169,10 @@ class LLMEngine:
         return self.model_executor.driver_worker.model_runner
 
     def shutdown(self) -> None:
-        """Stop the workers (ranks in other processes); idempotent."""
+        """Stop the workers (ranks in other processes) and the grammar threads; idempotent."""
         self.model_executor.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -180,11 +186,12 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> str:
         """Queue a request. Raises ValueError if it can never run or its id is in use; whatever it
         raises, nothing of the request is queued. `priority`: lower runs first under
         scheduling_policy="priority". `cache_salt`: only requests with the same salt share
-        prefix-cache blocks. `lora_request`: the adapter to run with, loaded (and checked) now."""
+        prefix-cache blocks. `lora_request`: the adapter to run with, loaded (and checked) now.
+        `grammar`: its structured_outputs compiled already (else it is compiled here)."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -199,7 +206,10 @@ class LLMEngine:
         error = self.scheduler.admission_error(len(token_ids), max_tokens)
         if error:
             raise ValueError(error)
-        grammar = None if params.structured_outputs is None else self._compile_grammar(params.structured_outputs)
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self._compile_grammar(params.structured_outputs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentRequest(request_id, text, token_ids, RequestMetrics(arrival_time=arrival))
         queued: list[str] = []
@@ -211,7 +221,7 @@ class LLMEngine:
                                   priority=priority, cache_salt=cache_salt, lora_request=lora_request)
                 self.scheduler.add_request(request)
                 queued.append(child_id)
-                if grammar is not None:  # freed by the runner once the request finishes
+                if grammar is not None:  # forgotten once the request finishes
                     self.structured_output.add_request(child_id, grammar)
                 self.output_processor.add_request(request, parent, index)
         except BaseException:  # all or nothing: a half-queued request would run with nobody to answer
@@ -323,11 +333,15 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._running_at_step = {r.request_id for r in self.scheduler.running}  # for abort_failed_step
+        settled = self._settle_grammars()
+        broken = self._end_broken_grammars(settled.failed)
         try:
-            sched = self.scheduler.schedule()
+            sched = self.scheduler.schedule(settled.held)
         except SchedulerStallError as e:
             self._running_at_step.update(e.request_ids)  # abort_failed_step ends them too
             raise
+        if self.structured_output is not None and self.structured_output.active:
+            self._attach_grammar_masks(sched, settled)
         runner_out = self.model_executor.execute_model(sched)
         if self.step_budget is not None:
             budget = self.step_budget.observe(sched.num_batched_tokens, runner_out.target_seconds)
@@ -348,12 +362,48 @@ class LLMEngine:
                                           runner_out.proposer_seconds, decode_only)
         outputs, stopped = self.output_processor.process(produced, runner_out)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._advance_grammars(produced)
+        outputs = broken + outputs
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
         if self.stats_logger is not None:
             self.stats_logger.maybe_log(self.get_stats)
         return outputs
+
+    # -- grammars (structured output) ------------------------------------------------------
+    def _settle_grammars(self) -> Settled:
+        """The grammar jobs that finished since the last step: proposals cut to what each
+        request's grammar accepts, and which requests may not sample yet or have broken."""
+        if self.structured_output is None or not self.structured_output.active:
+            return Settled()
+        settled = self.structured_output.settle(self.scheduler.requests)
+        for request_id, valid in settled.valid_proposals.items():
+            del self.scheduler.requests[request_id].spec_token_ids[valid:]
+        return settled
+
+    def _end_broken_grammars(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """End the requests whose grammar cannot go on, each with finish_reason "error" and why."""
+        if not failed:
+            return []
+        self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ERROR)
+        return self.output_processor.finish_failed(failed)
+
+    def _attach_grammar_masks(self, sched: SchedulerOutput, settled: Settled) -> None:
+        """The step's masks into the step. A step left empty by requests waiting for their masks
+        waits for one of them instead of spinning."""
+        if not sched.chunks and settled.held:
+            self.structured_output.wait_for_any(settled.held, MASK_WAIT_S)
+        sched.grammar = self.structured_output.step_masks(
+            [(c.request_id, c.num_spec_tokens) for c in sched.chunks if c.sample])
+
+    def _advance_grammars(self, produced: list[tuple[Request, int]]) -> None:
+        """Start the next masks of every request that produced tokens and goes on."""
+        if self.structured_output is None or not self.structured_output.active:
+            return
+        for request, _ in produced:
+            if request.status is RequestStatus.RUNNING:
+                self.structured_output.advance(request.request_id, request.output_token_ids, request.spec_token_ids)
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_params(self, params: SamplingParams) -> None:

@@ -42,6 +42,7 @@ class RequestState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why it ended with finish_reason "error"
     sent_text: int = 0  # for DELTA outputs: what the caller already has
     sent_tokens: int = 0
 
@@ -102,6 +103,19 @@ class OutputProcessor:
             state = self.states.get(request_id)
             if state is not None and state.finish_reason is None:
                 state.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
+                touched.append(state)
+        return self._outputs(touched, time.monotonic())
+
+    def finish_failed(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """End these requests with finish_reason "error" and why (request id → message): their
+        output could not go on as asked. The text produced so far is released whole."""
+        touched = []
+        for request_id, message in errors.items():
+            state = self.states.get(request_id)
+            if state is not None and state.finish_reason is None:
+                state.finish_reason, state.error = RequestStatus.FINISHED_ERROR.finish_reason, message
+                if state.detokenizer is not None:
+                    state.detokenizer.append([], final=True)
                 touched.append(state)
         return self._outputs(touched, time.monotonic())
 
@@ -189,4 +203,5 @@ class OutputProcessor:
             logprobs=None if logprobs is None else list(logprobs),
             finish_reason=state.finish_reason,
             stop_reason=state.stop_reason,
+            error=state.error,
         )

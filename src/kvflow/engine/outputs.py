@@ -23,8 +23,12 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobDict] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # Why a completion ended with finish_reason "error": its output could not go on as asked (its
+    # structured-output constraint had no valid continuation, or the grammar library gave up).
+    # The text so far is kept, but it does not satisfy the request.
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -7,12 +7,18 @@ request actually produced — forward by any number, back by any number (specula
 proposes several tokens and keeps a prefix of them).
 
 Bitmasks are int32 CPU tensors of shape [rows, ceil(vocab / 32)], the layout both libraries fill.
+
+`prepare` is what the compiler runs for a spec: the compile and the mask of the output's first
+token. Both libraries do real work at that first mask (llguidance builds its lexer lazily, so a
+regex can compile in a millisecond and take seconds to give its first mask), so it counts toward
+the compile's time limit, and a constraint that cannot even start is refused before it is queued.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -46,9 +52,24 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar is complete and the end-of-sequence token was accepted."""
 
+    def error(self) -> str | None:
+        """Why the library gave up on this matcher (a limit of its lexer or parser), if it did:
+        its masks mean nothing from then on."""
+        return None
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A spec compiled, shared read-only by the matchers of every request that asks for it."""
+
+    grammar: object  # the library's compiled form
+    first_mask: torch.Tensor  # [ceil(vocab / 32)] int32: the tokens an output may start with
+    label: str  # what it was compiled from, for errors ("the regex")
+
 
 class GrammarBackend(ABC):
     name: str
+    vocab_size: int  # the logits' width, which the bitmasks cover
 
     @abstractmethod
     def compile(self, spec: GrammarSpec) -> object:
@@ -59,10 +80,18 @@ class GrammarBackend(ABC):
     def matcher(self, compiled: object) -> GrammarMatcher:
         """A fresh matcher at the start of `compiled`."""
 
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], rows: list[int], bitmask: torch.Tensor) -> None:
-        """Fill several rows at once; libraries that can spread this over threads override it."""
-        for matcher, row in zip(matchers, rows):
-            matcher.fill_bitmask(bitmask, row)
+    def prepare(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The compiled grammar and its first mask; ValueError if it is invalid or cannot start."""
+        grammar = self.compile(spec)
+        matcher = self.matcher(grammar)
+        mask = torch.zeros(1, bitmask_width(self.vocab_size), dtype=torch.int32)
+        matcher.fill_bitmask(mask, 0)
+        error = matcher.error()
+        if error is not None:
+            raise ValueError(f"the grammar library gave up on its first token: {error}")
+        if not mask.any():
+            raise ValueError("no output can satisfy it (no token may start one)")
+        return CompiledGrammar(grammar, mask[0], spec.label)
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -9,7 +9,6 @@ mask computation release the GIL.
 from __future__ import annotations
 
 import json
-import os
 
 import llguidance
 import torch
@@ -81,6 +80,9 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self.ended
 
+    def error(self) -> str | None:
+        return _short(self.ll.get_error()) if self.ll.is_error() else None
+
     def _stopped_at_end(self, token: int) -> bool:
         return token in self.eos_token_ids and self.ll.is_stopped() and not self.ll.is_error()
 
@@ -90,10 +92,13 @@ class LLGuidanceBackend(GrammarBackend):
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         # Short error messages: the default puts the parser state and the whole grammar in them.
+        # The library's default limits (lexer fuel per mask, items per parser row, lexer states)
+        # bound the work of every mask; past them the matcher reports an error, which ends the
+        # request with that error instead of letting it run on.
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
-        self.executor = llguidance.LLExecutor(num_threads=max(1, min(8, os.cpu_count() or 1)))
 
     def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         grammar = _grammar_text(spec)
@@ -106,14 +111,6 @@ class LLGuidanceBackend(GrammarBackend):
     def matcher(self, compiled: llguidance.LLMatcher) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(compiled.deep_copy(), self.eos_token_ids)
 
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], rows: list[int], bitmask: torch.Tensor) -> None:
-        if len(matchers) == 1:
-            matchers[0].fill_bitmask(bitmask, rows[0])
-            return
-        assert bitmask.is_contiguous() and bitmask.dtype == torch.int32
-        pairs = [(m.ll, row) for m, row in zip(matchers, rows)]
-        row_bytes = bitmask.shape[1] * bitmask.element_size()
-        self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
@@ -132,5 +129,6 @@ def _grammar_text(spec: GrammarSpec) -> str:
 
 
 def _short(message: str) -> str:
-    message = message.strip()
+    # (Without verbose errors the library marks its messages with a tag that tells a reader nothing.)
+    message = " ".join(message.replace("<non-verbose/>", "").split())
     return message if len(message) <= _MAX_ERROR_CHARS else message[:_MAX_ERROR_CHARS] + " ..."

@@ -60,9 +60,9 @@ class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
                                                   vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+        self.vocab_size = vocab_size
         # Our compiler caches by spec already, with its own bound.
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-        self.batch = xgr.BatchGrammarMatcher()
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
@@ -86,6 +86,3 @@ class XGrammarBackend(GrammarBackend):
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))
-
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], rows: list[int], bitmask: torch.Tensor) -> None:
-        self.batch.batch_fill_next_token_bitmask([m.xg for m in matchers], bitmask, rows)

@@ -9,7 +9,6 @@ carries k proposals to verify), and prompt rows whose next token's logprob was a
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,10 +16,9 @@ import torch
 from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
-from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
+from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput, StepGrammar
 from kvflow.lora.manager import LoRAManager
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
-from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.worker.cpu_decode import CpuDecodeLoop
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import unique_caches
@@ -51,7 +49,6 @@ class ModelRunner:
         self.model = model
         # The engine's, set after the workers are built (rank 0's runner samples for every rank):
         self.lora: LoRAManager | None = None  # once the model's layers are final (after AWQ)
-        self.structured_output: StructuredOutputManager | None = None  # grammar matchers (None: no tokenizer)
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches  # swap space, same layout, in host memory
         self.block_size = block_size
@@ -66,8 +63,6 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
-        if self.structured_output is not None:
-            self.structured_output.free(sched.finished_request_ids)
         if self.speculator is not None:
             self.speculator.drop([*sched.finished_request_ids, *sched.preempted_request_ids])
         # Order matters: a block may be swapped out, then reused as a copy's destination or a
@@ -83,23 +78,20 @@ class ModelRunner:
             out.kv_load_failed = self.kv_connector.load_kv(transfers, out.kv_transfer)
         started = time.perf_counter()
         batch = self.prepare(sched.chunks)
-        # A plain step's masks are filled on a thread during the forward pass; a verifying step's,
-        # one per proposed position, after it.
         verifying = any(c.num_spec_tokens for c in batch.sample_chunks)
-        grammar = None if verifying else self._grammar_bitmask(batch.sample_chunks)
         hidden = self._forward(batch)
         if transfers is not None and transfers.saves:  # the forward pass wrote the prompts' last KV
             self.kv_connector.save_kv(transfers, out.kv_transfer, skip=out.kv_load_failed)
         if batch.sample_rows:
             chunks = batch.sample_chunks
+            fields = self._grammar_fields(chunks, sched.grammar)
             if verifying:
-                fields = self._speculative_grammar_bitmask(chunks)
                 logits = self.model.compute_logits(hidden[batch.sample_rows])
                 self.speculator.verify(chunks, logits, lambda rows: self._sampling_batch(rows, fields),
                                        self._generator, out)
             else:
                 # Filled on the host while an accelerator still runs the forward pass.
-                sampling = self._sampling_batch(chunks, self._grammar_fields(grammar))
+                sampling = self._sampling_batch(chunks, fields)
                 # In the head's dtype: the sampler widens them where it adjusts them, and a plain
                 # greedy batch takes their argmax as they are.
                 logits = self.model.compute_logits(hidden[batch.sample_rows], widen=False)
@@ -109,9 +101,7 @@ class ModelRunner:
         out.target_seconds = time.perf_counter() - started  # the sampled ids were read back: the device is done
         if self.speculator is not None:
             proposing = time.perf_counter()
-            grammars = self.structured_output
-            self.speculator.propose(batch.sample_chunks, self._generator, out,
-                                    grammars.valid_prefix if grammars is not None and grammars.active else None)
+            self.speculator.propose(batch.sample_chunks, self._generator, out)
             out.proposer_seconds = time.perf_counter() - proposing
         if out.kv_load_failed:
             self._discard_failed_loads(out)
@@ -243,43 +233,32 @@ class ModelRunner:
             **(grammar_fields or {}),
         )
 
-    def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> Future | None:
-        """The grammar masks of the rows whose requests have one, being filled; None: no row has one."""
-        if not chunks or self.structured_output is None or not self.structured_output.active:
-            return None
-        return self.structured_output.start_bitmask([(c.request_id, c.output_token_ids) for c in chunks])
-
-    def _grammar_fields(self, grammar: Future | None) -> dict:
-        """SamplingBatch's grammar fields, once the fill is done (its error is the step's)."""
-        masks = None if grammar is None else grammar.result()
-        if masks is None:
+    def _grammar_fields(self, chunks: list[ScheduledChunk], grammar: StepGrammar | None) -> dict:
+        """SamplingBatch's grammar fields for the sampling chunks' logit rows (a chunk's k + 1
+        rows when it verifies k proposals), from the engine's masks; empty when no row has one."""
+        if grammar is None:
             return {}
-        return {"grammar_bitmask": masks.bitmask.to(self.device, non_blocking=True),
-                "grammar_rows": torch.tensor(masks.rows, device=self.device)}
-
-    def _speculative_grammar_bitmask(self, chunks: list[ScheduledChunk]) -> dict:
-        """The grammar masks of a verifying step's rows: a chunk's k + 1 rows get the masks after
-        its output and after each prefix of its k proposals (SamplingBatch's fields)."""
-        grammars = self.structured_output
-        if grammars is None or not grammars.active:
+        mask_rows, logit_rows, offset = [], [], 0
+        for chunk in chunks:
+            count = chunk.num_spec_tokens + 1
+            first = grammar.first_row.get(chunk.request_id)
+            if first is not None:
+                mask_rows.extend(range(first, first + count))
+                logit_rows.extend(range(offset, offset + count))
+            offset += count
+        if not mask_rows:
             return {}
-        masks, rows, offset = [], [], 0
-        for c in chunks:
-            if grammars.has_grammar(c.request_id):
-                masks.append(grammars.speculative_bitmask(c.request_id, c.output_token_ids, c.spec_token_ids))
-                rows.extend(range(offset, offset + c.num_spec_tokens + 1))
-            offset += c.num_spec_tokens + 1
-        if not masks:
-            return {}
-        return {"grammar_bitmask": torch.cat(masks).to(self.device, non_blocking=True),
-                "grammar_rows": torch.tensor(rows, device=self.device)}
+        bitmask = grammar.bitmask if len(mask_rows) == grammar.bitmask.shape[0] and mask_rows == sorted(mask_rows) \
+            else grammar.bitmask[mask_rows]
+        return {"grammar_bitmask": bitmask.to(self.device, non_blocking=True),
+                "grammar_rows": torch.tensor(logit_rows, device=self.device)}
 
     def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
         seed = chunk.sampling_params.seed
         if seed is None or chunk.sampling_params.greedy:
             return None
         if chunk.request_id not in self.generators:
-            self.generators[chunk.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[chunk.request_id] = torch.Generator(device=self.device).manual_seed(generator_seed(seed))
         return self.generators[chunk.request_id]
 
     # -- outputs ---------------------------------------------------------------------------
@@ -320,6 +299,20 @@ def _banned_tokens(chunk: ScheduledChunk) -> list[int]:
     if not params.ignore_eos:
         banned.extend(chunk.eos_token_ids)
     return banned
+
+
+def generator_seed(seed: int) -> int:
+    """The seed torch's generator gets for a request's 64-bit `seed`. The CPU generator (a
+    Mersenne Twister) keeps only a seed's low 32 bits, so seeds that differ above them would draw
+    the same samples. Seeds in [0, 2^32) are kept as they are; any other is folded into 32 bits by
+    a mixing hash (SplitMix64's finalizer), so distinct seeds give distinct samples but for chance
+    collisions of 32-bit values."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    z = seed % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (z ^ (z >> 31)) >> 32
 
 
 def _slot_mapping(blocks: np.ndarray, in_block: np.ndarray, block_size: int) -> np.ndarray:

@@ -24,7 +24,6 @@ from kvflow.spec_decode.rejection_sampler import pad_rows, rejection_sample, ver
 from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 
 GeneratorOf = Callable[[ScheduledChunk], torch.Generator | None]
-ValidPrefix = Callable[[str, list[int], list[int]], int]
 
 
 class VerifyRow(NamedTuple):
@@ -137,10 +136,9 @@ class Speculator:
             j += produced
 
     # -- proposing -------------------------------------------------------------------------
-    def propose(self, chunks: list[ScheduledChunk], generator_of: GeneratorOf, out: ModelRunnerOutput,
-                valid_prefix: ValidPrefix | None = None) -> None:
-        """`valid_prefix(request id, its output tokens, proposed)`: how many leading proposals
-        the request's grammar allows (structured output)."""
+    def propose(self, chunks: list[ScheduledChunk], generator_of: GeneratorOf, out: ModelRunnerOutput) -> None:
+        """The next step's proposals of the chunks that asked for some (a request's grammar, if it
+        has one, cuts them on the engine's side before they are verified)."""
         requests = [
             DraftRequest(c.request_id, [*c.prompt_token_ids, *c.output_token_ids, *out.sampled[c.request_id]],
                          c.num_lookahead_tokens, c.block_ids, c.sampling_params, generator_of(c))
@@ -150,13 +148,4 @@ class Speculator:
             return
         proposals = self.proposer.propose(requests)
         self._draft_probs.update(proposals.probs)
-        if valid_prefix is not None:
-            outputs = {c.request_id: [*c.output_token_ids, *out.sampled[c.request_id]] for c in chunks
-                       if c.request_id in proposals.token_ids}
-            for request_id, tokens in proposals.token_ids.items():
-                # A certain proposal (q one-hot) that the grammar refuses is rejected for sure,
-                # and the residual max(p - q, 0) of a one-hot q at a token p gives 0 is p itself:
-                # cutting it here, before it costs a verification row, changes nothing.
-                if tokens and request_id not in proposals.probs:
-                    del tokens[valid_prefix(request_id, outputs[request_id], tokens):]
         out.draft_token_ids = {rid: t for rid, t in proposals.token_ids.items() if t}
