@@ -1,7 +1,7 @@
 """How to add a step's LoRA deltas, timed on the default model's layer shapes: kvflow's two forms
 (kvflow/lora/batch.py) — segments (per run of rows sharing an adapter, two matmuls on exactly
-those rows) and masked (every row by the stacked A of the step's slot range, a one-hot mask, one
-expand) — against a gathered bmm (the runs' rows gathered into one zero-padded [adapters, rows,
+those rows) and masked (every row by the stacked A of the step's slot range, each slot's own rows
+gathered and expanded by its own B in one bmm) — against a gathered bmm (the runs' rows gathered into one zero-padded [adapters, rows,
 in] batch, the adapters' A and B gathered beside them, two bmm calls, the result scattered back).
 
     .venv/bin/python benchmarks/lora_ops.py [--rank 16 --max-loras 16 --repeats 15 --threads N --dtype bfloat16]
@@ -122,7 +122,7 @@ def main() -> None:
                 x = torch.randn(rows, layer.base_layer.input_size, dtype=dtype, device=device)
                 row_slots = [r * k // rows for r in range(rows)]
                 segments, masked = (LoRABatch.build(row_slots, dtype, device, masked=m) for m in (False, True))
-                auto = "masked" if LoRABatch.build(row_slots, dtype).mask is not None else "segments"
+                auto = "masked" if LoRABatch.build(row_slots, dtype).masked is not None else "segments"
                 bmm = GatheredBmm(segments, dtype, device)
 
                 def with_delta(batch: LoRABatch):  # the torch form, whatever the device

@@ -58,7 +58,7 @@ def test_deltas_equal_the_row_by_row_formula(make_layer, row_slots, masked):
         lora.set_slot(slot, slices)
     x = torch.randn(len(row_slots), base.input_size, generator=gen)
     lora.context.batch = LoRABatch.build(row_slots, masked=masked)
-    assert (lora.context.batch.mask is not None) == masked
+    assert (lora.context.batch.masked is not None) == masked
     expected = _reference(x, base(x), adapters, row_slots, base.output_sizes)
     got = lora(x)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -76,8 +76,16 @@ def test_form_follows_the_shape():
     """Decode-like steps (few rows per adapter) take the masked form; one adapter, or many rows
     per adapter (prefill), the segment loop; the mask covers exactly the slots in use's range."""
     decode = LoRABatch.build([s for s in range(4) for _ in range(8)])  # 32 rows, 4 adapters
-    assert decode.mask is not None and decode.first_slot == 0 and decode.mask.shape == (32, 4, 1)
-    assert LoRABatch.build([3] * 32).mask is None
-    assert LoRABatch.build([s for s in range(4) for _ in range(512)]).mask is None
-    gap = LoRABatch.build([5, -1, 7])
-    assert gap.first_slot == 5 and gap.mask[:, :, 0].tolist() == [[1, 0, 0], [0, 0, 0], [0, 0, 1]]
+    assert decode.masked is not None and decode.masked.first_slot == 0 and decode.masked.num_slots == 4
+    assert LoRABatch.build([3] * 32).masked is None
+    assert LoRABatch.build([s for s in range(4) for _ in range(512)]).masked is None
+
+
+def test_masked_form_picks_each_rows_own_products():
+    """Slots 5..7 (6 unused): the shrink's product of row r and slot 5 + j is r·3 + j. Each slot
+    gathers its own rows' (padded to 2, the most a slot has: slot 6 has none), and only real
+    entries are picked, into the rows with an adapter; the base row (1) is in none."""
+    gap = LoRABatch.build([5, -1, 7, 5], masked=True).masked
+    assert (gap.first_slot, gap.num_slots, gap.width) == (5, 3, 2)
+    assert gap.gather.tolist() == [0 * 3 + 0, 3 * 3 + 0, 0 * 3 + 1, 0 * 3 + 1, 2 * 3 + 2, 2 * 3 + 2]
+    assert gap.picks.tolist() == [0, 1, 4] and gap.rows.tolist() == [0, 3, 2]

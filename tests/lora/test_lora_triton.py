@@ -84,7 +84,7 @@ def test_a_segment_without_an_adapter_adds_nothing():
     lora = _lora_layer(LAYERS["qkv"], torch.float32, seed=0)
     x = torch.randn(5, lora.input_size, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     batch = LoRABatch.build([0, 0, 0, 1, 1], device=DEVICE, masked=False)
-    with_gap = LoRABatch([(0, 0, 2), (-1, 2, 3), (1, 3, 5)], 5, 0, None,
+    with_gap = LoRABatch([(0, 0, 2), (-1, 2, 3), (1, 3, 5)], 5, None,
                          torch.tensor([[0, 0, 2], [-1, 2, 3], [1, 3, 5]], dtype=torch.int32, device=DEVICE))
     y, got = torch.zeros(5, 64, device=DEVICE), torch.zeros(5, 64, device=DEVICE)
     batch.add_lora(y, x, lora.lora_a, lora.lora_b)

@@ -314,7 +314,9 @@ class LLMEngine:
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from memory; requests running with it read it from disk again if needed."""
+        """Forget an adapter: unfinished requests keep running with it; once they finish, its weights and
+        identity are dropped and its id is retired (never loadable again: blocks cached under it must
+        never reach another adapter)."""
         return self.lora is not None and self.lora.remove(lora_int_id)
 
     def list_loras(self) -> list[int]:

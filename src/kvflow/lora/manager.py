@@ -13,11 +13,17 @@ uses (`in_use`, the engine's answer): a step then never reads a disk, whose file
 changed or gone since the request was admitted, and cannot fail for everyone in it.
 
 An id names one adapter (name and path) for the manager's whole life, even after removal: blocks
-cached under the id must never be served to another adapter.
+cached under the id must never be served to another adapter. The manager keeps the name and path
+of each adapter loaded and not removed (of a removed one, until no unfinished request uses it);
+then it forgets them and retires the id: loading any adapter under it, even the same one, is
+refused. Retired ids are kept as ranges, not one by one: ids handed out in order (the server gives
+each adapter a fresh one) and retired in any order merge into at most one range more than the
+adapters held, so a server that loads and removes adapters for ever holds only what it serves.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,6 +36,39 @@ from kvflow.lora.batch import LoRABatch
 from kvflow.lora.layers import LoRAContext, LoRALinear, install_lora_layers, lora_targets
 from kvflow.lora.peft_adapter import LoRAAdapter, load_peft_adapter
 from kvflow.lora.request import LoRARequest
+
+
+class RetiredIds:
+    """A set of ids as sorted disjoint ranges [first, end), adjacent ones merged."""
+
+    def __init__(self) -> None:
+        self._firsts: list[int] = []
+        self._ends: list[int] = []
+
+    def __contains__(self, lora_int_id: int) -> bool:
+        k = bisect.bisect_right(self._firsts, lora_int_id) - 1
+        return k >= 0 and lora_int_id < self._ends[k]
+
+    @property
+    def num_ranges(self) -> int:
+        return len(self._firsts)
+
+    def add(self, lora_int_id: int) -> None:
+        if lora_int_id in self:
+            return
+        k = bisect.bisect_right(self._firsts, lora_int_id)  # ranges [0, k) start before it
+        extends_left = k > 0 and self._ends[k - 1] == lora_int_id
+        extends_right = k < len(self._firsts) and self._firsts[k] == lora_int_id + 1
+        if extends_left and extends_right:  # it closes the gap between two ranges
+            self._ends[k - 1] = self._ends.pop(k)
+            del self._firsts[k]
+        elif extends_left:
+            self._ends[k - 1] = lora_int_id + 1
+        elif extends_right:
+            self._firsts[k] = lora_int_id
+        else:
+            self._firsts.insert(k, lora_int_id)
+            self._ends.insert(k, lora_int_id + 1)
 
 
 @dataclass
@@ -52,30 +91,47 @@ class LoRAManager:
         model.register_forward_pre_hook(self.context.read_metadata, with_kwargs=True)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by id, least recently used first
         self._slots: OrderedDict[int, int] = OrderedDict()  # id → slot, least recently used first
-        self._identities: dict[int, tuple[str, str]] = {}  # id → (name, path), never forgotten
+        self._identities: dict[int, tuple[str, str]] = {}  # id → (name, path) of the adapters held
+        self._removed: set[int] = set()  # held only for the unfinished requests that use them
+        self.retired = RetiredIds()  # removed and no longer held: never loaded again
         self.in_use = in_use  # ids of adapters that unfinished requests run with
         self.stats = LoRAStats()
 
     # -- host memory -----------------------------------------------------------------------
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter in host memory, read and checked from disk if it is not there. Raises
-        ValueError naming the adapter if it cannot run on this model."""
-        identity = (request.lora_name, request.lora_path)
-        known = self._identities.get(request.lora_int_id)
-        if known is not None and known != identity:
-            raise ValueError(f"LoRA adapter {request.lora_name!r}: lora_int_id {request.lora_int_id} already names "
-                             f"adapter {known[0]!r} at {known[1]!r}; give each adapter an id of its own")
+        ValueError naming the adapter if it cannot run on this model. An adapter removed while
+        requests still ran with it is held again, as if never removed."""
+        self._check_identity(request)
+        self._removed.discard(request.lora_int_id)
+        return self._host_copy(request)
+
+    def _host_copy(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self._host.get(request.lora_int_id)
         if adapter is None:
             started = time.perf_counter()
             adapter = load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype)
             self.stats.disk_loads += 1
             self.stats.disk_load_seconds += time.perf_counter() - started
-            self._identities[request.lora_int_id] = identity
+            self._identities[request.lora_int_id] = (request.lora_name, request.lora_path)
             self._host[request.lora_int_id] = adapter
         self._host.move_to_end(request.lora_int_id)
         self._evict_host(keep=request.lora_int_id)
         return adapter
+
+    def _check_identity(self, request: LoRARequest) -> None:
+        """The id names this adapter or none yet. (The other adapter is named, its path is not:
+        the caller may not be the one who gave it.)"""
+        lora_int_id = request.lora_int_id
+        if lora_int_id in self.retired:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: lora_int_id {lora_int_id} named an adapter that "
+                             "was removed (blocks cached under the id may remain); load it, or any other, under a "
+                             "new id")
+        known = self._identities.get(lora_int_id)
+        if known is not None and known != (request.lora_name, request.lora_path):
+            other = f"adapter {known[0]!r}" + (" at another path" if known[0] == request.lora_name else "")
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: lora_int_id {lora_int_id} already names {other}; "
+                             "give each adapter an id of its own")
 
     def _evict_host(self, keep: int) -> None:
         if len(self._host) <= self.max_cpu_loras:
@@ -85,13 +141,24 @@ class LoRAManager:
             del self._host[lora_int_id]
 
     def remove(self, lora_int_id: int) -> bool:
-        """Forget the adapter's weights (host and slot); returns whether it was loaded. While
-        unfinished requests use it, it stays for them, to be evicted like any other later."""
+        """Forget the adapter (weights in host memory and slot, identity) and retire its id;
+        returns whether it was loaded. While unfinished requests use it, it stays for them."""
         loaded = lora_int_id in self._host or lora_int_id in self._slots
-        if lora_int_id not in self.in_use():
+        if lora_int_id in self._identities:
+            self._removed.add(lora_int_id)
+            self._forget_removed()
+        return loaded
+
+    def _forget_removed(self) -> None:
+        """Drop the removed adapters no unfinished request uses any more, and retire their ids."""
+        if not self._removed:
+            return
+        for lora_int_id in self._removed - self.in_use():
             self._host.pop(lora_int_id, None)
             self._slots.pop(lora_int_id, None)
-        return loaded
+            del self._identities[lora_int_id]
+            self._removed.discard(lora_int_id)
+            self.retired.add(lora_int_id)
 
     def list_loras(self) -> list[int]:
         return list(self._host)
@@ -100,6 +167,7 @@ class LoRAManager:
     def prepare(self, requests: list[LoRARequest | None], num_rows: list[int]) -> LoRABatch | None:
         """Make the step's adapters active; `requests` and `num_rows` are per chunk, in row order.
         Returns which slot each row uses, or None if no row has an adapter."""
+        self._forget_removed()  # their last requests may have finished since
         needed = list(dict.fromkeys(r for r in requests if r is not None))
         if not needed:
             return None
@@ -114,7 +182,7 @@ class LoRAManager:
         if request.lora_int_id in self._slots:
             self._slots.move_to_end(request.lora_int_id)
             return self._slots[request.lora_int_id]
-        adapter = self.load(request)
+        adapter = self._host_copy(request)
         started = time.perf_counter()
         slot = self._free_slot({r.lora_int_id for r in needed})
         by_layer: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}

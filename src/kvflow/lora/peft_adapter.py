@@ -10,7 +10,14 @@ Here each module's A and s·B land on a `LoRATarget`: the kvflow layer that runs
 matmul and, for fused layers (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`), which slice of its
 output. Every way an adapter can fail to fit is an error naming the adapter: missing files, a
 rank above `max_lora_rank`, a module kvflow cannot adapt, a shape from another base model, a PEFT
-option that changes the formula. Pickled `.bin` adapters are refused (loading one can run code).
+option that changes the formula, a `rank_pattern` / `alpha_pattern` that is no regular expression
+or maps to no positive number, and a weight that is NaN or infinite as it would be served (B
+after scaling and the cast to the serving dtype: an fp16 overflow in a fine-tune is enough), whose
+requests could only produce NaN. Pickled `.bin` adapters are refused (loading one can run code).
+
+Errors name the adapter, never its directory: a request that names a served adapter may reach
+the disk (an adapter evicted from host memory is read again), and its client did not choose, and
+must not learn, where the server keeps it. Whoever gave the path knows it.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ def load_peft_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_
                       dtype: torch.dtype) -> LoRAAdapter:
     """Read and check the adapter `request` names. `targets`: base-model module name (as PEFT
     names it, e.g. "model.layers.0.self_attn.q_proj") → where it lands."""
-    where = f"LoRA adapter {request.lora_name!r} ({request.lora_path or 'no path'})"
+    where = f"LoRA adapter {request.lora_name!r}"
     config = _read_config(Path(request.lora_path), where)
     _check_options(config, targets, where)
     pairs = _read_pairs(Path(request.lora_path) / WEIGHTS_FILE, where)
@@ -87,24 +94,39 @@ def load_peft_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_
                 raise ValueError(f"{where}: {module}.lora_{half} has shape {tuple(halves[half].shape)}, expected "
                                  f"{expected}; was it trained for another base model?")
         scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-        # Scaled in float32, then cast: the same rounding as PEFT's fp32 forward up to one ulp.
-        weights[(target.layer, target.slice)] = (halves["A"].to(dtype),
-                                                 (halves["B"].float() * scale).to(dtype))
+        weights[(target.layer, target.slice)] = _served_pair(halves, scale, dtype, f"{where}: {module}")
         rank = max(rank, r)
     if not weights:
         raise ValueError(f"{where} has no LoRA weights in {WEIGHTS_FILE}")
     return LoRAAdapter(request, rank, weights)
 
 
+def _served_pair(halves: dict[str, torch.Tensor], scale: float, dtype: torch.dtype,
+                 where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and s·B as the layers will hold them, each refused if any value of it is not finite."""
+    # Scaled in float32, then cast: the same rounding as PEFT's fp32 forward up to one ulp.
+    served = {"A": halves["A"].to(dtype), "B": (halves["B"].float() * scale).to(dtype)}
+    for half, tensor in served.items():
+        if not bool(tensor.isfinite().all()):
+            cause = ("holds NaN or infinite values" if not bool(halves[half].isfinite().all()) else
+                     f"overflows {str(dtype).removeprefix('torch.')} once " +
+                     (f"multiplied by its scale {scale:g} and cast" if half == "B" else "cast"))
+            raise ValueError(f"{where}.lora_{half} {cause}; an adapter must be finite as it is served")
+    return served["A"], served["B"]
+
+
 def _read_config(directory: Path, where: str) -> dict:
     path = directory / CONFIG_FILE
-    if not directory.is_dir():
-        raise ValueError(f"{where}: the adapter directory does not exist")
-    if not path.is_file():
-        raise ValueError(f"{where}: no {CONFIG_FILE} in the adapter directory")
-    try:
+    try:  # a path too long, or a directory the server may not read, is an OSError even to is_dir
+        if not directory.is_dir():
+            raise ValueError(f"{where}: the adapter directory does not exist")
+        if not path.is_file():
+            raise ValueError(f"{where}: no {CONFIG_FILE} in the adapter directory")
         config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:
+        raise ValueError(f"{where}: the adapter directory or its {CONFIG_FILE} cannot be read "
+                         f"({_reason(e, directory)})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{where}: {CONFIG_FILE} is not readable JSON ({e})") from None
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: {CONFIG_FILE} is not a LoRA adapter's (peft_type "
@@ -121,6 +143,7 @@ def _check_options(config: dict, targets: dict[str, LoRATarget], where: str) -> 
     for key in ("r", "lora_alpha"):
         if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool) or config[key] <= 0:
             raise ValueError(f"{where}: {CONFIG_FILE} needs a positive number {key!r}; got {config.get(key)!r}")
+    _check_patterns(config, where)
     modules = config.get("target_modules")
     if isinstance(modules, list):  # a string is a regex (or "all-linear"): the tensors tell what it matched
         known = set(_short_names(targets))
@@ -140,7 +163,8 @@ def _read_pairs(path: Path, where: str) -> dict[str, dict[str, torch.Tensor]]:
     try:
         tensors = load_file(path)
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
+        raise ValueError(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file "
+                         f"({_reason(e, path.parent)})") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR.fullmatch(name.removeprefix(_PREFIX))
@@ -152,12 +176,45 @@ def _read_pairs(path: Path, where: str) -> dict[str, dict[str, torch.Tensor]]:
     return pairs
 
 
+def _reason(error: Exception, directory: Path) -> str:
+    """What went wrong, without the server's path: Python's OSErrors name the file beside their
+    strerror, safetensors' inside their message."""
+    text = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return text.replace(str(directory), "<adapter directory>")
+
+
+def _pattern(key: str) -> str:
+    """PEFT's rule: a `rank_pattern` / `alpha_pattern` key matches the end of a module name, at a dot."""
+    return rf"(.*\.)?({key})$"
+
+
+def _check_patterns(config: dict, where: str) -> None:
+    """Each pattern a regular expression, each rank a positive integer, each alpha a positive
+    number: a bad one is refused here, not met as an exception halfway through the modules."""
+    for option, value_type, kind in (("rank_pattern", int, "positive integer"),
+                                     ("alpha_pattern", (int, float), "positive number")):
+        patterns = config.get(option)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise ValueError(f"{where}: {CONFIG_FILE}'s {option} must map module patterns to values; "
+                             f"got {type(patterns).__name__}")
+        for key, value in patterns.items():
+            try:
+                re.compile(_pattern(key))
+            except re.error as e:
+                raise ValueError(f"{where}: {CONFIG_FILE}'s {option} key {key!r} is not a valid regular "
+                                 f"expression ({e})") from None
+            if not isinstance(value, value_type) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{where}: {CONFIG_FILE}'s {option}[{key!r}] must be a {kind}; got {value!r}")
+
+
 def _rank_and_alpha(config: dict, module: str) -> tuple[int, float]:
-    """PEFT's rule: the first pattern key that matches the end of the module name (at a dot)
-    overrides `r` / `lora_alpha` for that module."""
+    """The first pattern key that matches the module overrides `r` / `lora_alpha` for it
+    (patterns checked by `_check_patterns`)."""
     def pick(patterns: dict | None, default):
         for key, value in (patterns or {}).items():
-            if re.match(rf"(.*\.)?({key})$", module):
+            if re.match(_pattern(key), module):
                 return value
         return default
 

@@ -140,7 +140,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "kvflow"
-    root: str | None = None  # vLLM's: the base model, or an adapter's path
+    root: str | None = None  # vLLM's: the base model, or (where vLLM shows an adapter's path) the adapter's name
     parent: str | None = None  # an adapter's base model
     max_model_len: int
 
