@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
+from kvflow import LLM, SamplingParams
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.attention.torch_reference import TorchReferenceBackend
 from kvflow.attention.torch_sdpa import TorchSDPABackend
+from tiny_models import make_tiny_model
 
 
 def random_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype, window: int | None):
@@ -68,3 +71,24 @@ def test_sdpa_backend_matches_reference_bf16(seed):
     expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), meta, layer).float()
     got = TorchSDPABackend().forward(q, k, v, cache, meta, layer).float()
     torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)  # bf16 has 8 bits of mantissa
+
+
+def test_the_triton_backend_on_cpu_advises_a_backend_that_runs(tmp_path, monkeypatch):
+    """Outside the test suite (no interpreter fixed up by conftest), the advice for a CPU machine
+    asking for the triton backend must be one that works when followed: a CPU backend, not
+    TRITON_INTERPRET=1, which crashes in triton's interpreter without tests/conftest.py's fixes."""
+    pytest.importorskip("triton")
+    make_tiny_model("llama-gqa-llama3-rope", tmp_path)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    engine = dict(dtype="float32", skip_tokenizer_init=True, device="cpu", num_kv_blocks=16, block_size=16)
+    prompt = [{"prompt_token_ids": list(range(1, 20))}]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU") as refused:
+        LLM(str(tmp_path), attention_backend="triton", **engine).generate(prompt, greedy, use_tqdm=False)
+    assert "TRITON_INTERPRET" not in str(refused.value)
+    advised = re.findall(r"attention_backend='(\w+)'", str(refused.value))
+    assert advised
+    reference = LLM(str(tmp_path), attention_backend="torch_reference", **engine).generate(prompt, greedy, use_tqdm=False)
+    for backend in advised:
+        followed = LLM(str(tmp_path), attention_backend=backend, **engine).generate(prompt, greedy, use_tqdm=False)
+        assert followed[0].outputs[0].token_ids == reference[0].outputs[0].token_ids

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -101,6 +100,7 @@ def _logprobs(out):
     return values + [(t, lp.logprob) for d in out.prompt_logprobs[1:] for t, lp in d.items()]
 
 
+@pytest.mark.timeout(300, method="thread")  # a dead rank must end a step, not hang it
 @pytest.mark.parametrize("arch", ARCHS)
 def test_two_ranks_give_one_ranks_logprobs(tmp_path, arch):
     make_tiny_model(arch, tmp_path)
@@ -125,11 +125,9 @@ def _a_dead_rank_ends_the_step_with_an_error(llm):
     engine.step()
     os.kill(rank1.pid, signal.SIGKILL)
     rank1.join(timeout=10)
-    start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="kvflow-rank-1") as error:
-        engine.step()
+    with pytest.raises(WorkerDiedError, match=r"rank 1 \(kvflow-rank-1, pid \d+\) was killed by signal SIGKILL") as error:
+        engine.step()  # before the step: no collective is attempted with the dead rank
     assert is_device_fault(error.value)  # a server declares its engine dead: /health turns 503
-    assert time.monotonic() - start < 10
     assert engine.abort_failed_step() == ["doomed"]
     with pytest.raises(WorkerDiedError):  # and every later step, at once
         engine.model_executor.check_health()

@@ -87,9 +87,15 @@ class TritonBackend:
 
 
 def _require_runnable(q: torch.Tensor) -> None:
+    """The kernels run on a CUDA GPU. Triton's interpreter (TRITON_INTERPRET=1) also takes CPU
+    tensors, and kvflow's test suite runs them that way, but only with tests/conftest.py's fixes
+    of the interpreter's own defects (a loop bound numpy >= 2.4 refuses; bfloat16 products and
+    casts unlike the GPU's): without them a model fails, or computes other numbers. And it
+    executes a kernel as numpy, program by program: a way to test kernels, not to run a model. So
+    the advice for CPU is the CPU backends, never the interpreter."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     if q.device.type != "cuda" and not interpreting:
         raise RuntimeError(
-            f"the triton attention backend needs CUDA tensors (got {q.device.type}); "
-            "set TRITON_INTERPRET=1 before importing kvflow to run its kernels on CPU, slowly"
+            f"the triton attention backend needs a CUDA GPU (got {q.device.type} tensors); on CPU use "
+            "attention_backend='torch_sdpa' (--attention-backend torch_sdpa, the CPU default) or 'torch_reference'"
         )

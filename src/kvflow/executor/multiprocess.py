@@ -6,15 +6,18 @@ group, then every rank runs the same forward pass; the model's all-reduces and a
 them in lockstep. Ranks are started here (`multiprocessing`, spawn) unless the user started them
 (torchrun, or `--distributed-init-method` with `--node-rank` on each machine).
 
-A rank that dies is noticed before the next step (its process is gone) or inside a collective
-(gloo reports the closed connection, or the timeout passes): the step raises, the engine ends
-the requests it carried with an error, and every later step raises at once.
+A rank that dies at start ends the engine's construction with an error naming it (rank 0 polls
+its ranks while it waits for them: `RankWatch`); one that dies later is noticed before the next
+step (its process is gone) or inside a collective (gloo reports the closed connection, or the
+timeout passes): the step raises `WorkerDiedError` naming the rank and how it ended, the engine
+ends the requests it carried with an error, and every later step raises at once.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import weakref
 
 import torch
@@ -22,8 +25,10 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.distributed.process_groups import DistributedInit, broadcast_object, create_groups, create_store
+from kvflow.distributed.process_groups import (DistributedInit, broadcast_object, create_groups, create_store,
+                                               wait_for_joins)
 from kvflow.executor.base import Executor
+from kvflow.executor.rank_watch import RankWatch
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader import Checkpoint
 from kvflow.worker.device_faults import WorkerDiedError
@@ -38,35 +43,19 @@ logger = logging.getLogger(__name__)
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint) -> None:
         par = config.parallel
+        _refuse_while_bootstrapping(par.world_size)
         rank_arch(arch, TensorParallel(0, par.world_size))  # a model that cannot split fails before any rank starts
-        init = (DistributedInit.parse(par.distributed_init_method, par.world_size, par.node_rank, par.distributed_timeout_s)
-                if par.distributed_init_method else DistributedInit.from_torchrun(par.distributed_timeout_s))
-        spawn = init is None
-        if spawn:
-            init = DistributedInit("127.0.0.1", 0, par.world_size, 0, par.distributed_timeout_s)
-        if init.world_size != par.world_size:
-            raise ValueError(f"tensor_parallel_size={par.world_size}, but {init.world_size} ranks were started")
-        if init.rank != 0:
-            raise ValueError(f"rank {init.rank} does not run the engine: run the same `kvflow` command there "
-                             "(ranks other than 0 become workers)")
+        init, spawn = _rank_zero_init(par)
         self._threads = torch.get_num_threads()
         self._failed: str | None = None
         self._processes: list[mp.Process] = []
         self._finalizer = None
         store, init = create_store(init)
-        if spawn:
-            ctx = mp.get_context("spawn")
-            for rank in range(1, init.world_size):
-                p = ctx.Process(target=run_worker_process, args=(config, _for_rank(init, rank)), daemon=True,
-                                name=f"kvflow-rank-{rank}")
-                p.start()
-                self._processes.append(p)
-        if config.device == "cpu":
-            torch.set_num_threads(threads_per_rank(init.world_size))
-        self.groups = create_groups(init, torch.device(config.device), store)
-        self.driver_worker = Worker(config, arch, quant_config, TensorParallel(0, init.world_size, self.groups.device_group))
         try:
-            self.num_kv_blocks, self.num_host_blocks = start_worker(self.driver_worker, self.groups, checkpoint)
+            if spawn:
+                _spawn_ranks(config, init, self._processes)
+            self._watch = RankWatch(init, store, self._processes)
+            self._start(config, arch, quant_config, checkpoint, init, store)
         except BaseException:
             self._failed = "a rank failed to start"
             self.shutdown()
@@ -74,6 +63,25 @@ class MultiprocExecutor(Executor):
         self.encoder = StepEncoder()
         # An engine dropped without shutdown() (a script that just ends) still stops its ranks cleanly.
         self._finalizer = weakref.finalize(self, _stop_ranks, self.groups, self._processes, True, self._threads)
+
+    def _start(self, config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint,
+               init: DistributedInit, store) -> None:
+        """Join the ranks, then load and agree on the pool, never waiting on a dead rank."""
+        wait_for_joins(store, init, self._watch.check)
+        if config.device == "cpu":
+            torch.set_num_threads(threads_per_rank(init.world_size))
+        try:
+            self.groups = create_groups(init, torch.device(config.device), store)
+        except RuntimeError as e:  # a rank that joined did not connect: gone, or silent past the timeout
+            raise self._watch.lost(e) from e
+        self.driver_worker = Worker(config, arch, quant_config, TensorParallel(0, init.world_size, self.groups.device_group))
+        try:
+            self.num_kv_blocks, self.num_host_blocks = start_worker(self.driver_worker, self.groups, checkpoint,
+                                                                    self._watch.wait)
+        except RuntimeError as e:
+            if isinstance(e, WorkerDiedError) or not _is_collective_error(e):
+                raise
+            raise self._watch.lost(e) from e
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
@@ -83,14 +91,13 @@ class MultiprocExecutor(Executor):
         except RuntimeError as e:
             if isinstance(e, WorkerDiedError) or not _is_collective_error(e):
                 raise
-            self._failed = f"a tensor-parallel rank stopped answering ({e})"
-            raise WorkerDiedError(self._failed) from e
+            error = self._watch.lost(e)
+            self._failed = str(error)
+            raise WorkerDiedError(f"the engine lost a worker: {self._failed}") from e
 
     def check_health(self) -> None:
         if self._failed is None:
-            dead = [p for p in self._processes if not p.is_alive()]
-            if dead:
-                self._failed = ", ".join(f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
+            self._failed = self._watch.dead_ranks()
         if self._failed is not None:
             raise WorkerDiedError(f"the engine lost a worker: {self._failed}")
 
@@ -124,6 +131,43 @@ def _stop_ranks(groups, processes: list[mp.Process], clean: bool, threads: int) 
             p.join(timeout=5)
     processes.clear()
     torch.set_num_threads(threads)
+
+
+def _rank_zero_init(par) -> tuple[DistributedInit, bool]:
+    """Where this engine's ranks meet, and whether it spawns them (no torchrun, no init method)."""
+    init = (DistributedInit.parse(par.distributed_init_method, par.world_size, par.node_rank, par.distributed_timeout_s)
+            if par.distributed_init_method else DistributedInit.from_torchrun(par.distributed_timeout_s))
+    if init is None:
+        return DistributedInit("127.0.0.1", 0, par.world_size, 0, par.distributed_timeout_s), True
+    if init.world_size != par.world_size:
+        raise ValueError(f"tensor_parallel_size={par.world_size}, but {init.world_size} ranks were started")
+    if init.rank != 0:
+        raise ValueError(f"rank {init.rank} does not run the engine: run the same `kvflow` command there "
+                         "(ranks other than 0 become workers)")
+    return init, False
+
+
+def _spawn_ranks(config: EngineConfig, init: DistributedInit, processes: list[mp.Process]) -> None:
+    """Start ranks 1..N-1, each added to `processes` as it starts (so a failure stops those before it)."""
+    ctx = mp.get_context("spawn")
+    for rank in range(1, init.world_size):
+        p = ctx.Process(target=run_worker_process, args=(config, _for_rank(init, rank)), daemon=True,
+                        name=f"kvflow-rank-{rank}")
+        p.start()
+        processes.append(p)
+
+
+def _refuse_while_bootstrapping(world_size: int) -> None:
+    """A process that multiprocessing started and that is still importing the main script (spawn
+    re-runs it in every child) must not start ranks of its own: the script builds its engine at
+    its top level. Said here, in the child, before it starts any; rank 0 then reports the
+    child's exit."""
+    process = mp.current_process()
+    if getattr(process, "_inheriting", False):  # multiprocessing's own mark of that phase
+        raise RuntimeError(
+            f"process {process.name} (pid {os.getpid()}) is re-importing the main script, as multiprocessing's "
+            f"spawn does in each process it starts, and that script builds an engine with tensor_parallel_size="
+            f"{world_size} at its top level: put the code that builds the LLM under `if __name__ == '__main__':`")
 
 
 def _for_rank(init: DistributedInit, rank: int) -> DistributedInit:

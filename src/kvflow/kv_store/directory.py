@@ -10,6 +10,11 @@ first, then the batch being written from its end, as `MemoryKVStore` does. Count
 costs a scan of it, so a store scans only once its own writes since the last scan could have
 filled it, or every eighth of the bound it writes: with several writers the directory may briefly
 exceed the bound by about an eighth of it per writer.
+
+Opening a store creates nothing: the directory is made by the first write. An engine refused
+after it opened its store (a model the connector cannot serve), or one that only ever reads,
+leaves nothing on disk. A path that could never be written (a file, or under a directory this
+process may not write) is refused at opening, naming shared_storage_path, without creating it.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class DirectoryKVStore(KVBlockStore):
         if max_bytes <= 0:
             raise ValueError(f"max_store_bytes must be positive; got {max_bytes}")
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        _check_creatable(self.path)
         self.location = str(self.path.resolve())
         self.max_bytes = max_bytes
         self._bytes_at_scan = 0  # the directory's size when this store last counted it
@@ -53,6 +58,7 @@ class DirectoryKVStore(KVBlockStore):
         recently used first, then this batch's own from its end (its first blocks are a prefix,
         useful without the rest; its last are useless without the first)."""
         check_keys([key for key, _ in blocks])
+        self.path.mkdir(parents=True, exist_ok=True)  # the first write makes it (or remakes one removed)
         written: list[str] = []
         for key, data in blocks:
             size = memoryview(data).nbytes
@@ -95,7 +101,7 @@ class DirectoryKVStore(KVBlockStore):
         first, then those of `batch` (paths just written) from its end. Returns how many of
         `batch` were deleted."""
         files = []
-        for entry in os.scandir(self.path):
+        for entry in _entries(self.path):
             if entry.name.endswith(SUFFIX):
                 try:
                     stat = entry.stat()
@@ -114,6 +120,29 @@ class DirectoryKVStore(KVBlockStore):
             evicted_mine += path in mine
         self._bytes_at_scan, self._written_since_scan = total, 0
         return evicted_mine
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
+    """The directory's entries; none before the first write has made it."""
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except FileNotFoundError:
+        return []
+
+
+def _check_creatable(path: Path) -> None:
+    """Refuse, creating nothing, a path no write could ever make a directory of: an existing
+    non-directory, or one whose nearest existing ancestor is not a directory this process may
+    write into."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    name = f"kv_transfer_config.kv_connector_extra_config.shared_storage_path {str(path)!r}"
+    if not existing.is_dir():
+        raise ValueError(f"{name} is not a directory ({existing} is a file)")
+    if existing != path and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} cannot be created: {existing} is not writable by this process")
 
 
 def _touch(path: Path) -> bool:

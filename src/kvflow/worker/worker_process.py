@@ -1,7 +1,7 @@
 """A rank other than 0: a worker in its own process, executing the steps rank 0 broadcasts.
 
-It follows the same life as rank 0's worker (load, agree on the KV pool size, allocate), then
-loops: receive a `StepMessage`, rebuild the `SchedulerOutput`, run it (its collectives meet rank
+It follows the same life as rank 0's worker (join the others, load, agree on the KV pool size,
+allocate), then loops: receive a `StepMessage`, rebuild the `SchedulerOutput`, run it (its collectives meet rank
 0's), and drop the output: rank 0 samples for everyone. A `None` message, or losing rank 0,
 ends the loop.
 """
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.distributed.process_groups import (DistributedInit, ProcessGroups, broadcast_object, create_groups,
-                                               die_with_parent)
+from kvflow.distributed.process_groups import (IDLE_FOREVER, DistributedInit, ProcessGroups, announce_joined,
+                                               broadcast_object, create_groups, create_store, die_with_parent,
+                                               report_failure, wait_for_joins)
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.quant.registry import get_quantization_config
@@ -31,14 +33,22 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def start_worker(worker: Worker, groups: ProcessGroups, checkpoint) -> tuple[int, int]:
+def _wait(work) -> None:
+    work.wait()
+
+
+def start_worker(worker: Worker, groups: ProcessGroups, checkpoint,
+                 wait_for: Callable[[object], None] = _wait) -> tuple[int, int]:
     """Load, size the pool as the smallest any rank can hold, allocate: every rank calls this.
-    Returns the (device, host) block counts agreed on."""
+    Returns the (device, host) block counts agreed on. The agreement waits for the slowest rank's
+    loading however long it takes (IDLE_FOREVER); `wait_for` waits for it (rank 0 watches its
+    spawned ranks meanwhile: a rank that died loading is an error at once)."""
     worker.load_model(checkpoint)
     blocks = torch.tensor(worker.determine_num_kv_blocks(), dtype=torch.int64)
     opts = torch.distributed.AllreduceOptions()
     opts.reduceOp = torch.distributed.ReduceOp.MIN
-    groups.cpu_group.allreduce([blocks], opts).wait()
+    opts.timeout = IDLE_FOREVER
+    wait_for(groups.cpu_group.allreduce([blocks], opts))
     device_blocks, host_blocks = (int(b) for b in blocks)
     worker.initialize_cache(device_blocks, host_blocks)
     return device_blocks, host_blocks
@@ -46,24 +56,38 @@ def start_worker(worker: Worker, groups: ProcessGroups, checkpoint) -> tuple[int
 
 def run_worker_process(config: EngineConfig, init: DistributedInit, spawned: bool = True) -> None:
     """The whole life of rank `init.rank` (> 0). `spawned`: started by rank 0 on this machine,
-    so it dies with it."""
+    so it dies with it. It reaches the store first and says so, waits for the others, joins the
+    groups, then loads: rank 0 learns at once that it arrived, and, if it fails at any point, of
+    what."""
     if spawned:
         die_with_parent()
     if config.device == "cpu":
         torch.set_num_threads(threads_per_rank(init.world_size))
+    store, _ = create_store(init)
+    announce_joined(store, init.rank)
+    try:
+        _serve(config, init, store)
+    except BaseException as e:
+        report_failure(store, init.rank, e)
+        raise
+
+
+def _serve(config: EngineConfig, init: DistributedInit, store) -> None:
+    """Join, load, then run the steps rank 0 sends until it says stop or is gone."""
+    wait_for_joins(store, init)
+    groups = create_groups(init, torch.device(config.device), store)
     checkpoint = load_checkpoint(config.model.model or None, load_tokenizer=False,
                                  load_weights=config.model.load_format != "dummy",
                                  native_gguf=config.model.quantization is None)
     arch = ArchConfig.from_hf(checkpoint.hf_config)
     quant_config = get_quantization_config(config.model.quantization, config.model.group_size, checkpoint.quant_config)
-    groups = create_groups(init, torch.device(config.device))
     worker = Worker(config, arch, quant_config, TensorParallel(init.rank, init.world_size, groups.device_group))
     start_worker(worker, groups, checkpoint)
     decoder = StepDecoder()
     while True:
-        try:
-            msg = broadcast_object(groups.cpu_group, None, init.rank)
-        except RuntimeError as e:  # rank 0 is gone (closed connection, or silent past the timeout)
+        try:  # the next step may be hours away (an idle server): no timeout
+            msg = broadcast_object(groups.cpu_group, None, init.rank, timeout=IDLE_FOREVER)
+        except RuntimeError as e:  # rank 0 is gone (closed connection)
             logger.error("rank %d: lost rank 0 (%s); exiting", init.rank, e)
             return
         if msg is None:

@@ -1,6 +1,8 @@
 """Triton kernels for paged attention: KV store, paged prefill, split-K decode.
 
-Set TRITON_INTERPRET=1 before importing this package to run them on CPU tensors.
+They run on CUDA. The test suite runs them on CPU tensors in Triton's interpreter
+(TRITON_INTERPRET=1, set before import, with the interpreter fixes in tests/conftest.py); that is
+for checking kernels, never for serving.
 """
 
 from kvflow.attention.triton_kernels.decode_split_k import decode_split_k, decode_split_k_launches, num_splits_for
