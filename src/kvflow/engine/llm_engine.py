@@ -63,6 +63,7 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         if getattr(self.quant_config, "needs_calibration", False):  # before any worker starts
             self._check_calibration()
+        self._check_kv_transfer()  # before any weight is read
         # The workers load the model and size and allocate the KV pool; the engine schedules.
         self.model_executor = create_executor(self.config, self.arch, self.quant_config, checkpoint)
         self.num_kv_blocks, num_host_blocks = self.model_executor.num_kv_blocks, self.model_executor.num_host_blocks
@@ -137,13 +138,15 @@ class LLMEngine:
         calibrate_and_quantize(self.runner.model, run, windows, self.config.model.seed)
         self.reset_prefix_cache()  # those blocks hold the float model's keys and values
 
+    def _check_kv_transfer(self) -> None:
+        if self.config.kv_transfer is not None and self.arch.kv_layout.sliding_windows != (None,):
+            raise ValueError(f"kv_transfer_config: {self.arch.architecture} has sliding-window or several KV "
+                             "groups; KV transfer supports models whose layers all keep full attention for now")
+
     def _make_kv_connector(self) -> KVStoreConnector | None:
         kv_transfer = self.config.kv_transfer
         if kv_transfer is None:
             return None
-        if self.arch.kv_layout.sliding_windows != (None,):
-            raise ValueError(f"kv_transfer_config: {self.arch.architecture} has sliding-window or several KV "
-                             "groups; KV transfer supports models whose layers all keep full attention for now")
         return KVStoreConnector(open_kv_block_store(kv_transfer), kv_transfer.kv_role, self.config.cache.block_size)
 
     def _make_structured_output(self) -> StructuredOutputManager | None:
