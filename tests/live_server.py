@@ -131,3 +131,20 @@ def parse_metrics(text: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             values[name.split("{")[0]] = float(value)
     return values
+
+
+def edit_finished_outputs(monkeypatch, engine, edit: Callable[[object], None]) -> None:
+    """Make `engine` (served in this process) pass every finished CompletionOutput through
+    `edit` before the server sees it: how tests give the server outputs a real model would
+    rarely produce."""
+    step = engine.step
+
+    def edited_step():
+        outputs = step()
+        for out in outputs:
+            for completion in out.outputs:
+                if completion.finish_reason is not None:
+                    edit(completion)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", edited_step)

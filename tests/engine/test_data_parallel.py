@@ -95,6 +95,18 @@ def test_dp2_serves_16_concurrent_requests_like_one_engine(dp, model_dir):
     assert dp.get_stats().prompt_tokens_total - sum(before) == sum(map(len, prompts))
 
 
+def test_requests_that_finish_in_their_first_step_are_never_left_waiting_for_their_acceptance(dp):
+    """A replica may send a request's acceptance after its final output (the acceptance rides a
+    done-callback one loop turn later); the server took only the acceptance as such and waited
+    for it forever once the final output had retired the request."""
+    one_token = SamplingParams(temperature=0, max_tokens=1, output_kind=DELTA)
+
+    async def main():
+        return await asyncio.gather(*(collect(dp, prompt(4, seed=i), one_token, f"one-{i}") for i in range(24)))
+
+    assert all(len(tokens) == 1 for tokens in run(main()))
+
+
 def test_a_shared_prefix_goes_to_one_replica_and_hits_its_cache(dp):
     system = prompt(40, seed=100)  # 10 full blocks
     prompt_tokens = [r.stats.prompt_tokens_total for r in dp.replicas]

@@ -180,7 +180,7 @@ def test_null_means_default_and_unknown_fields_are_ignored(http):
 
 def test_streamed_oversized_body_without_length_is_a_413(http):
     chunks = (b"x" * 65536 for _ in range(BODY_LIMIT // 65536 + 2))  # chunked: no content-length to check
-    assert_openai_error(http.post(P, content=chunks), 413)
+    assert_openai_error(http.post(P, content=chunks, headers={"content-type": "application/json"}), 413)
     assert_still_serving(http)
 
 
@@ -189,7 +189,7 @@ def test_unknown_route_and_wrong_method_are_openai_shaped(http):
     assert_openai_error(http.get(C), 405)
 
 
-def test_api_key_guards_v1_only(async_llm):
+def test_api_key_guards_v1_and_metrics_not_health(async_llm):
     live = start_thread(build_app(async_llm, MODEL, api_key="sekrit"))
     try:
         with httpx.Client(base_url=live.url, timeout=60) as http:
@@ -197,7 +197,9 @@ def test_api_key_guards_v1_only(async_llm):
             assert_openai_error(http.post(P, json=COMP, headers={"Authorization": "Bearer wrong"}), 401)
             assert_openai_error(http.post(P, json=COMP, headers={"Authorization": "sekrit"}), 401)
             assert http.post(P, json=COMP, headers={"Authorization": "Bearer sekrit"}).status_code == 200
-            assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+            assert_openai_error(http.get("/metrics"), 401)
+            assert http.get("/metrics", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+            assert http.get("/health").status_code == 200
     finally:
         live.stop()
 
@@ -275,3 +277,21 @@ def test_client_gone_before_the_answer_aborts_the_request(server, async_llm):
     asyncio.run(leave_early())
     assert wait_until(lambda: async_llm.get_stats().num_running == 0, 10)
     assert async_llm.get_stats().kv_cache_usage == 0
+
+
+GRAMMAR_GIVES_UP = "(a{2000}){1234}"  # llguidance's lexer gives up after the first token
+NEVER_COMPLETE = {"type": "array", "items": {"$ref": "#"}, "minItems": 1}  # the parser gives up a few brackets in
+
+
+@pytest.mark.parametrize("path,body", [(P, comp(guided_regex=GRAMMAR_GIVES_UP, max_tokens=12)),
+                                       (C, chat(response_format={"type": "json_schema", "json_schema": {
+                                           "name": "endless", "schema": NEVER_COMPLETE}}, max_tokens=12))])
+def test_a_constraint_that_breaks_mid_output_is_an_error_not_a_success(http, path, body):
+    error = assert_openai_error(send(http, path, body), 400)
+    assert error["code"] == "structured_output_failed" and "the grammar library" in error["message"]
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "structured_output_failed"
+    reasons = {c.get("finish_reason") for e in events[:-2] for c in json.loads(e)["choices"]}
+    assert not reasons & {"stop", "tool_calls", "error"}
+    assert_still_serving(http)

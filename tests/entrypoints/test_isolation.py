@@ -117,10 +117,28 @@ def test_a_bad_request_is_refused_alone_while_a_victim_streams(server, alone, pa
 
 
 @pytest.mark.parametrize("fields", [dict(tool_choice="none"), dict(response_format={"type": "text"}), dict(tools=[]),
-                                    dict(logit_bias={}), dict(functions=None)])
+                                    dict(logit_bias={}), dict(functions=None), dict(use_beam_search=False),
+                                    dict(length_penalty=1.0), dict(priority=0), dict(echo=False), dict(bad_words=[]),
+                                    dict(chat_template_kwargs={}), dict(continue_final_message=False)])
 def test_unsupported_fields_that_ask_for_nothing_are_accepted(server, fields):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
     assert httpx.post(server[1].url + C, json=body, timeout=60).status_code == 200
+
+
+# vLLM's extras kvflow does not implement, each with a value that asks for its effect.
+VLLM_EXTRAS = dict(use_beam_search=True, length_penalty=0.5, allowed_token_ids=[1, 2], bad_words=["x"],
+                   prompt_logprobs=1, truncate_prompt_tokens=4, logits_processors=["p"], return_tokens_as_token_ids=True,
+                   priority=1, guided_whitespace_pattern=" ")
+VLLM_CHAT_EXTRAS = dict(echo=True, continue_final_message=True, chat_template="{{ messages }}",
+                        chat_template_kwargs={"enable_thinking": False}, documents=[{"text": "x"}])
+
+
+@pytest.mark.parametrize("path,name", [(path, name) for path in (P, C) for name in VLLM_EXTRAS]
+                         + [(C, name) for name in VLLM_CHAT_EXTRAS])
+def test_vllm_extras_kvflow_does_not_implement_are_refused_by_name(server, path, name):
+    body = {"prompt": "x"} if path == P else {"messages": [{"role": "user", "content": "x"}]}
+    value = {**VLLM_EXTRAS, **VLLM_CHAT_EXTRAS}[name]
+    assert_error(httpx.post(server[1].url + path, json={**body, name: value}, timeout=60), 400, f"`{name}`")
 
 
 def test_a_hopeless_prompt_is_refused_without_tokenizing_it(server, monkeypatch):
@@ -265,6 +283,55 @@ def test_sigterm_drains_then_answers_what_is_left_with_503_not_a_truncated_succe
     finally:
         server.stop(timeout=30)
     assert_error(long, 503, "the server is shutting down")  # its drain time ran out: an error, not a short success
+    assert code == 0 and "Traceback" not in server.output
+
+
+def test_a_second_sigint_ends_the_drain_with_503s_not_uvicorns_500(model_dir):
+    # A drain far longer than the test, and one completion at a time: only the second SIGINT can
+    # end these requests, a stream of 16 x 400 tokens and 16 x 400 more waiting behind it.
+    server = start_process(["--model", model_dir, "--dtype", "float32", "--shutdown-timeout", "600",
+                            "--max-num-seqs", "1"])
+    long = {"prompt": "long", "max_tokens": 400, "ignore_eos": True, "n": 16}
+
+    def all_admitted() -> bool:
+        return parse_metrics(httpx.get(server.url + "/metrics", timeout=10).text)["kvflow:num_requests_waiting"] == 31
+
+    def refusing_connections() -> bool:
+        try:
+            httpx.get(server.url + "/health", timeout=10)
+        except httpx.TransportError:
+            return True
+        return False
+
+    async def stream_events(client: httpx.AsyncClient, first: asyncio.Event) -> list[str]:
+        async with client.stream("POST", P, json={**long, "stream": True}) as response:
+            events = []
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+            return events
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            first = asyncio.Event()
+            streamed = asyncio.create_task(stream_events(client, first))
+            await first.wait()
+            whole = asyncio.create_task(client.post(P, json=long))
+            assert await asyncio.to_thread(wait_until, all_admitted, 30)
+            server.proc.send_signal(signal.SIGINT)
+            assert await asyncio.to_thread(wait_until, refusing_connections, 30)  # the drain has begun
+            server.proc.send_signal(signal.SIGINT)
+            return await asyncio.gather(streamed, whole)
+
+    try:
+        events, whole = asyncio.run(main())
+        code = server.proc.wait(timeout=60)  # not the 600 s drain
+    finally:
+        server.stop(timeout=30)
+    assert_error(whole, 503, "the server is shutting down")
+    assert events[-1] == "[DONE]" and "the server is shutting down" in json.loads(events[-2])["error"]["message"]
+    assert not any('"finish_reason":"abort"' in event for event in events)
     assert code == 0 and "Traceback" not in server.output
 
 

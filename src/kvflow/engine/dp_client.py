@@ -201,6 +201,9 @@ class ReplicaClient:
             with self._lock:
                 live = self._live.pop(key, None) if final else self._live.get(key)
             if live is not None:
+                # Any output means it was accepted: the replica may send the acceptance after a
+                # request that finished at once, and add_request must not wait for it forever.
+                _settle(live.loop, live.accepted, None, None)
                 _call_on(live.loop, live.stream.put, item)
         elif kind == "finished":
             try:

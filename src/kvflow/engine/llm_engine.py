@@ -6,6 +6,7 @@ requests and emit outputs. Nothing else drives the engine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -247,6 +248,12 @@ class LLMEngine:
         One token is sampled each, so no decode step runs (and no speculation)."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up runs before any request")
+        # Unseen by the stats line: the warm-up sets the counters back when it ends, so a line read
+        # during it would report its tokens and leave the next one counting from them (a negative rate).
+        with self.stats_logger.paused(self.get_stats) if self.stats_logger else contextlib.nullcontext():
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         num_tokens = max(1, min(self.config.scheduler.max_num_batched_tokens, WARM_UP_MAX_TOKENS,
                                 self.config.model.max_model_len - 1))
         while num_tokens > 1 and self.scheduler.admission_error(num_tokens, 1):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvflow.spec_decode.metrics import SpecDecodingStats
@@ -29,18 +30,34 @@ class EngineStats:
 
 class StatsLogger:
     """Logs one line every `interval` seconds while the engine is busy: the gauges, the prefix
-    cache hit rate so far, and prompt / generation throughput since the previous line."""
+    cache hit rate so far, and prompt / generation throughput since the previous line.
+
+    The rates are differences from the counters the previous line read, so that reading must be
+    one the counters still go on from. Work that sets the counters back afterwards (the engine's
+    warm-up, which leaves no trace) runs `paused()`: a line read inside it would report the
+    warm-up's tokens, and the next line's differences would go negative."""
 
     def __init__(self, interval: float = 10.0) -> None:
         self.interval = interval
         self._last_time = time.monotonic()
         self._last: EngineStats | None = None
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self, read_stats: Callable[[], EngineStats]) -> Iterator[None]:
+        """No line inside; the next one counts from the counters as they are when the pause ends."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+            self._last_time, self._last = time.monotonic(), read_stats()
 
     def maybe_log(self, read_stats: Callable[[], EngineStats], now: float | None = None) -> str | None:
         """Called every step; reads the stats only when a line is due."""
         now = time.monotonic() if now is None else now
         elapsed = now - self._last_time
-        if elapsed < self.interval:
+        if elapsed < self.interval or self._paused:
             return None
         stats, last = read_stats(), self._last
         prompt_rate = (stats.prompt_tokens_total - (last.prompt_tokens_total if last else 0)) / elapsed

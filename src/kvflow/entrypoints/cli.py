@@ -110,7 +110,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port; the URL is printed)")
     g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $KVFLOW_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $KVFLOW_API_KEY)")
+    g.add_argument("--disable-metrics-auth", action="store_true",
+                   help="serve /metrics without the API key, e.g. to a Prometheus scraper on a private network "
+                        "(its prefix-cache counters then tell anyone who reaches the port whether a prompt was sent)")
+    g.add_argument("--allowed-hosts", action="append", default=None, metavar="HOST[,HOST...]",
+                   help="Host header names requests may give besides loopback ones (e.g. a reverse proxy's); '*': "
+                        "any. On a loopback bind (the default) other names get 403, against web pages reaching the "
+                        "server by DNS rebinding; on another bind there is no check unless this is given")
+    g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="origins whose web pages may call the API (CORS, e.g. http://localhost:3000); "
+                        "default: none, no CORS headers")
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--disallow-special-tokens-in-content", action="store_true",

@@ -7,7 +7,10 @@ time; 400, never 422, for the rest). The limits are `ServerLimits` (docs/limits.
 
 On SIGTERM or SIGINT the server stops accepting connections and gives the requests in flight
 `shutdown_timeout` seconds to finish; what is left then ends with a 503 error (a stream: an error
-event), never as a truncated success.
+event), never as a truncated success. A second SIGINT ends the drain at once, the same way.
+
+Who may call is decided before any route runs: the Host check and CORS (http_guards.py), the API
+key on /v1 and /metrics (whose prefix-cache counters would tell one client what others asked).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,6 +37,7 @@ from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.engine_thread import build_on_fresh_thread
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.openai.errors import APIError, from_exception, from_validation, install_error_handlers
+from kvflow.entrypoints.openai.http_guards import HostAllowList, HostCheck, allow_origins, flag_values, require_json
 from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -54,21 +58,28 @@ _IMPORTED_AT = time.monotonic()  # the fallback origin of the ready time (no /pr
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               limits: ServerLimits = ServerLimits(), escape_special_tokens: bool = False,
               tool_call_parser: str = "hermes", lora_modules: list[LoRARequest] = (),
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, allowed_hosts: HostAllowList | None = None,
+              allowed_origins: Sequence[str] = (), disable_metrics_auth: bool = False) -> FastAPI:
     """Raises ValueError for a configuration that must not serve: an empty API key (an empty
     KVFLOW_API_KEY would otherwise turn auth off without a word), a chat template that does not compile.
-    `lora_modules`: adapters served by name (already loaded into the engine)."""
+    `lora_modules`: adapters served by name (already loaded into the engine). `allowed_hosts`: the
+    Host check (None: none; run_server derives it from the bind); `allowed_origins`: CORS (none:
+    no CORS headers); `disable_metrics_auth`: /metrics open even with an API key."""
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty (--api-key or KVFLOW_API_KEY): give a key, or unset it to serve without one")
     if async_llm.tokenizer is not None and async_llm.tokenizer.chat_template:
         compile_chat_template(async_llm.tokenizer.chat_template)
     app = FastAPI(title="kvflow", openapi_url=None)
     install_error_handlers(app)
+    allow_origins(app, allowed_origins)
+    if allowed_hosts is not None:  # added last, so outermost: refused before CORS or a route sees it
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    key_check = [Depends(_require_key(api_key))] if api_key else []
     metrics = ServerMetrics(async_llm.get_stats, served_model_name)
     async_llm.add_finish_listener(metrics.observe)
     tokenizer = PromptTokenizer(async_llm.tokenizer, async_llm.max_model_len, limits.tokenizer_workers,
                                 escape_special_tokens)
-    models = ServingModels(async_llm, served_model_name, list(lora_modules))
+    models = ServingModels(async_llm, served_model_name, list(lora_modules), limits.max_served_loras)
     chat = ChatServing(async_llm, models, limits, tokenizer, tool_call_parser)
     completions = CompletionServing(async_llm, models, limits, tokenizer)
 
@@ -76,11 +87,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     async def health() -> Response:
         return Response(status_code=200 if async_llm.is_alive() else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if disable_metrics_auth else key_check)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_key(api_key))] if api_key else [])
+    v1 = APIRouter(prefix="/v1", dependencies=key_check)
 
     @v1.get("/models")
     async def list_models() -> Response:
@@ -125,11 +136,14 @@ def _json(result: BaseModel) -> Response:
 
 
 def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
-    expected = f"Bearer {api_key}".encode()  # UTF-8, as clients send a non-ASCII key
+    expected = api_key.encode()  # UTF-8, as clients send a non-ASCII key
 
     async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode("latin-1")  # the header's own bytes back
-        if not hmac.compare_digest(given, expected):  # constant time: the key is not guessable by timing
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        given = credentials.lstrip(" ").encode("latin-1")  # the header's own bytes back
+        # The scheme is case-insensitive (RFC 7235); the key is compared in constant time, so it
+        # is not guessable by timing.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
             raise APIError(401, "missing or wrong API key; send it as 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
@@ -137,6 +151,7 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
 
 
 async def read_body(request: Request, model: type[Body], limit: int, timeout: float) -> Body:
+    require_json(request)  # before reading: a page's cross-site text/plain POST gets nothing done
     too_large = APIError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)",
                          code="request_too_large")
     declared = request.headers.get("content-length", "")
@@ -187,7 +202,13 @@ class _Server(uvicorn.Server):
     """uvicorn, plus: prints its URL once bound; on shutdown gives in-flight requests
     `drain_timeout` seconds, then stops the engine so that what is left ends with an error while
     uvicorn still waits for the responses to be written; and a signal ends it with status 0 rather
-    than being re-raised after shutdown, as uvicorn does."""
+    than being re-raised after shutdown, as uvicorn does.
+
+    uvicorn's own second SIGINT skips that wait: the handlers still running are cancelled, and
+    a request not yet answered gets uvicorn's plain-text 500, a stream is cut without [DONE]. Here
+    a second SIGINT ends the drain instead: the engine stops at once, so every request ends with
+    its 503 (a stream: an error event, then [DONE]), and the server exits as soon as those are
+    written (at most SHUTDOWN_GRACE_SECONDS later). A third is uvicorn's: exit without waiting."""
 
     def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], banner: str,
                  drain_timeout: float) -> None:
@@ -195,6 +216,24 @@ class _Server(uvicorn.Server):
         self.on_shutdown = on_shutdown
         self.banner = banner
         self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_cut_short = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()  # before the signals are captured: their handler needs it
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGINT and self.should_exit and not self._drain_cut_short:
+            self._drain_cut_short = True
+            # A signal handler may interrupt the loop anywhere: the engine is stopped from the loop.
+            self._loop.call_soon_threadsafe(self._cut_drain_short)
+            return
+        super().handle_exit(sig, frame)
+
+    def _cut_drain_short(self) -> None:
+        self.on_shutdown()
+        self._loop.call_later(SHUTDOWN_GRACE_SECONDS, setattr, self, "force_exit", True)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -275,12 +314,14 @@ def _start_engine(engine_args: EngineArgs, limits: ServerLimits, lora_modules: l
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     limits = ServerLimits.from_cli_args(args)
+    allowed_hosts = HostAllowList.for_server(args.host, args.allowed_hosts)  # a bad entry stops the start here
     lora_modules = parse_lora_modules(args.lora_modules)
     async_llm = _start_engine(EngineArgs.from_cli_args(args), limits, lora_modules, getattr(args, "fit_token_budget", False))
     name = args.served_model_name or served_name(args.model)
     try:
         app = build_app(async_llm, name, args.api_key, limits, args.disallow_special_tokens_in_content,
-                        args.tool_call_parser, lora_modules, args.allow_runtime_lora_updating)
+                        args.tool_call_parser, lora_modules, args.allow_runtime_lora_updating, allowed_hosts,
+                        flag_values(args.allowed_origins), args.disable_metrics_auth)
     except ValueError:
         async_llm.shutdown()
         raise

@@ -2,7 +2,7 @@
 
 Validation is strict (a string is not a number, 1.0 is not an integer) so that a wrong type is an
 error rather than a guess; null is the same as leaving a field out. Fields OpenAI has and kvflow
-does not support are refused by name (UNSUPPORTED_FIELDS); kvflow's own sampling knobs (top_k,
+does not support are refused by name (UNSUPPORTED_FIELDS, vLLM's extras among them); kvflow's own sampling knobs (top_k,
 min_p, ...) are accepted as extra fields, as vLLM accepts them; any other unknown field is
 ignored, as OpenAI's clients send new ones first.
 """
@@ -21,12 +21,26 @@ MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit
 _INT64 = 2**63
 
+MAX_CACHE_SALT_CHARS = 256  # room for a tenant's name or a random token; a key, not a payload
+
 # Fields OpenAI (or vLLM) defines that kvflow does not implement: refused by name, never ignored,
 # since a client sending them expects their effect. Sent with a value that asks for nothing
-# (null, empty, "none") they are accepted. Tools are a chat feature: completions refuse them.
-UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias")
+# (null, empty, "none", or vLLM's default in _DEFAULTS) they are accepted. Tools are a chat
+# feature: completions refuse them; vLLM's chat extras are refused on chat (completions
+# implements its own `echo`).
+UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias",
+                      "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                      "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids", "priority",
+                      "guided_whitespace_pattern")
 CHAT_ONLY_FIELDS = ("tools", "tool_choice")
+UNSUPPORTED_CHAT_EXTRAS = ("echo", "continue_final_message", "chat_template", "chat_template_kwargs", "documents")
 _ASKS_FOR_NOTHING = (None, [], {}, "none")
+_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False, "priority": 0,
+             "echo": False, "continue_final_message": False}
+
+
+def _asks_for_something(name: str, value: Any) -> bool:
+    return value not in _ASKS_FOR_NOTHING and not (name in _DEFAULTS and value == _DEFAULTS[name])
 
 
 class OpenAIBody(BaseModel):
@@ -54,8 +68,9 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name in cls._unsupported:
-                if data.get(name) not in _ASKS_FOR_NOTHING:
-                    where = " on /v1/completions (use /v1/chat/completions)" if name in CHAT_ONLY_FIELDS else ""
+                if _asks_for_something(name, data.get(name)):
+                    where = (" on /v1/completions (use /v1/chat/completions)" if name in CHAT_ONLY_FIELDS
+                             else " on /v1/chat/completions" if name in UNSUPPORTED_CHAT_EXTRAS else "")
                     raise ValueError(f"`{name}` is not supported by this server{where}")
         return data
 
@@ -71,6 +86,8 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # kvflow's extras, with vLLM's names.
+    # Cached KV blocks are shared only among requests with the same salt (none: with no salt).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     top_k: int = Field(0, ge=-1, lt=_INT64)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
@@ -152,6 +169,7 @@ class ChatMessage(OpenAIBody):
 
 
 class ChatCompletionRequest(SamplingFields, ToolFields):
+    _unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS + UNSUPPORTED_CHAT_EXTRAS
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

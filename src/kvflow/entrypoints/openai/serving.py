@@ -50,7 +50,20 @@ class Choice:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
-        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.finish_reason = finish_reason(delta) or self.finish_reason
+
+
+def finish_reason(delta: CompletionOutput) -> str | None:
+    """The reason a completion ended, as a client may be told it; every choice's finish reason is
+    read here. A completion the engine ended with an error (finish_reason "error": its
+    structured-output constraint had no valid continuation, or the grammar library gave up) is
+    no answer at all: the whole request fails with a 400 (a stream: an error event after what was
+    already sent, then [DONE]), never a "stop" over text that does not satisfy the request."""
+    if delta.finish_reason == "error":
+        reason = delta.error or "its output constraint failed"
+        raise APIError(400, f"the output could not be completed as the request constrains it: {reason}",
+                       code="structured_output_failed")
+    return delta.finish_reason
 
 
 class Serving:
@@ -106,11 +119,13 @@ class Serving:
                                 "or the number of logprobs", param="logprobs")
 
     async def start(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
-                    lora_request: LoRARequest | None = None) -> list[RequestStream]:
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> list[RequestStream]:
         """One engine request per prompt, all or none: the first refusal closes the others, and so
-        does a client that leaves (cancellation) while they are being queued."""
+        does a client that leaves (cancellation) while they are being queued. `cache_salt`: the
+        prompts share cached KV blocks only with requests of the same salt."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        adds = [asyncio.ensure_future(self.async_llm.add_request(i, p, params, lora_request=lora_request))
+        adds = [asyncio.ensure_future(self.async_llm.add_request(i, p, params, cache_salt=cache_salt,
+                                                                 lora_request=lora_request))
                 for i, p in zip(ids, prompts)]
         try:
             results = await asyncio.gather(*adds, return_exceptions=True)

@@ -16,7 +16,7 @@ from kvflow.entrypoints.openai.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, Delta,
     DeltaToolCall, TokenLogprob, TopLogprob, Usage,
 )
-from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, sse
+from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, finish_reason, sse
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
 from kvflow.entrypoints.openai.tool_calls import messages_for_template
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS, ChoiceOutput, choice_output, whole_calls
@@ -37,7 +37,7 @@ class ChatServing(Serving):
         prompt = await self._render(req)
         self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        [stream] = await self.start(request_id, [prompt], params, lora_request)
+        [stream] = await self.start(request_id, [prompt], params, lora_request, req.cache_salt)
         if req.stream:
             return self.event_stream(self._events(request_id, req, stream), [stream])
         try:
@@ -94,12 +94,12 @@ class ChatServing(Serving):
             prompt_tokens = len(out.prompt_token_ids)
             for delta in out.outputs:
                 completion_tokens += len(delta.token_ids)
-                output = outputs[delta.index]
-                content, calls = output.feed(delta.text, final=delta.finish_reason is not None)
-                if content or calls or delta.finish_reason or (req.logprobs and delta.token_ids):
+                output, reason = outputs[delta.index], finish_reason(delta)
+                content, calls = output.feed(delta.text, final=reason is not None)
+                if content or calls or reason or (req.logprobs and delta.token_ids):
                     yield chunk([ChatChunkChoice(
                         index=delta.index, delta=_delta(content, calls),
-                        finish_reason=_finish_reason(delta.finish_reason, output),
+                        finish_reason=_finish_reason(reason, output),
                         logprobs=self._logprobs(delta.token_ids, delta.logprobs or [], req))])
         if req.include_usage:
             yield chunk([], Usage.of(prompt_tokens, completion_tokens))

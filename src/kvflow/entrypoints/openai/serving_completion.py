@@ -18,7 +18,9 @@ from kvflow.engine.outputs import CompletionOutput, PositionLogprobDict, Request
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
 from kvflow.entrypoints.openai.errors import bad_request
-from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, close_all, merge, sse
+from kvflow.entrypoints.openai.serving import (
+    MIN_LOGPROB, Choice, EventStreamResponse, Serving, close_all, finish_reason, merge, sse,
+)
 
 
 @dataclass
@@ -39,7 +41,7 @@ class CompletionServing(Serving):
         prompts = await self._tokenized(prompts)
         self.check_logprobs([len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts], params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.start(request_id, prompts, params, lora_request)
+        streams = await self.start(request_id, prompts, params, lora_request, req.cache_salt)
         if req.stream:
             return self.event_stream(self._events(request_id, req, streams), streams)
         try:
@@ -98,12 +100,12 @@ class CompletionServing(Serving):
     def _delta(self, out: RequestOutput, delta: CompletionOutput, prompt_index: int, req: CompletionRequest,
                cursors: list[_Cursor]) -> CompletionChoice | None:
         """One streamed choice, or None when the step added nothing to send (text held back)."""
-        index = prompt_index * req.n + delta.index
+        index, reason = prompt_index * req.n + delta.index, finish_reason(delta)
         echo_due = req.echo and not cursors[index].echoed
-        if not (delta.text or delta.finish_reason or echo_due or (req.logprobs is not None and delta.token_ids)):
+        if not (delta.text or reason or echo_due or (req.logprobs is not None and delta.token_ids)):
             return None
         text, logprobs = self._piece(out, delta.text, delta.token_ids, delta.logprobs or [], req, cursors[index])
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)
 
     def _piece(self, out: RequestOutput, text: str, token_ids: list[int], positions: list[PositionLogprobDict],
                req: CompletionRequest, cursor: _Cursor) -> tuple[str, CompletionLogprobs | None]:

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvflow.entrypoints.openai.json_depth import check_depth
 from kvflow.sampling_params import StructuredOutputsParams
+
+
+def _bounded_schema_text(schema: dict | str | None) -> dict | str | None:
+    """A schema given as JSON text is parsed later (StructuredOutputsParams): bound its nesting
+    now, as the body's parser bounded a schema given as an object."""
+    return check_depth(schema) if isinstance(schema, str) else schema
 
 
 class _Part(BaseModel):
@@ -49,6 +56,8 @@ class StructuredOutputsField(_Part):
     grammar: str | None = None
     json_object: bool | None = None
 
+    _bounded_json = field_validator("json_")(_bounded_schema_text)
+
 
 class StructuredOutputFields(BaseModel):
     """Mixed into the chat and completion request bodies."""
@@ -59,6 +68,8 @@ class StructuredOutputFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    _bounded_guided_json = field_validator("guided_json")(_bounded_schema_text)
 
     @model_validator(mode="after")
     def _one_constraint(self):

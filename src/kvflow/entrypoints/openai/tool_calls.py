@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvflow.entrypoints.openai.json_depth import check_depth
 from kvflow.sampling_params import StructuredOutputsParams
 
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -53,6 +54,12 @@ class NamedToolChoice(_Part):
 class _PastFunctionCall(_Part):
     name: str
     arguments: str  # JSON text
+
+    @field_validator("arguments")
+    @classmethod
+    def _bounded(cls, arguments: str) -> str:
+        # Parsed for the template (PastToolCall.for_template): its nesting must be bounded first.
+        return check_depth(arguments)
 
 
 class PastToolCall(_Part):

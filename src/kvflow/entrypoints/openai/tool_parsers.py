@@ -9,6 +9,9 @@ whole text once. What it parses depends on the request's tool_choice:
 - `auto`: the model's own format, by template family (`TOOL_PARSERS`). Hermes (Qwen 2.5, Hermes,
   SmolLM2 as kvflow prompts it): calls are JSON objects (or lists of them) between `<tool_call>`
   and `</tool_call>`; the text around them is content. A block that does not parse stays content.
+
+The model's text is JSON a client can steer, so it is parsed only within json_depth's bound: a
+block nested deeper is not a call (content, as any block that does not parse).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from kvflow.entrypoints.openai import json_depth
 from kvflow.entrypoints.openai.responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
 
@@ -68,8 +72,9 @@ class RequiredCallsOutput(ChoiceOutput):
             while start < len(self.text) and self.text[start] in "[, \n\t\r":
                 start += 1
             try:
+                json_depth.check_depth(self.text[start:])  # the grammar bounds no arguments' nesting
                 element, end = self.decoder.raw_decode(self.text, start)
-            except ValueError:  # not complete yet (or cut off by max_tokens)
+            except ValueError:  # not complete yet (or cut off by max_tokens, or too deep to parse)
                 return "", calls
             self.pos = end
             calls.append(self._call(element["name"], json.dumps(element["arguments"], ensure_ascii=False)))
@@ -152,7 +157,7 @@ def whole_calls(deltas: list[DeltaToolCall]) -> list[ToolCall]:
 def _parse_calls(block: str) -> list[tuple[str, str]] | None:
     """(name, arguments JSON) of each call in a block: one call object or a list of them."""
     try:
-        value = json.loads(block)
+        value = json_depth.loads(block)
     except ValueError:
         return None
     items = value if isinstance(value, list) else [value]
