@@ -352,7 +352,7 @@ def _check_batch_invariant(args: EngineArgs, device: str, backend: str) -> None:
     """What the batch-invariant mode covers today; the rest is refused by name, not run variant."""
     if device != "cpu":
         raise ValueError("batch_invariant runs on CPU only for now (the GPU kernels pick their tiling by batch)")
-    for name, value, allowed in (("attention_backend", backend, "torch_sdpa"), ("enable_lora", args.enable_lora, False),
+    for name, value, allowed in (("attention_backend", backend, "torch_sdpa"),
                                  ("tensor_parallel_size", args.tensor_parallel_size, 1)):
         if value != allowed:
             raise ValueError(f"batch_invariant needs {name}={allowed} for now; got {value!r}")

@@ -120,7 +120,7 @@ def test_int4_planes_give_each_row_the_same_bits_at_any_row_count():
     torch.testing.assert_close(full.float(), reference, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("field, value", [("attention_backend", "torch_reference"), ("enable_lora", True)])
+@pytest.mark.parametrize("field, value", [("attention_backend", "torch_reference"), ("tensor_parallel_size", 2)])
 def test_what_the_mode_does_not_cover_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         EngineArgs(batch_invariant=True, **{field: value}).create_config(512)

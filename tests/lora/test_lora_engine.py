@@ -35,8 +35,8 @@ def loras(base, tmp_path_factory) -> list[LoRARequest]:
 
 
 def _llm(base_dir: str, **args) -> LLM:
-    return LLM(base_dir, dtype="float32", skip_tokenizer_init=True, enable_lora=True, disable_log_stats=True,
-               **{"max_loras": 3, "max_lora_rank": 8, **args})
+    return LLM(base_dir, skip_tokenizer_init=True, enable_lora=True, disable_log_stats=True,
+               **{"dtype": "float32", "max_loras": 3, "max_lora_rank": 8, **args})
 
 
 def _prompt(n: int = 40, seed: int = 0) -> list[int]:
@@ -168,3 +168,25 @@ def test_adapters_of_unfinished_requests_stay_in_host_memory(base, loras, tmp_pa
     for name in alone:
         assert finished[name].outputs[0].token_ids == alone[name].outputs[0].token_ids
     assert engine.lora.list_loras() == [loras[2].lora_int_id]  # the bound holds again once they finished
+
+
+def test_batch_invariant_adapters_are_bit_identical_alone_batched_and_chunked(base, loras):
+    """With batch_invariant, an adapter's deltas run on fixed row tiles, like the base layers: a
+    bfloat16 request's tokens and logprobs do not depend on its batch or its prompt's chunks
+    (without the tiles the masked and per-segment forms, and every segment length, round apart)."""
+    _, base_dir = base
+    target = _prompt(70, seed=1)
+    kw = dict(dtype="bfloat16", batch_invariant=True, num_kv_blocks=128, max_loras=3)
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
+    alone = _llm(base_dir, **kw).generate([target], params, lora_request=loras[1], use_tqdm=False)[0]
+    busy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [_prompt(n, seed=n) for n in (3, 50, 17)]
+    mixed = _llm(base_dir, max_num_batched_tokens=24, **kw).generate(
+        [prompts[0], target, *prompts[1:]], [busy, params, busy, busy],
+        lora_request=[loras[0], loras[1], None, loras[2]], use_tqdm=False)[1]
+
+    def exact(out):
+        c = out.outputs[0]
+        return c.token_ids, [sorted((k, lp.logprob) for k, lp in step.items()) for step in c.logprobs]
+
+    assert exact(mixed) == exact(alone)

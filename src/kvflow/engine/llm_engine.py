@@ -29,6 +29,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.executor.base import create_executor
 from kvflow.kv_store import open_kv_block_store
 from kvflow.model.arch_config import ArchConfig
+from kvflow.model.layers.batch_invariant import ROW_TILE
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.quant.registry import get_quantization_config
@@ -99,7 +100,7 @@ class LLMEngine:
         lora = self.config.lora
         self.lora = None if lora is None else LoRAManager(
             self.runner.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.config.model.dtype,
-            self.config.device, in_use=self._adapters_in_use)
+            self.config.device, in_use=self._adapters_in_use, row_tile=ROW_TILE if self.config.batch_invariant else None)
         self.runner.lora = self.lora
 
     def _check_calibration(self) -> None:

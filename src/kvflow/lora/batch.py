@@ -29,6 +29,12 @@ measures both forms per shape). The rule prices the expand as every row by every
 the gathered expand does, so it errs towards the segment loop. No row's weights are gathered and
 no adapter is merged into W.
 
+With `--batch-invariant` (`row_tile`), a row's delta must not depend on its batch: the segment
+form runs each segment's two matmuls on tiles of exactly `row_tile` rows, the last one padded
+with zero rows (as the batch-invariant linear layers do), and adds the delta to y afterwards
+instead of inside the matmul, so every row meets the same kernel, blocking and additions alone
+or beside others.
+
 On CUDA with triton, the layers launch `lora.triton_ops`' segmented kernels instead (one program
 per tile of a segment's rows, so the masked form's trade does not arise there): they read the
 segments from `segment_table`, a copy on the device made once per step.
@@ -93,13 +99,15 @@ class LoRABatch:
     num_rows: int  # the step's rows (tokens): a layer sees exactly these, one per token
     masked: MaskedForm | None  # None: per segment
     segment_table: torch.Tensor  # the segments as int32 [segments, 3] on the device, for the kernels
+    row_tile: int | None = None  # per segment on tiles of this many rows (batch-invariant mode)
 
     @classmethod
     def build(cls, row_slots: list[int], dtype: torch.dtype = torch.float32, device="cpu",
-              masked: bool | None = None) -> LoRABatch | None:
+              masked: bool | None = None, row_tile: int | None = None) -> LoRABatch | None:
         """`row_slots`: each row's slot, -1 for none. None when no row has an adapter. `masked`
         forces a form (tests, benchmarks); by default the cheaper one for this shape. `dtype`, the
-        layers', shapes nothing: both forms hold indices, no float mask."""
+        layers', shapes nothing: both forms hold indices, no float mask. `row_tile`: the
+        batch-invariant segment form (never masked)."""
         segments, start = [], 0
         for row in range(1, len(row_slots) + 1):
             if row == len(row_slots) or row_slots[row] != row_slots[start]:
@@ -109,13 +117,13 @@ class LoRABatch:
         if not segments:
             return None
         lo, hi = min(s for s, _, _ in segments), max(s for s, _, _ in segments) + 1
-        if masked is None and torch.device(device).type == "cuda" and triton_installed():
-            masked = False  # the kernels take every segment in one launch
+        if row_tile is not None or masked is None and torch.device(device).type == "cuda" and triton_installed():
+            masked = False  # the kernels take every segment in one launch; tiles are per segment
         if masked is None:
             masked = len(row_slots) * (hi - lo - 1) <= MASKED_ROWS_PER_CALL * (2 * len(segments) - 3)
         form = MaskedForm.build(row_slots, lo, hi - lo, device) if masked else None
         table = torch.tensor(segments, dtype=torch.int32, device=device)
-        return cls(segments, len(row_slots), form, table)
+        return cls(segments, len(row_slots), form, table, row_tile)
 
     @property
     def max_segment_rows(self) -> int:
@@ -135,4 +143,16 @@ class LoRABatch:
             self.masked.add_lora(y, x, lora_a, lora_b)
             return
         for slot, first, end in self.segments:
-            y[first:end].addmm_(x[first:end] @ lora_a[slot].t(), lora_b[slot])
+            if self.row_tile is None:
+                y[first:end].addmm_(x[first:end] @ lora_a[slot].t(), lora_b[slot])
+            else:
+                y[first:end] += _row_tiled_delta(x[first:end], lora_a[slot], lora_b[slot], self.row_tile)
+
+
+def _row_tiled_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, tile: int) -> torch.Tensor:
+    """(x A^T) B computed `tile` rows at a time, zero rows padding the last tile: each row's bits
+    are the same whatever rows share its segment."""
+    n = x.shape[0]
+    if n % tile:
+        x = torch.cat([x, x.new_zeros(tile - n % tile, x.shape[1])])
+    return torch.cat([(part @ lora_a.t()) @ lora_b for part in x.split(tile)])[:n]

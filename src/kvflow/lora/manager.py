@@ -81,8 +81,11 @@ class LoRAStats:
 
 class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device, in_use: Callable[[], set[int]] = set) -> None:
+                 dtype: torch.dtype, device, in_use: Callable[[], set[int]] = set, row_tile: int | None = None) -> None:
+        """`row_tile`: deltas on row tiles of this size, so a row's bits never depend on its batch
+        (batch-invariant mode)."""
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.row_tile = row_tile
         self.dtype, self.device = dtype, torch.device(device)
         self.context = LoRAContext()
         self.layers: dict[str, LoRALinear] = install_lora_layers(model, max_loras, max_lora_rank, self.context,
@@ -176,7 +179,7 @@ class LoRAManager:
         slot_of = {r.lora_int_id: self._activate(r, needed) for r in needed}
         row_slots = [slot_of[r.lora_int_id] if r is not None else -1
                      for r, n in zip(requests, num_rows) for _ in range(n)]
-        return LoRABatch.build(row_slots, self.dtype, self.device)
+        return LoRABatch.build(row_slots, self.dtype, self.device, row_tile=self.row_tile)
 
     def _activate(self, request: LoRARequest, needed: list[LoRARequest]) -> int:
         if request.lora_int_id in self._slots:
