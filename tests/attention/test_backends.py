@@ -78,6 +78,10 @@ def test_the_triton_backend_on_cpu_advises_a_backend_that_runs(tmp_path, monkeyp
     asking for the triton backend must be one that works when followed: a CPU backend, not
     TRITON_INTERPRET=1, which crashes in triton's interpreter without tests/conftest.py's fixes."""
     pytest.importorskip("triton")
+    # Imported under the suite's interpreter first: the kernels are decorated at import, and a
+    # later test must not inherit kernels built for a GPU this machine lacks.
+    import kvflow.attention.triton_backend  # noqa: F401
+
     make_tiny_model("llama-gqa-llama3-rope", tmp_path)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     engine = dict(dtype="float32", skip_tokenizer_init=True, device="cpu", num_kv_blocks=16, block_size=16)

@@ -1,7 +1,10 @@
 """The GPU path checked without a GPU: every triton kernel kvflow launches is compiled for H100
 (sm_90) and A100 (sm_80), at the configurations the engine would choose for the default model
 and for Llama-3.1-8B, and must neither spill registers nor need more shared memory than its
-target has. A registry of deliberately broken kernels proves the check fails when it should.
+target has, and the two tools reading each cubin must agree with the installed triton (3.6 here;
+run this file under another release to verify it: a release changes how triton assembles). A
+registry of deliberately broken kernels proves the check fails when it should, and one assembled
+with a ptxas option of its own that the check reports the binary triton made.
 
 All compiles happen once, in one child process (tests run triton interpreted, which cannot
 compile), and the reports are shared by the tests below.
@@ -26,6 +29,7 @@ from kvflow.bench.gpu_compile import CompileRequest, compile_reports  # noqa: E4
 from kvflow.bench.gpu_compile_report import format_report  # noqa: E402
 from kvflow.bench.gpu_kernels import attention_cases  # noqa: E402
 from kvflow.bench.gpu_targets import TARGETS, occupancy  # noqa: E402
+from kvflow.bench.kernel_compile import _same_cubin  # noqa: E402
 from kvflow.config import EngineArgs  # noqa: E402
 from kvflow.engine.llm_engine import LLMEngine  # noqa: E402
 from kvflow.entrypoints.cli import main  # noqa: E402
@@ -40,11 +44,12 @@ ARCHS = ("sm_90", "sm_80")
 @pytest.fixture(scope="session")
 def reports() -> dict[str, dict]:
     archs = ",".join(ARCHS)
-    default, llama, broken = compile_reports([
+    default, llama, broken, ptxas_option = compile_reports([
         CompileRequest(None, archs), CompileRequest(LLAMA, archs),
         CompileRequest(LLAMA, archs, registry="broken_kernels"),
+        CompileRequest(LLAMA, archs, registry="ptxas_option_kernels"),
     ])
-    return {"default": default, "llama-3.1-8b": llama, "broken": broken}
+    return {"default": default, "llama-3.1-8b": llama, "broken": broken, "ptxas option": ptxas_option}
 
 
 @pytest.mark.parametrize("model", ["default", "llama-3.1-8b"])
@@ -111,6 +116,24 @@ def test_broken_kernels_fail_the_check_and_their_twins_pass(reports):
         assert by_config["_register_hog_kernel", arch, 1, False]["problems"] == []
 
 
+def test_ptxas_numbers_describe_the_cubin_triton_made(reports):
+    """Triton's ptxas command is its own (3.9 assembles sm_90 with CUDA 13's ptxas and
+    `--regAllocOptLevel=2`, which moved two kernels' registers), and a launch or a knob can add to
+    it: here `--opt-level=0`. ptxas -v's numbers must be those of the binary that runs, so the
+    check reruns triton's own cubin stage and requires the very same bytes."""
+    for arch in ARCHS:
+        # The registry's launches in its order: the default assembly, then the one with the option.
+        default, optioned = [k for k in reports["ptxas option"]["kernels"] if k["arch"] == arch]
+        assert default["cross_check"] == optioned["cross_check"] == []  # same cubin; cuobjdump and ptxas -v agree
+        assert optioned["registers"] != default["registers"]  # the option did change the binary
+
+
+def test_a_rerun_that_made_another_cubin_is_a_disagreement():
+    assert _same_cubin(b"\x7fELF same", b"\x7fELF same") == []
+    assert _same_cubin(b"\x7fELF compiled", b"\x7fELF rerun") == [
+        "ptxas -v's run made a different cubin (10 B) than the compile (13 B)"]
+
+
 def test_occupancy_follows_the_scarcest_resource():
     h100, a100 = TARGETS["sm_90"], TARGETS["sm_80"]
     # 48 registers x 32 threads = 1536 per warp: 42 warps' worth, 10 blocks of 4 warps.
@@ -156,6 +179,7 @@ def _compiled_view(launch: KernelLaunch) -> tuple:
 def test_report_and_cli(reports, monkeypatch, capsys):
     text = format_report(reports["llama-3.1-8b"])
     assert "sm_90 = H100 SXM" in text and "sm_80 = A100 SXM" in text and "| sm_80 regs |" in text
+    assert f"compiled by triton {triton.__version__}." in text  # the numbers are its release's
     assert "| _paged_prefill_kernel | prefill, mixed |" in text and "No kernel spills" in text
     # one request x 8 KV heads x 16 splits
     assert "| decode b=1 | _decode_segment_kernel | full attention | 128 |" in text

@@ -82,6 +82,8 @@ def _compilable_here() -> bool:
 
 
 def _report(request: CompileRequest, cache: dict) -> dict[str, Any]:
+    import triton
+
     from kvflow.analysis.hardware import get_hardware
     from kvflow.analysis.planner import roofline
     from kvflow.bench.ceilings import torch_dtype
@@ -116,6 +118,7 @@ def _report(request: CompileRequest, cache: dict) -> dict[str, Any]:
     a = shapes.arch
     return {
         "model": shapes.model, "dtype": request.dtype,
+        "triton": triton.__version__,  # registers and spills are its compiler's: they change between releases
         "shapes": {"hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size, "num_heads": a.num_heads,
                    "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "windows": shapes.windows(),
                    "qk_norm": per_head_qk_norm(a), "block_size": shapes.block_size, "max_model_len": shapes.max_model_len,

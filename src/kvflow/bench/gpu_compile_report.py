@@ -22,7 +22,8 @@ def format_report(r: dict[str, Any]) -> str:
             f"{', CUDA graph' if st['graph'] else ''})" for st in r["steps"]) +
         f"; decoding requests have {s['context_len']} tokens of context.",
         "", "Targets: " + "; ".join(f"{t['arch']} = {t['gpu']} ({t['num_sms']} SMs, {t['smem_per_block'] // 1024} KiB "
-                                    "shared memory per block)" for t in r["targets"]) + ".", "",
+                                    "shared memory per block)" for t in r["targets"])
+        + f"; compiled by triton {r['triton']}.", "",
     ]
     per_arch = ["regs", "spill B", "stack B", "smem B", "cubin KB", "blocks/SM"]
     lines += _table(["kernel", "steps", "configuration", *[f"{a} {c}" for a in archs for c in per_arch]],

@@ -8,9 +8,16 @@ GPU specialises them (pointer dtypes, 16-byte alignment and divisibility, stride
 folded into constants): the kernel's own argument binder does it, from meta tensors.
 
 Two tools report the result and are cross-checked: `cuobjdump --dump-resource-usage` on the cubin
-(registers, stack, static shared and local memory) and `ptxas -v` rerun on the PTX with triton's
-flags (registers, stack frame, spill stores and loads). Triton's shared memory is dynamic, so
-its amount is in the compiled kernel's metadata, not in the cubin.
+(registers, stack, static shared and local memory) and `ptxas -v`'s log (registers, stack frame,
+spill stores and loads). The cubin triton produced is what runs, so cuobjdump's numbers are the
+ones reported. ptxas -v is the only source of spills, and it describes that cubin only if it is
+the same assembly, so it is not run from a copy of triton's command line: releases change it
+(3.7 added `--regAllocOptLevel=2`, which moves registers once 3.9 assembles sm_90 with CUDA 13's
+ptxas), and launches and knobs add to it (`ptx_options`, PTXAS_OPTIONS). Triton's own cubin stage
+of the installed release runs it again, with its flags, knobs, options and ptxas, and the log
+triton would throw away is kept; that run must give back the very bytes of the compiled cubin,
+or the check fails. Triton's shared memory is dynamic, so its amount is in the compiled kernel's
+metadata, not in the cubin.
 
 This cannot run in a process where triton was imported under TRITON_INTERPRET=1: triton.jit then
 makes interpreter objects of every kernel and of triton's own library functions (tl.max, tl.cdiv).
@@ -19,6 +26,8 @@ makes interpreter objects of every kernel and of triton's own library functions 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import subprocess
 import tempfile
@@ -90,13 +99,14 @@ def compile_launch(launch: KernelLaunch, target: GpuTarget, cache: dict | None =
     key = (id(jit), target.arch, repr(signature), repr(constexprs), repr(attrs), repr(options))
     if cache is not None and key in cache:
         return cache[key]
-    compiled = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+    source = ASTSource(jit, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=gpu, options=options.__dict__)
 
     meta = compiled.metadata
     cubin, ptx = compiled.asm["cubin"], compiled.asm["ptx"]
     dump = cuobjdump_resources(cubin, meta.name)
-    verbose = ptxas_resources(ptx, target, fp_fusion=meta.enable_fp_fusion)
-    checks = _cross_check(dump, verbose, ptx, meta)
+    verbose, reassembled = ptxas_resources(ptx, backend, source, options.__dict__, meta._asdict())
+    checks = _cross_check(dump, verbose, ptx, meta) + _same_cubin(cubin, reassembled)
     shared = meta.shared + dump["SHARED"]
     occ = occupancy(target, meta.num_warps, dump["REG"], shared)
     names = list(signature)
@@ -130,20 +140,29 @@ def cuobjdump_resources(cubin: bytes, kernel: str) -> dict[str, int]:
     return {key: int(fields[key]) for key in ("REG", "STACK", "SHARED", "LOCAL")}
 
 
-def ptxas_resources(ptx: str, target: GpuTarget, fp_fusion: bool) -> dict[str, int]:
-    """`ptxas -v` on the kernel's PTX, with the flags triton assembles it with."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+def ptxas_resources(ptx: str, backend, source, options: dict[str, Any],
+                   metadata: dict[str, Any]) -> tuple[dict[str, int], bytes]:
+    """`ptxas -v` on the kernel's PTX, run by the installed triton's own cubin stage (the command
+    `triton.compile` runs, whatever flags this release adds), with the log that
+    `knobs.nvidia.dump_ptxas_log` makes it print captured; returns the numbers and the cubin
+    that run produced, to be compared with the compiled one."""
+    from triton import knobs
 
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "kernel.ptx"
-        src.write_text(ptx)
-        flags = ["-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
-                 f"--gpu-name={sm_arch_from_capability(target.capability)}"]
-        log = _run([get_ptxas(target.capability).path, *flags, str(src), "-o", str(Path(tmp) / "kernel.o")])
+    stages: dict[str, Any] = {}
+    # As triton.compile builds them: the source's own options over the launch's, then the stages.
+    backend.add_stages(stages, backend.parse_options(dict(options, **source.parse_options())), source.language)
+    log = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        cubin = stages["cubin"](ptx, dict(metadata))
+    return _parse_ptxas_log(log.getvalue()), cubin
+
+
+def _parse_ptxas_log(log: str) -> dict[str, int]:
     registers = re.search(r"Used (\d+) registers", log)
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if registers is None or frame is None:
-        raise RuntimeError(f"unexpected ptxas -v output:\n{log}")
+        raise RuntimeError(f"unexpected ptxas -v log from triton's cubin stage (knobs.nvidia.dump_ptxas_log):\n{log}")
     return {"registers": int(registers.group(1)), "stack": int(frame.group(1)),
             "spill_stores": int(frame.group(2)), "spill_loads": int(frame.group(3))}
 
@@ -158,6 +177,13 @@ def _cross_check(dump: dict[str, int], verbose: dict[str, int], ptx: str, meta) 
     if threads is None or int(threads.group(1)) != meta.num_warps * 32:
         found.append(f"threads per block: PTX {threads and threads.group(1)}, metadata {meta.num_warps} warps")
     return found
+
+
+def _same_cubin(compiled: bytes, reassembled: bytes) -> list[str]:
+    """ptxas -v's numbers describe the kernel that runs only if its run made the same binary."""
+    if compiled == reassembled:
+        return []
+    return [f"ptxas -v's run made a different cubin ({len(reassembled)} B) than the compile ({len(compiled)} B)"]
 
 
 def _run(cmd: list[str]) -> str:
