@@ -173,7 +173,8 @@ class EngineArgs:
         _require(max_len >= 1, "max_model_len", ">= 1")
         # Positions past the checkpoint's context have no rotary angles (and were never trained):
         # a longer max_model_len failed in a step, not here (vLLM refuses it too).
-        _require(max_len <= model_max_len, "max_model_len", f"<= the model's context of {model_max_len} positions (got {max_len})")
+        _require(max_len <= model_max_len, "max_model_len",
+                 f"<= the model's context of {model_max_len} positions (got {max_len})")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")
@@ -307,8 +308,9 @@ class EngineArgs:
                        help="KV cache storage: auto (the model's dtype), or fp8 (E4M3) / int8 with a bfloat16 scale "
                             "per head and position: ~2x the tokens of bfloat16 in the same memory")
         g.add_argument("--kv-populate", default=d.kv_populate, choices=KV_POPULATE_MODES,
-                       help="when the KV pool's pages are mapped in: background (from the start), when-idle (only "
-                            "while no step runs; kvflow serve's default), off (on first write)")
+                       help="when the KV pool's pages are mapped in: background (ahead of the steps' writes, beside "
+                            "them), when-idle (the whole pool, only while no step runs; kvflow serve's default), off "
+                            "(on first write)")
         g.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
                        choices=["auto", "guidance", "xgrammar"], help="grammar library (auto: guidance, i.e. llguidance)")
         g.add_argument("--structured-outputs-compile-timeout", type=float, default=d.structured_outputs_compile_timeout,
@@ -323,7 +325,8 @@ class EngineArgs:
                        help="a rank that does not answer for this long has failed")
         g.add_argument("--kv-transfer-config", default=None,
                        help='disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
-                            '"kv_role": "kv_producer"}\' (roles: kv_producer, kv_consumer, kv_both; across hosts: "TCPStoreConnector" '
+                            '"kv_role": "kv_producer"}\' (roles: kv_producer, kv_consumer, kv_both; '
+                            'across hosts: "TCPStoreConnector" '
                             'with "kv_connector_extra_config": {"kv_store_url": "tcp://HOST:PORT"}, see kvflow kv-store)')
         g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                        help="serve from N engine replicas, one process each, behind one router (kvflow serve)")

@@ -5,15 +5,27 @@ import gc
 import os
 import threading
 import time
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvflow.config import CacheConfig
+from kvflow.config import CacheConfig, EngineArgs
+from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.model.arch_config import ArchConfig
+from kvflow.sampling_params import SamplingParams
+from kvflow.worker import kv_cache
 from kvflow.worker.kv_cache import (
-    POPULATE_ENV, IdleGate, allocate_kv_caches, num_kv_blocks, populate_in_background, zeros_untouched,
+    POPULATE_ENV,
+    IdleGate,
+    PagePopulator,
+    allocate_kv_caches,
+    num_kv_blocks,
+    populate_in_background,
+    zeros_untouched,
 )
+from kvflow.worker.worker import Worker
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64.
 SMOLLM2 = ArchConfig.from_hf({
@@ -135,8 +147,124 @@ def test_kv_populate_off_leaves_every_page_to_its_first_write(monkeypatch):
 @pytest.mark.parametrize("mode", ["background", "when-idle", "off"])
 def test_only_a_when_idle_worker_holds_a_gate_around_its_steps(mode):
     """The gate (and its bookkeeping on every step) exists only where the populate waits on it."""
-    from kvflow.config import EngineArgs
-    from kvflow.worker.worker import Worker
-
     worker = Worker(EngineArgs(kv_populate=mode, device="cpu").create_config(2048), SMOLLM2, None)
     assert isinstance(worker.idle, IdleGate) == (mode == "when-idle")
+
+
+def _record_madvise(monkeypatch, result: int | None = None) -> list[tuple[int, int, int]]:
+    """The populate's madvise calls as (address, bytes, the calling thread's nice value), each
+    passed on to the kernel (or answered `result` instead)."""
+    libc = kv_cache._libc()
+    calls = []
+
+    def madvise(address, nbytes, advice):
+        calls.append((address.value, nbytes, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return libc.madvise(address, nbytes, advice) if result is None else result
+
+    monkeypatch.setattr(kv_cache, "_libc", lambda: SimpleNamespace(madvise=madvise))
+    return calls
+
+
+def _resident_blocks_bytes(pool: torch.Tensor, blocks: slice) -> int:
+    """Bytes mapped in of `blocks` of every plane of `pool`."""
+    return sum(_resident_pages(plane[blocks]) for plane in pool) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _wait_until_mapped(pool: torch.Tensor, blocks: slice) -> None:
+    deadline = time.monotonic() + 60
+    while _resident_blocks_bytes(pool, blocks) < pool[:, blocks].nbytes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _resident_blocks_bytes(pool, blocks) >= pool[:, blocks].nbytes
+
+
+def _blocks_pool() -> torch.Tensor:
+    """K and V planes of 32 blocks of 1 MiB: two blocks to a huge page."""
+    return zeros_untouched((2, 32, 1 << 20), torch.uint8, "cpu")
+
+
+def test_each_madvise_maps_one_chunk_at_the_priority_of_the_thread_that_started_it(monkeypatch):
+    """Regression: one madvise for a whole pool, from a thread at nice 19, held the process's mmap
+    lock for minutes on a loaded machine, and every brk, mmap and munmap of the engine's threads
+    waited for it (`LLM()` took 60-125 s with four CPU hogs). Each call now maps at most one
+    aligned huge page (the lock is held for one page's fault), at the engine's own priority."""
+    monkeypatch.setenv(POPULATE_ENV, "1")
+    calls = _record_madvise(monkeypatch)
+    huge_page = 2 << 20
+    pool = zeros_untouched((2, 33, 3 << 18), torch.uint8, "cpu")  # its V plane starts inside a huge page
+    thread = populate_in_background([pool])
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert _resident_pages(pool) * os.sysconf("SC_PAGE_SIZE") >= pool.nbytes
+    assert len(calls) >= pool.nbytes // huge_page
+    assert all(0 < nbytes and address // huge_page == (address + nbytes - 1) // huge_page for address, nbytes, _ in calls)
+    assert {nice for _, _, nice in calls} == {os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}
+
+
+def test_pages_are_mapped_in_block_order_no_further_than_ahead_of_the_steps(monkeypatch):
+    """With `ahead_blocks`, only the blocks up to that many past the highest a step holds are
+    mapped (both planes of a block before the next block), and the window follows `reach`."""
+    monkeypatch.setenv(POPULATE_ENV, "1")
+    calls = _record_madvise(monkeypatch)
+    pool = _blocks_pool()
+    populator = PagePopulator([pool], ahead_blocks=4)
+    _wait_until_mapped(pool, slice(0, 4))
+    assert _resident_blocks_bytes(pool, slice(4, None)) == 0
+    populator.reach(5)  # a step holds blocks up to 5: map up to block 5 + 4
+    _wait_until_mapped(pool, slice(0, 10))
+    assert _resident_blocks_bytes(pool, slice(10, None)) == 0
+    populator.reach(3)  # an older block: the window never moves back
+    assert populator.target == 10
+    populator.reach(31)
+    populator.thread.join(timeout=60)
+    assert not populator.thread.is_alive()
+    assert _resident_pages(pool) * os.sysconf("SC_PAGE_SIZE") >= pool.nbytes
+    plane_bytes, base = pool.stride(0), pool.data_ptr()
+    first_blocks = [(address - base) % plane_bytes >> 20 for address, _, _ in calls]
+    assert first_blocks == sorted(first_blocks) and len(calls) == 32
+
+
+def test_a_populator_no_one_holds_ends_its_thread_and_frees_the_pool(monkeypatch):
+    """A populator waiting for its steps holds no pool: once its worker is gone, so are the thread
+    and the pool's memory."""
+    monkeypatch.setenv(POPULATE_ENV, "1")
+    pool = _blocks_pool()
+    populator = PagePopulator([pool], ahead_blocks=2)
+    thread, pool_ref = populator.thread, weakref.ref(pool)
+    _wait_until_mapped(pool, slice(0, 2))
+    del populator, pool
+    thread.join(timeout=60)
+    assert not thread.is_alive() and pool_ref() is None
+
+
+def test_a_refused_madvise_ends_the_populate(monkeypatch):
+    """A kernel without MADV_POPULATE_WRITE (Linux < 5.14) refuses the first call: no more are made,
+    and the pages fault on first write."""
+    monkeypatch.setenv(POPULATE_ENV, "1")
+    calls = _record_madvise(monkeypatch, result=-1)
+    pool = _blocks_pool()
+    thread = populate_in_background([pool])
+    thread.join(timeout=60)
+    assert not thread.is_alive() and len(calls) == 1 and _resident_pages(pool) == 0
+
+
+def _step(block_tables: list[list[int]], swap_out: list[tuple[int, int]] = ()) -> SchedulerOutput:
+    chunks = [ScheduledChunk(f"r{i}", [1], 0, (table,), True, SamplingParams(), [1], [], frozenset())
+              for i, table in enumerate(block_tables)]
+    return SchedulerOutput(chunks=chunks, swap_out=list(swap_out))
+
+
+@pytest.mark.parametrize("mode", ["background", "when-idle", "off"])
+def test_a_worker_maps_its_pools_ahead_of_its_steps_or_while_idle(monkeypatch, mode):
+    """background: each step moves the device pool's window to past the highest block its requests
+    hold, and the host pool's past the highest it swaps out to, by the blocks one step can take
+    (64 tokens in blocks of 16, plus one per request: 6). when-idle: the whole pools, gated. off: none."""
+    monkeypatch.setenv(POPULATE_ENV, "1")
+    config = EngineArgs(kv_populate=mode, device="cpu", max_num_batched_tokens=64, max_num_seqs=2).create_config(2048)
+    worker = Worker(config, SMOLLM2, None)
+    worker.start_populate(allocate_kv_caches(SMOLLM2.kv_layout, 400, 16, torch.bfloat16, "cpu", populate=False),
+                          allocate_kv_caches(SMOLLM2.kv_layout, 300, 16, torch.bfloat16, "cpu", populate=False))
+    worker.model_runner = SimpleNamespace(execute=lambda sched: "ran")
+    assert worker.execute_model(_step([[5, 9, 40], [7, 12]], swap_out=[(9, 20), (12, 3)])) == "ran"
+    targets = [(populator.target, host) for populator, host in worker.populators]
+    expected = {"background": [(47, False), (27, True)], "when-idle": [(400, False), (300, True)], "off": []}[mode]
+    assert targets == expected

@@ -54,7 +54,7 @@ def make_proposer(config: EngineConfig, arch: ArchConfig, runner: ModelRunner, n
     # The draft runs as its checkpoint stores it (the engine's --quantization is the target's).
     draft_model = load_model(config, draft_arch, get_quantization_config(None, None, checkpoint.quant_config), checkpoint)
     kv_caches = allocate_kv_caches(draft_arch.kv_layout, num_blocks, config.cache.block_size, config.model.dtype,
-                                   config.device)
+                                   config.device, populate=config.cache.populate != "off")
     return ModelProposer(DraftRunner(draft_model, kv_caches, runner, (target_group,)), runner.sampler.generator,
                          shares_target_kv=False)
 

@@ -19,7 +19,6 @@ Either way dimension 1 is the block, which is all block copies and swaps need to
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import math
@@ -27,6 +26,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -103,8 +103,9 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
                        idle: IdleGate | None = None) -> list[torch.Tensor]:
     """One cache per layer (views of the G pool tensors; sharing layers get their target's).
     `dtype`: the model's, which "auto" keeps; fp8/int8 store codes of that dtype plus scales.
-    `populate`: map the pages in on a background thread (`populate_in_background`), waiting on
-    `idle` (the worker's gate) where one is given."""
+    `populate`: map every page in on a background thread (`populate_in_background`), waiting on
+    `idle` (the worker's gate) where one is given. The worker passes False and starts its own
+    (`Worker.start_populate`: ahead of its steps, or gated)."""
     codes = kv_quant.storage_dtype(kv_cache_dtype)
     quantized = codes is not None
     first = layout.groups[0].spec
@@ -124,13 +125,13 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     paid at every start). Attention never depends on the zeros (it masks what no one wrote,
     `attention.metadata`); they only keep garbage out.
 
-    A first write to a page still costs a fault, and in a KV write that is on the step's path: on
-    the 2026-11-26 VM a first write to a 2 MiB page cost 6-10 ms, and W1 (1.2 GB of KV written)
-    took 31.4 s faulting in its writes, 28.9 s with the pages mapped beforehand (docs/performance.md).
-    So a background thread maps the pools' pages in after the start (`populate_in_background`,
-    which `allocate_kv_caches` starts for all of them), and the pool asks for
-    transparent huge pages (2 MiB: 512x fewer faults and TLB entries) where the kernel offers them
-    on request (`madvise` mode, the common default); elsewhere madvise is a no-op."""
+    A first write to a page still costs a fault, and in a KV write that is on the step's path: a
+    first write to a 2 MiB page can cost milliseconds (the fault may compact memory), and W1 (1.2
+    GB of KV written) was ~8% slower faulting in its writes than with the pages mapped beforehand
+    (docs/performance.md). So a thread maps the pages in beside the steps (`PagePopulator`), and
+    the pool asks for transparent huge pages (2 MiB: 512x fewer faults and TLB entries) where the
+    kernel offers them on request (`madvise` mode, the common default); elsewhere madvise is a
+    no-op."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -148,12 +149,11 @@ class IdleGate:
     """When background work may take a core: once the worker has run no step for `quiet_s`; a
     step holds it (`with gate:`).
 
-    The KV pool's populate waits on it where `--kv-populate when-idle` (`kvflow serve`'s default).
-    Ungated, it ran while a server's first requests did: loaded at once after `/health`, 234–263
-    output tok/s with TTFT p90 3.0–4.2 s, against 290–298 and 1.1 s gated. But a batch job (W1)
-    is 5–10% faster with it ungated, mapping pages beside the steps: a first write to a huge page
-    costs milliseconds here (THP defrag is `madvise`: the fault may compact memory), and W1 writes
-    1.2 GB of KV."""
+    The KV pool's populate waits on it before each of its madvise calls where `--kv-populate
+    when-idle` (`kvflow serve`'s default). Mapping the whole pool while a server's first requests
+    ran took a core from them: loaded at once after `/health`, 234–263 output tok/s with TTFT p90
+    3.0–4.2 s, against 290–298 and 1.1 s gated (docs/performance.md). A batch job maps its pages
+    ahead of its steps instead (`--kv-populate background`, `PagePopulator.ahead_blocks`)."""
 
     def __init__(self, quiet_s: float = 1.0) -> None:
         self.quiet_s = quiet_s
@@ -176,33 +176,125 @@ class IdleGate:
 
 
 def populate_in_background(pools: list[torch.Tensor], idle: IdleGate | None = None) -> threading.Thread | None:
-    """Map every page of `pools` (each contiguous) on one low-priority daemon thread with
-    madvise(MADV_POPULATE_WRITE): the pages fault in as a write would fault them, and their
-    contents are left as they are, so KV writes racing with it are safe. Pools madvise cannot take
-    are left to fault on first write: a device's, and small ones from the heap (not page-aligned).
-    With `idle`, it maps POPULATE_CHUNK at a time, each once the worker is idle (IdleGate); without,
-    one call per pool. None where the kernel has no MADV_POPULATE_WRITE (Linux < 5.14): pages then
-    fault on first write."""
-    libc = _libc()
-    spans = [(pool.data_ptr(), pool.numel() * pool.element_size()) for pool in pools
-             if pool.device.type == "cpu" and pool.data_ptr() % mmap.PAGESIZE == 0]
-    if libc is None or not spans or os.environ.get(POPULATE_ENV, "1") == "0":
-        return None
-    if idle is not None:
-        spans = [(address + offset, min(POPULATE_CHUNK, nbytes - offset))
-                 for address, nbytes in spans for offset in range(0, nbytes, POPULATE_CHUNK)]
+    """Map every page of `pools` in on a thread of its own (`PagePopulator`, the whole pool), which
+    keeps them alive until it is done; with `idle`, only while the worker is idle. The thread, or
+    None where there is nothing it can map."""
+    return PagePopulator(pools, idle=idle, keep_alive=True).thread
 
-    def populate(keep_alive: list[torch.Tensor]) -> None:  # the mappings stay while the thread works on them
-        with contextlib.suppress(OSError):  # a thread's nice value is a hint
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for address, nbytes in spans:
-            if idle is not None:
-                idle.wait()
-            libc.madvise(ctypes.c_void_p(address), nbytes, _MADV_POPULATE_WRITE)  # fails harmlessly on old kernels
 
-    thread = threading.Thread(target=populate, args=(pools,), name="kv-pool-populate", daemon=True)
-    thread.start()
-    return thread
+class PagePopulator:
+    """Maps KV pools' pages in on one daemon thread with madvise(MADV_POPULATE_WRITE), so that the
+    steps' KV writes do not take the faults (`zeros_untouched`). The pages fault in as a write
+    would fault them and their contents are left as they are, so KV writes racing it are safe.
+    Pools it cannot take are left to fault on first write: a device's, and small ones from the
+    heap (not page-aligned). Each pool is `[planes, blocks, ...]` (K and V, or MLA's one plane).
+
+    It must never make the engine's threads wait on it, whatever the machine's load. The kernel
+    runs MADV_POPULATE_WRITE under the process's mmap lock, held for reading for the whole call;
+    brk, mmap, munmap and mprotect (any thread's malloc growing or trimming its heap) take it for
+    writing and wait until every reader has left, and once a writer waits, later readers queue
+    behind it. A reader-writer semaphore lends no priority to its holder. One call for a whole
+    pool from a thread at nice 19 was a priority inversion: with CPU hogs beside the engine that
+    thread got a sliver of a core, held the lock for minutes and the engine's main thread sat in
+    brk the while (`LLM()` took 60–125 s with four hogs on two cores). So:
+
+    - each call maps at most one POPULATE_CHUNK-aligned piece (one huge page): the lock is held
+      for one page's fault, the fault the engine would take itself on its first write there;
+    - the thread runs at the priority of the thread that made it (the engine's), never lowered:
+      an unprivileged thread cannot raise its priority back for a call (RLIMIT_NICE), and between
+      calls it takes the GIL, where a starved holder would stall every Python thread the same way;
+    - it maps the blocks in the order the engine writes them and no further than it needs: the
+      block pool hands out never-used blocks in id order (`core.block_pool`: its free list starts
+      0..N-1 and freed blocks go to its end), so with `ahead_blocks` the pages of blocks up to
+      that many past the highest block a step holds (`reach`) are mapped, beside the steps. Its
+      work is then the faults the steps would take, done off their path, plus one window; a job
+      that uses little of its pool maps little of it. Without `ahead_blocks`, the whole pool.
+    - with `idle` (an IdleGate), each call waits until the worker is idle.
+
+    The thread holds the pools only during a call: once the populator is gone (its worker with
+    it), the thread ends and the pools are freed; `keep_alive` keeps them until the whole pool is
+    mapped instead (a caller that drops the populator). A failed call (Linux < 5.14 has no
+    MADV_POPULATE_WRITE) ends it: the rest of the pages fault on first write."""
+
+    def __init__(self, pools: list[torch.Tensor], ahead_blocks: int | None = None, idle: IdleGate | None = None,
+                 keep_alive: bool = False) -> None:
+        self.pools = [pool for pool in pools if pool.device.type == "cpu" and pool.data_ptr() % mmap.PAGESIZE == 0]
+        self.num_blocks = max((pool.shape[1] for pool in self.pools), default=0)
+        self.ahead_blocks = ahead_blocks
+        # Blocks below `target` are to be mapped; it only grows.
+        self.target = self.num_blocks if ahead_blocks is None else min(ahead_blocks, self.num_blocks)
+        self._wake = threading.Condition()
+        self.thread: threading.Thread | None = None
+        libc = _libc()
+        if libc is None or not self.pools or os.environ.get(POPULATE_ENV, "1") == "0":
+            return
+        weakref.finalize(self, _wake_all, self._wake)  # a thread waiting for a target learns it never comes
+        self.thread = threading.Thread(
+            target=_populate, name="kv-pool-populate", daemon=True,
+            args=(weakref.ref(self), self._wake, _pieces_in_block_order(self.pools), libc.madvise, idle,
+                  self if keep_alive else None))
+        self.thread.start()
+
+    def reach(self, block: int) -> None:
+        """A step holds `block`: map the pages up to `ahead_blocks` past it. Called from the
+        worker's thread only (the target only grows)."""
+        target = min(block + 1 + (self.ahead_blocks or 0), self.num_blocks)
+        if target <= self.target:  # most steps: no lock taken
+            return
+        with self._wake:
+            self.target = target
+            self._wake.notify()
+
+
+def _pieces_in_block_order(pools: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(first block, address, bytes) of each madvise call that maps `pools` in: within one plane,
+    at most one POPULATE_CHUNK-aligned window of it, page-aligned; ordered by the first block each
+    holds, which is the order the engine writes them in."""
+    pieces = []
+    for pool in pools:
+        plane_bytes, block_bytes = pool.stride(0) * pool.element_size(), pool.stride(1) * pool.element_size()
+        for plane in range(pool.shape[0]):
+            start = pool.data_ptr() + plane * plane_bytes
+            end = start + pool.shape[1] * block_bytes
+            address = start // mmap.PAGESIZE * mmap.PAGESIZE
+            while address < end:
+                stop = min((address // POPULATE_CHUNK + 1) * POPULATE_CHUNK, end)
+                pieces.append((max(address - start, 0) // block_bytes, address, stop - address))
+                address = stop
+    return sorted(pieces)
+
+
+def _populate(owner: weakref.ref, wake: threading.Condition, pieces: list[tuple[int, int, int]], madvise,
+              idle: IdleGate | None, keep_alive: PagePopulator | None) -> None:
+    """The populate thread: each piece once its first block is below the target (and the worker is
+    idle, with `idle`). `keep_alive`: the populator, held to the end; else only during a call."""
+    for first_block, address, nbytes in pieces:
+        if not _wait_for_target(owner, wake, first_block):
+            return
+        if idle is not None:
+            idle.wait()
+        populator = owner()  # holds the pools mapped during the call
+        if populator is None or madvise(ctypes.c_void_p(address), nbytes, _MADV_POPULATE_WRITE) != 0:
+            return
+        del populator
+
+
+def _wait_for_target(owner: weakref.ref, wake: threading.Condition, block: int) -> bool:
+    """Wait until the populator's target passes `block`; False once the populator is gone."""
+    with wake:
+        while True:
+            populator = owner()
+            if populator is None or block < populator.target:
+                return populator is not None
+            del populator  # not held while waiting, so that a populator no one else holds is freed
+            if owner() is None:  # freed by that very `del`: its wake-up came before this wait
+                return False
+            wake.wait()
+
+
+def _wake_all(wake: threading.Condition) -> None:
+    with wake:
+        wake.notify_all()
 
 
 @functools.cache
@@ -219,7 +311,7 @@ HUGE_PAGES_ENV = "KVFLOW_KV_HUGE_PAGES"  # =0: 4 KiB pages (A/B)
 POPULATE_ENV = "KVFLOW_KV_POPULATE"  # =0: pages fault on first write (A/B)
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14
 _HUGE_PAGE = 2 << 20
-POPULATE_CHUNK = 16 * _HUGE_PAGE  # a gated populate's unit: one madvise call between idle checks
+POPULATE_CHUNK = _HUGE_PAGE  # the most one madvise call maps, holding the mmap lock: one huge page's fault
 
 
 def unique_caches(kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ from kvflow.attention.backend import get_attention_backend
 from kvflow.config import EngineConfig
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.distributed.parallel_state import SINGLE, TensorParallel, split_heads, tensor_parallel_scope
+from kvflow.kv_store import open_kv_block_store
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.batch_invariant import make_batch_invariant
 from kvflow.model.loader import Checkpoint
@@ -32,8 +33,14 @@ from kvflow.model.registry import build_model
 from kvflow.worker import host_malloc
 from kvflow.worker.cpu_decode import CpuDecodeLoop
 from kvflow.worker.cuda_graphs import DecodeGraphs
-from kvflow.worker.kv_cache import IdleGate, allocate_kv_caches, available_memory_bytes, pool_blocks
-from kvflow.kv_store import open_kv_block_store
+from kvflow.worker.kv_cache import (
+    IdleGate,
+    PagePopulator,
+    allocate_kv_caches,
+    available_memory_bytes,
+    pool_blocks,
+    unique_caches,
+)
 from kvflow.worker.kv_connector import KVStoreConnectorWorker
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.runner_output import ModelRunnerOutput
@@ -51,6 +58,7 @@ class Worker:
         self.local_arch = rank_arch(arch, tp)
         # With --kv-populate when-idle, the KV pool's populate runs only while no step does.
         self.idle = IdleGate() if config.cache.populate == "when-idle" else None
+        self.populators: list[tuple[PagePopulator, bool]] = []  # (the pool's, whether the pool is the host's)
         if self.device.type == "cpu":
             host_malloc.keep_freed_memory()  # each step's activations on pages the last step freed
 
@@ -70,9 +78,10 @@ class Worker:
         cfg, cache, dtype = self.config, self.config.cache, self.config.model.dtype
         layout = self.local_arch.kv_layout
         kv_caches = allocate_kv_caches(layout, num_blocks, cache.block_size, dtype, self.device, cache.cache_dtype,
-                                       cache.populate != "off", self.idle)
+                                       populate=False)
         host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype,
-                                          cache.populate != "off", self.idle) if num_host_blocks else None)
+                                          populate=False) if num_host_blocks else None)
+        self.start_populate(kv_caches, host_caches)
         graphs = None
         # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
         if cfg.use_cuda_graphs and self.arch.moe is None:
@@ -86,11 +95,38 @@ class Worker:
         if cfg.kv_transfer is not None:
             self.model_runner.kv_connector = KVStoreConnectorWorker(open_kv_block_store(cfg.kv_transfer), kv_caches)
 
+    def start_populate(self, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor] | None) -> None:
+        """Map the pools' pages in (`--kv-populate`, `kv_cache.PagePopulator`): all of them while
+        the worker is idle (when-idle), or ahead of the steps' writes (background): as many blocks
+        past the highest a step holds as one step can start writing (a block per request past
+        its tokens' blocks, in every KV group)."""
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.populate == "off":
+            return
+        ahead = None
+        if cache.populate == "background":
+            step_blocks = -(-sched.max_num_batched_tokens // cache.block_size) + sched.max_num_seqs
+            ahead = step_blocks * len(self.local_arch.kv_layout.groups)
+        pools = [(kv_caches, False)] + ([(host_caches, True)] if host_caches else [])
+        populators = [(PagePopulator(unique_caches(caches), ahead, self.idle), host) for caches, host in pools]
+        self.populators = [(populator, host) for populator, host in populators if populator.thread is not None]
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.idle is None:
+            if self.populators:  # background: ahead of the blocks this step holds
+                device_block, host_block = highest_blocks(sched)
+                for populator, host in self.populators:
+                    populator.reach(host_block if host else device_block)
             return self.model_runner.execute(sched)
         with self.idle:
             return self.model_runner.execute(sched)
+
+
+def highest_blocks(sched: SchedulerOutput) -> tuple[int, int]:
+    """The highest device block the step's requests hold (a table's newest block is its last) and
+    the highest host block it swaps out to; -1 for none."""
+    device = max((table[-1] for chunk in sched.chunks for table in chunk.block_ids if table), default=-1)
+    return device, max((host for _, host in sched.swap_out), default=-1)
 
 
 def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint,
