@@ -4,7 +4,8 @@ where it runs (quant/panel_linear.py: AMX tiles or AVX-512 BF16 dot products), a
 a GGUF runs by default (quant/int4pack.py). Interleaved in one process; medians; against `kvflow
 bench ceilings`.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/cpu_linear_shapes.py [--rounds 7] [--copies 30] [--ceilings-json FILE] [--threads N]
+    PYTHONPATH=src .venv/bin/python benchmarks/cpu_linear_shapes.py [--rounds 7] [--copies 30] \
+        [--ceilings-json FILE] [--threads N]
 
 `--copies N` cycles over N copies of each weight, so that a call reads its weight from memory as a
 model's 30 layers do at decode (1: the weight stays in cache).
@@ -60,9 +61,11 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"ceilings: {bandwidth / 1e9:.1f} GB/s, {peak / 1e12:.2f} TFLOP/s bf16; {torch.get_num_threads()} threads; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"panel kernel: {'AMX tiles' if panel_linear.has_tiles() else 'dot products' if panel_linear.available() else 'not here'}; "
+    kernel = 'AMX tiles' if panel_linear.has_tiles() else 'dot products' if panel_linear.available() else 'not here'
+    print(f"panel kernel: {kernel}; "
           f"{args.copies} cop{'y' if args.copies == 1 else 'ies'} of each weight")
-    print("| layer | M | F.linear µs | oneDNN packed µs | panels µs | int4 planes µs | panels / oneDNN packed | best: % of bandwidth or peak |")
+    print("| layer | M | F.linear µs | oneDNN packed µs | panels µs | int4 planes µs | panels / oneDNN packed "
+          "| best: % of bandwidth or peak |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (n, k) in SHAPES.items():
         weights = [(0.02 * torch.randn(n, k)).bfloat16() for _ in range(args.copies)]

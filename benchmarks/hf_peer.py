@@ -24,7 +24,6 @@ from hf_oracle import default_model_hf_dir, gemma3_270m_hf_dir  # noqa: E402
 
 from kvflow.bench.workloads import random_prompts  # noqa: E402
 
-
 HF_DIRS = {"default": default_model_hf_dir, "gemma3-270m": gemma3_270m_hf_dir}
 
 

@@ -1,8 +1,9 @@
 """How to add a step's LoRA deltas, timed on the default model's layer shapes: kvflow's two forms
-(kvflow/lora/batch.py) — segments (per run of rows sharing an adapter, two matmuls on exactly
-those rows) and masked (every row by the stacked A of the step's slot range, each slot's own rows
-gathered and expanded by its own B in one bmm) — against a gathered bmm (the runs' rows gathered into one zero-padded [adapters, rows,
-in] batch, the adapters' A and B gathered beside them, two bmm calls, the result scattered back).
+(kvflow/lora/batch.py) — segments (per run of rows sharing an adapter, two matmuls on exactly those
+rows) and masked (every row by the stacked A of the step's slot range, each slot's own rows gathered
+and expanded by its own B in one bmm) — against a gathered bmm (the runs' rows gathered into one
+zero-padded [adapters, rows, in] batch, the adapters' A and B gathered beside them, two bmm calls,
+the result scattered back).
 
     .venv/bin/python benchmarks/lora_ops.py [--rank 16 --max-loras 16 --repeats 15 --threads N --dtype bfloat16]
     .venv/bin/python benchmarks/lora_ops.py --device cuda --dtype bfloat16 [--model llama-3.1-8b] [--shapes 16x4,2048x4]

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hf_oracle import default_gguf_path, default_model_hf_dir, gemma3_270m_hf_dir  # noqa: E402
+
 from kvflow.config import EngineArgs  # noqa: E402
 from kvflow.engine.llm_engine import LLMEngine  # noqa: E402
 from kvflow.eval.perplexity import perplexity  # noqa: E402

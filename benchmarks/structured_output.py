@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import kvflow.model.layers.sampler as sampler_module
 from kvflow import EngineArgs, LLMEngine, SamplingParams, StructuredOutputsParams
-from kvflow.structured_output.backend import make_backend
+from kvflow.structured_output.backends import make_backend
 from kvflow.structured_output.compiler import GrammarCompiler
 
 SCHEMAS = {

@@ -3,12 +3,13 @@ time goes at TP=2 (issue 14).
 
     python benchmarks/tp_scaling.py --config benchmarks/configs/qwen2.5-0.5b/config.json
 
-Dummy weights of the given config (no download; the config must have heads that split over 2
-ranks: SmolLM2-135M's 9 heads do not). For each TP size, in alternating rounds, one engine runs
-a prefill-heavy batch and a decode-heavy batch; the report gives output tokens/s and ms per
-step (medians over rounds). TP=1 runs twice: on all cores, and on one thread (what each rank gets
-at TP=2 on 2 cores), so the split's own cost is seen apart from threading. At TP=2 rank 0's time inside the model's collectives (all-reduce,
-all-gather) and in broadcasting step messages is timed by wrapping those calls.
+Dummy weights of the given config (no download; the config must have heads that split over 2 ranks:
+SmolLM2-135M's 9 heads do not). For each TP size, in alternating rounds, one engine runs a prefill-
+heavy batch and a decode-heavy batch; the report gives output tokens/s and ms per step (medians over
+rounds). TP=1 runs twice: on all cores, and on one thread (what each rank gets at TP=2 on 2 cores),
+so the split's own cost is seen apart from threading. At TP=2 rank 0's time inside the model's
+collectives (all-reduce, all-gather) and in broadcasting step messages is timed by wrapping those
+calls.
 """
 
 from __future__ import annotations

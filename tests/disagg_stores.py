@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
 from kvflow.kv_store.tcp_server import KVStoreServer
-from tiny_models import make_tiny_model
 
 B = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2,

@@ -19,13 +19,13 @@ from kvflow.analysis.hardware import PRESETS as HARDWARE
 from kvflow.analysis.hardware import get_hardware
 from kvflow.analysis.model_spec import PRESETS as MODELS
 from kvflow.analysis.model_spec import ModelSpec, resolve_model
-from kvflow.entrypoints.plan_cli import add_plan_parser, main_plan, run_plan
 from kvflow.analysis.planner import (
     SpecParams,
     matmul_intensity,
     plan,
     speculative_speedup,
 )
+from kvflow.entrypoints.plan_cli import add_plan_parser, main_plan, run_plan
 
 H100 = HARDWARE["H100-SXM"]
 GB = 1e9  # the seeds' GB is decimal (80 GB H100, 26 GB of weights, 3350 GB/s)

@@ -7,12 +7,12 @@ import re
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, SamplingParams
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.attention.torch_reference import TorchReferenceBackend
 from kvflow.attention.torch_sdpa import TorchSDPABackend
-from tiny_models import make_tiny_model
 
 
 def random_batch(seed: int, block_size: int, heads: int, kv_heads: int, dtype, window: int | None):

@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cpu_paged import nan_pool_batch
 
 from kvflow.attention import cpu_prompt
 from kvflow.attention.torch_reference import TorchReferenceBackend
 from kvflow.attention.torch_sdpa import TorchSDPABackend
-from test_cpu_paged import nan_pool_batch
 
 kernel = cpu_prompt.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX-512 BF16 (or no C++ compiler) here")

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
+from test_backends import random_batch
 
 from kvflow.attention import kv_quant
 from kvflow.attention.metadata import gather_kv, write_kv
 from kvflow.attention.torch_reference import TorchReferenceBackend
 from kvflow.attention.torch_sdpa import TorchSDPABackend
 from kvflow.worker.model_runner import ModelRunner
-from test_backends import random_batch
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 

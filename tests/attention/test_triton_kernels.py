@@ -18,7 +18,11 @@ from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, wri
 from kvflow.attention.torch_reference import TorchReferenceBackend  # noqa: E402
 from kvflow.attention.triton_backend import TritonBackend  # noqa: E402
 from kvflow.attention.triton_kernels import (  # noqa: E402
-    decode_split_k, make_tiles, paged_prefill, query_tile_size, store_kv,
+    decode_split_k,
+    make_tiles,
+    paged_prefill,
+    query_tile_size,
+    store_kv,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -233,8 +237,9 @@ def test_missing_triton_is_a_clear_error(monkeypatch):
 
 # -- end to end ------------------------------------------------------------------------------------
 def test_llm_greedy_tokens_match_the_reference_backend(tmp_path):
-    from kvflow import LLM, SamplingParams
     from tiny_models import make_tiny_model
+
+    from kvflow import LLM, SamplingParams
 
     make_tiny_model("qwen2-hybrid-window", tmp_path)  # GQA, one windowed layer, two full ones
     prompts = [[5, 17, 3, 88, 40, 2, 9, 61, 33, 12, 7, 70, 1, 4], [44, 45], [90, 3, 3, 3, 8, 11]]

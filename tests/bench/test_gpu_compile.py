@@ -21,6 +21,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from tiny_models import make_tiny_model  # noqa: E402
+
 from kvflow import SamplingParams  # noqa: E402
 from kvflow.attention.triton_kernels.paged_prefill import prefill_config  # noqa: E402
 from kvflow.bench import gpu_compile  # noqa: E402
@@ -34,7 +36,6 @@ from kvflow.config import EngineArgs  # noqa: E402
 from kvflow.engine.llm_engine import LLMEngine  # noqa: E402
 from kvflow.entrypoints.cli import main  # noqa: E402
 from kvflow.kernel_launch import KernelLaunch  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = str(ROOT / "benchmarks" / "configs" / "llama-3.1-8b" / "config.json")

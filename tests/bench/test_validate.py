@@ -7,14 +7,14 @@ import json
 import pytest
 from tiny_models import make_tiny_model
 
-from kvflow.bench import validate as validate_mod
 from kvflow.analysis.model_spec import PRESETS
-from kvflow.entrypoints.plan_cli import main_plan
-from kvflow.bench.validate import Check, engine_model, predict_latency, predict_throughput
+from kvflow.bench import validate as validate_mod
 from kvflow.bench.ceilings import Ceilings
 from kvflow.bench.latency import LatencyWorkload
 from kvflow.bench.mbu import EngineShape
 from kvflow.bench.throughput import ThroughputWorkload
+from kvflow.bench.validate import Check, engine_model, predict_latency, predict_throughput
+from kvflow.entrypoints.plan_cli import main_plan
 
 SHAPE = EngineShape(PRESETS["smollm2-135m"], "bfloat16", 2, "cpu")
 CEILINGS = Ceilings(memory_bandwidth_gb_s=10.0, peak_flops=1e12, dtype="bfloat16", device="cpu")

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import pytest
+from live_server import wait_until
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, EngineArgs, LLMEngine, SamplingParams
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
 from kvflow.engine.engine_thread import RequestFailedError, build_on_fresh_thread
 from kvflow.worker.device_faults import WorkerDiedError, is_device_fault
-from live_server import wait_until
-from tiny_models import make_tiny_model
 
 TIMEOUT_S = 10  # distributed_timeout_s of these engines
 ENGINE = dict(dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S,

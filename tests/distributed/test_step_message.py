@@ -7,10 +7,10 @@ import pickle
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, SamplingParams
 from kvflow.worker.step_message import CachedRequestData, NewRequestData, StepDecoder, StepEncoder
-from tiny_models import make_tiny_model
 
 
 def _prompts(lengths, seed=3):

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 import torch
+from live_server import wait_until
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
-from live_server import wait_until
-from tiny_models import make_tiny_model
 
 DELTA = RequestOutputKind.DELTA
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=DELTA)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, EngineArgs, SamplingParams
 from kvflow.attention import cpu_paged
@@ -13,7 +14,6 @@ from kvflow.model.layers.batch_invariant import ROW_TILE, RowTiledMethod
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
 from kvflow.quant.unquantized import UnquantizedMethod
 from kvflow.worker.cpu_decode import CpuDecodeLoop
-from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
 

@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 import torch
+from live_server import start_thread, wait_until
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import LLM, EngineArgs, RequestOutputKind, SamplingParams
 from kvflow.engine.async_llm import EngineDeadError
@@ -24,8 +26,6 @@ from kvflow.engine.load_limits import LoadLimits
 from kvflow.entrypoints.cli import main as kvflow_main
 from kvflow.entrypoints.openai.api_server import build_app
 from kvflow.entrypoints.openai.limits import ServerLimits
-from live_server import start_thread, wait_until
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 DELTA = RequestOutputKind.DELTA
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=DELTA)

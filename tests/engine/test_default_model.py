@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_oracle import default_model_hf_dir
+
 from kvflow import LLM, SamplingParams
 
 CONVERSATIONS = [

@@ -5,11 +5,10 @@ computes only what it did not receive; aborts leave both pools and the store emp
 from __future__ import annotations
 
 import pytest
-
-from disagg_stores import B, GREEDY, assert_same, make_engine, make_pair, random_tokens, reference
-from disagg_stores import make_store, model_dir, store  # noqa: F401  (fixtures)
-from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
+from disagg_stores import GREEDY, B, assert_same, make_engine, make_pair, make_store, model_dir, random_tokens, reference, store  # noqa: F401  (fixtures)
 from tiny_models import make_tiny_model
+
+from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
 
 LENGTHS = [1, B - 1, B, B + 1, 3 * B, 100]
 
@@ -96,7 +95,8 @@ def test_bad_kv_transfer_config_names_the_field(model_dir, tmp_path):
     with pytest.raises(ValueError, match="kv_connector"):
         make_engine(model_dir, kv_transfer_config='{"kv_connector": "Nixl"}')
     with pytest.raises(ValueError, match="kv_producer"):
-        DisaggregatedPrefillDecode(make_engine(model_dir, "kv_consumer", tmp_path), make_engine(model_dir, "kv_consumer", tmp_path))
+        DisaggregatedPrefillDecode(make_engine(model_dir, "kv_consumer", tmp_path),
+                                   make_engine(model_dir, "kv_consumer", tmp_path))
     with pytest.raises(ValueError, match="kv_store_url is required"):
         make_engine(model_dir, kv_transfer_config={"kv_connector": "TCPStoreConnector"})
     with pytest.raises(ValueError, match="must share one KV store"):

@@ -7,9 +7,8 @@ from __future__ import annotations
 import socket
 
 import pytest
+from disagg_stores import GREEDY, B, assert_same, make_engine, make_pair, make_store, model_dir, random_tokens, reference, store  # noqa: F401  (fixtures)
 
-from disagg_stores import B, GREEDY, assert_same, make_engine, make_pair, random_tokens, reference
-from disagg_stores import make_store, model_dir, store  # noqa: F401  (fixtures)
 from kvflow.core.kv_connector import transfer_keys
 from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
 from kvflow.kv_store.tcp_server import KVStoreServer
@@ -53,7 +52,7 @@ def test_the_bound_evicts_the_least_recently_used_and_the_consumer_computes_them
     _prefill(pair, "second", second)  # ... until second's 2 evict the 2 least recently used: first's 0 and 1
     assert len(store.contents()) == 4
     done = _decode(pair, {"first": first, "second": second})
-    for rid, prompt, ref in zip(("first", "second"), (first, second), reference(model_dir, [first, second])):
+    for rid, ref in zip(("first", "second"), reference(model_dir, [first, second])):
         assert_same(done[rid], ref)
     assert done["first"].num_cached_tokens == 0 and done["first"].metrics.kv_transfer_bytes == 0
     assert done["second"].num_cached_tokens == 2 * B and done["second"].metrics.kv_transfer_bytes == 2 * block_bytes
@@ -123,7 +122,7 @@ def test_a_store_that_goes_away_after_the_prefill_means_computing_here(model_dir
     assert len(server.store) > 0
     server.stop()  # with the prompts' KV in it
     done = _decode(pair, prompts)
-    for (rid, prompt), ref in zip(prompts.items(), reference(model_dir, list(prompts.values()))):
+    for rid, ref in zip(prompts, reference(model_dir, list(prompts.values()))):
         assert_same(done[rid], ref)
         assert done[rid].num_cached_tokens == 0
     _assert_baseline(pair.prefill, pair.decode)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kvflow import LLM, LLMEngine, EngineArgs, RequestOutputKind, SamplingParams
 from tiny_models import make_tiny_model
+
+from kvflow import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,8 @@ BAD_REQUESTS = [
     ([5, 97], SamplingParams(), r"token id 97 is not an integer in \[0, 97\)"),
     ([5, -1], SamplingParams(), "token id -1"),
     ([5, "x"], SamplingParams(), "token id 'x'"),
-    (_prompt(250), SamplingParams(max_tokens=10), r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 tokens exceeds max_model_len \(256\)"),
+    (_prompt(250), SamplingParams(max_tokens=10),
+     r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 tokens exceeds max_model_len \(256\)"),
     (_prompt(300), SamplingParams(max_tokens=None), r"exceeds max_model_len \(256\)"),
     ("text without a tokenizer", SamplingParams(), "need a tokenizer"),
     ({"neither": 1}, SamplingParams(), "needs 'prompt' or 'prompt_token_ids'"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from tiny_models import make_tiny_model
 
 from kvflow.config import EngineArgs
 from kvflow.engine.async_llm import AsyncLLM
@@ -15,7 +16,6 @@ from kvflow.engine.engine_thread import build_on_fresh_thread
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.openai.api_server import _start_engine
 from kvflow.entrypoints.openai.limits import ServerLimits
-from tiny_models import make_tiny_model
 
 
 def test_build_on_fresh_thread_returns_or_raises_what_the_build_did():

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kvflow import LLM, SamplingParams
 from hf_oracle import assert_matches_oracle
 from tiny_models import TINY_CONFIGS, make_tiny_model
+
+from kvflow import LLM, SamplingParams
 
 PROMPT_LENS = (3, 17, 40)  # within a block, across a block boundary, several blocks
 STEPS = 32

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, EngineArgs, LLMEngine, SamplingParams
 from kvflow.analysis.model_spec import ModelSpec
 from kvflow.entrypoints.cli import build_parser
-from tiny_models import make_tiny_model
 
 QUANTIZED = ["fp8", "int8"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

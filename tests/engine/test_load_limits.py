@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 import torch
+from live_server import wait_until
+from tiny_models import make_tiny_model
 
 from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, LoadLimits, RequestFailedError
-from live_server import wait_until
-from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 LONG = GREEDY.clone(max_tokens=200)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kvflow import LLMEngine, EngineArgs, RequestOutputKind, SamplingParams
 from tiny_models import make_tiny_model
+
+from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -164,7 +164,8 @@ def test_high_priority_request_runs_first_when_the_pool_is_full(model_dir):
     assert engine.scheduler.num_preemptions_total > 0
 
 
-@pytest.mark.parametrize("mode,policy", [("recompute", "fcfs"), ("swap", "fcfs"), ("recompute", "priority"), ("swap", "priority")])
+@pytest.mark.parametrize("mode,policy", [("recompute", "fcfs"), ("swap", "fcfs"), ("recompute", "priority"),
+                                         ("swap", "priority")])
 def test_no_deadlock_with_a_pool_of_a_few_blocks(model_dir, mode, policy):
     engine = _engine(model_dir, num_kv_blocks=3, block_size=16, preemption_mode=mode, swap_space_gb=0.01,
                      scheduling_policy=policy, max_num_batched_tokens=16)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
-from tiny_models import make_tiny_model
 
 VOCAB = 97
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
-from tiny_models import make_tiny_model
 
 VOCAB = 97
 PREFIXES = [[], [11, 12, 13, 14, 15, 16, 17], list(range(20, 52))]  # shared prefixes: cache hits

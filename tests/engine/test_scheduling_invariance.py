@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, SamplingParams
-from tiny_models import make_tiny_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -12,15 +12,15 @@ import json
 
 import httpx
 import pytest
+from live_server import start_thread, wait_until
 from pydantic import TypeAdapter
+from tiny_models import make_tiny_model
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai.api_server import build_app
 from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.responses import Usage
-from live_server import start_thread, wait_until
-from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from live_server import start_thread, wait_until
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.dp_async_llm import DPAsyncLLM
 from kvflow.entrypoints.openai.api_server import build_app
-from live_server import start_thread, wait_until
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 # One character a token: several full blocks of 16, the part a cache hit covers.
 SHARED = "You are the assistant of a small bakery; answer in one short sentence. " * 2

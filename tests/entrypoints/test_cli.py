@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tiny_models import make_tiny_model
 
 KVFLOW = [sys.executable, "-m", "kvflow.entrypoints.cli"]

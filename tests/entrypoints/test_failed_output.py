@@ -11,12 +11,12 @@ import json
 
 import httpx
 import pytest
+from live_server import edit_finished_outputs, start_thread, wait_until
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai.api_server import build_app
-from live_server import edit_finished_outputs, start_thread, wait_until
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 C, P = "/v1/chat/completions", "/v1/completions"
 WHY = "the grammar allows no token after 'tru'"

@@ -23,16 +23,14 @@ import json
 import os
 import random
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from live_server import start_process, wait_until
+from safetensors.torch import save_file
 
 pytestmark = pytest.mark.slow
 

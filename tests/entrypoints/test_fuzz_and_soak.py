@@ -19,13 +19,13 @@ import threading
 
 import httpx
 import pytest
+from live_server import start_thread, wait_until
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai.api_server import build_app
 from kvflow.entrypoints.openai.limits import ServerLimits
-from live_server import start_thread, wait_until
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 P, C = "/v1/completions", "/v1/chat/completions"
 LIMITS = ServerLimits(max_prompts_per_request=16, max_seqs_per_request=32, max_body_bytes=256 * 1024)

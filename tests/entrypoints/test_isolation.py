@@ -14,13 +14,13 @@ import time
 
 import httpx
 import pytest
-
-from kvflow import EngineArgs, LLMEngine
-from kvflow.engine.async_llm import AsyncLLM, LoadLimits
-from kvflow.entrypoints.openai.api_server import build_app
-from kvflow.entrypoints.openai.limits import ServerLimits
 from live_server import parse_metrics, start_process, start_thread, wait_until
 from tiny_models import make_tiny_model, write_tiny_tokenizer
+
+from kvflow import EngineArgs, LLMEngine
+from kvflow.engine.async_llm import AsyncLLM
+from kvflow.entrypoints.openai.api_server import build_app
+from kvflow.entrypoints.openai.limits import ServerLimits
 
 P, C = "/v1/completions", "/v1/chat/completions"
 VICTIM = {"prompt": "The victim's own prompt", "max_tokens": 40, "temperature": 0, "ignore_eos": True}

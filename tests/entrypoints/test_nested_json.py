@@ -9,6 +9,8 @@ import json
 
 import httpx
 import pytest
+from live_server import edit_finished_outputs, start_thread
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
@@ -16,8 +18,6 @@ from kvflow.entrypoints.openai.api_server import build_app
 from kvflow.entrypoints.openai.json_depth import MAX_JSON_DEPTH, json_depth
 from kvflow.entrypoints.openai.limits import MIB
 from kvflow.entrypoints.openai.tool_parsers import choice_output
-from live_server import edit_finished_outputs, start_thread
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 C, P = "/v1/chat/completions", "/v1/completions"
 DEEP = "[" * 5000 + "]" * 5000

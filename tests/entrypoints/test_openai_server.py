@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 
 import httpx
+import live_server
 import openai
 import pytest
+from live_server import parse_metrics, start_process
 
 from kvflow import LLM, SamplingParams
 from kvflow.model.default_model import default_model_path
-import live_server
-from live_server import parse_metrics, start_process
 
 pytestmark = pytest.mark.slow
 own_server = live_server.own_server  # a fixture: pytest finds it by its name here

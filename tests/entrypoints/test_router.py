@@ -8,12 +8,12 @@ import json
 
 import httpx
 import pytest
-
-from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
-from kvflow.entrypoints.router import build_router_app
 from disagg_stores import Store
 from live_server import parse_metrics, start_process, start_thread
 from tiny_models import make_tiny_model, write_tiny_tokenizer
+
+from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from kvflow.entrypoints.router import build_router_app
 
 PROMPTS = ["hello world " * 9, "the quick brown fox", "a"]
 

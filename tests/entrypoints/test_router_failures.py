@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
-from kvflow.entrypoints.router import build_router_app
 from live_server import parse_metrics, start_process, start_thread, wait_until
 from tiny_models import make_tiny_model, write_tiny_tokenizer
+
+from kvflow.entrypoints.router import build_router_app
 
 SLACK = 10.0  # seconds: "within seconds" on a loaded 2-core machine (in practice well under one)
 

@@ -10,10 +10,10 @@ import logging
 import re
 
 import pytest
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import EngineArgs, LLMEngine, SamplingParams
 from kvflow.engine.stats import EngineStats, StatsLogger
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 PROMPT_RATE = re.compile(r"prompt throughput: (-?[\d.]+) tok/s")
 

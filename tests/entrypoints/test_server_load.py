@@ -12,10 +12,9 @@ import asyncio
 import signal
 
 import httpx
+import live_server
 import openai
 import pytest
-
-import live_server
 from live_server import parse_metrics, start_process, wait_until
 
 pytestmark = pytest.mark.slow

@@ -10,13 +10,13 @@ import subprocess
 import httpx
 import openai
 import pytest
+from live_server import KVFLOW, start_process, start_thread
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai.api_server import build_app
 from kvflow.entrypoints.openai.http_guards import HostAllowList, is_loopback_bind
-from live_server import KVFLOW, start_process, start_thread
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 P = "/v1/completions"
 BODY = b'{"prompt": "hi", "max_tokens": 1}'

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow.config import EngineArgs
 from kvflow.data import english_text
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.eval.perplexity import perplexity
-from tiny_models import make_tiny_model
 
 
 def _char_tokenizer(directory) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from tiny_models import make_tiny_model
 
 from kvflow import LLMEngine
 from kvflow.config import EngineArgs
 from kvflow.kv_store import DirectoryKVStore
-from tiny_models import make_tiny_model
 
 KEY = hashlib.sha256(b"block").digest()
 

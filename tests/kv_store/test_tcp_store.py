@@ -9,8 +9,7 @@ import struct
 
 import pytest
 
-from kvflow.kv_store import KVStoreError, TCPKVStore
-from kvflow.kv_store import protocol
+from kvflow.kv_store import KVStoreError, TCPKVStore, protocol
 from kvflow.kv_store.tcp_server import KVStoreServer
 
 KEY = hashlib.sha256(b"k").digest()

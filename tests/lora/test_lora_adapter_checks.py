@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft_adapters import make_adapter
 from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_model
 
 from kvflow import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from kvflow.lora.manager import RetiredIds
 from kvflow.lora.peft_adapter import load_peft_adapter
-from peft_adapters import make_adapter
-from tiny_models import make_tiny_model
 
 MAX_RANK = 8
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

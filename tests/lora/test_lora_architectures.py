@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kvflow import LLM, LoRARequest, SamplingParams
 from peft_adapters import check_logprobs, make_adapter
 from tiny_models import make_tiny_model
+
+from kvflow import LLM, LoRARequest, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=0, prompt_logprobs=0, ignore_eos=True)
 # Every module name PEFT finds as an nn.Linear in these models, but the head and MLA's absorbed kv_b_proj.

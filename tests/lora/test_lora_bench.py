@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from kvflow.entrypoints.cli import main
 from tiny_models import make_tiny_model
+
+from kvflow.entrypoints.cli import main
 
 
 def test_bench_lora_runs(tmp_path, capsys):

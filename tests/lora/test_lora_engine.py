@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-
-from kvflow import LLM, EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from peft_adapters import make_adapter
 from tiny_models import make_tiny_model
+
+from kvflow import LLM, EngineArgs, LLMEngine, LoRARequest, SamplingParams
 
 ARCH = "llama-gqa-llama3-rope"
 PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
@@ -72,7 +72,8 @@ def test_eviction_and_reload_give_identical_outputs(base, loras):
     tight = _llm(base[1], enable_prefix_caching=False, max_loras=1, max_cpu_loras=1)
     mixes = []
     execute = tight.llm_engine.runner.execute
-    tight.llm_engine.runner.execute = lambda sched: mixes.append({c.lora_request for c in sched.chunks} - {None}) or execute(sched)
+    tight.llm_engine.runner.execute = (
+        lambda sched: mixes.append({c.lora_request for c in sched.chunks} - {None}) or execute(sched))
     for _ in range(2):
         got = tight.generate(prompts, PARAMS, use_tqdm=False, lora_request=choice)
         for want, out in zip(expected, got):

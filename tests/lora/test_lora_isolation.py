@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft_adapters import make_adapter
+from tiny_models import make_tiny_model
 
 from kvflow import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from kvflow.lora.batch import LoRABatch
 from kvflow.lora.layers import LoRAContext, LoRALinear
 from kvflow.model.layers.linear import QKVParallelLinear, RowParallelLinear
-from peft_adapters import make_adapter
-from tiny_models import make_tiny_model
 
 MAX_LORAS, MAX_RANK = 4, 16
 POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge": 3e38}

@@ -10,11 +10,11 @@ import copy
 
 import pytest
 import torch
-
 from hf_oracle import default_gguf_path, default_model_hf_dir
-from kvflow import LLM, LoRARequest, SamplingParams
 from peft_adapters import check_logprobs, logprobs, make_adapter
 from tiny_models import make_tiny_model
+
+from kvflow import LLM, LoRARequest, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=0, prompt_logprobs=0, ignore_eos=True)
 
@@ -70,7 +70,6 @@ def test_gguf_native_base_with_adapter(tmp_path):
     blocks decoded as gguf-py decodes them, which is what the native layers multiply by
     (tests/quant/test_gguf_native.py). The int4 kernel rounds differently from a dense matmul,
     over 30 layers: 1e-3."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(default_model_hf_dir(), dtype=torch.float32).eval()
@@ -81,6 +80,7 @@ def test_gguf_native_base_with_adapter(tmp_path):
     assert type(qkv.quant_method).__module__ == "kvflow.quant.gguf"
     params = SamplingParams(temperature=0, max_tokens=3, logprobs=0, prompt_logprobs=0, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4649, 314, 2, 88, 1003, 19, 77, 4002], [1, 9906, 30, 12]]
-    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[LoRARequest("adapter", 1, str(tmp_path / "adapter")), None])
+    adapter = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[adapter, None])
     check_logprobs(outs[0], oracle, atol=1e-3)
     check_logprobs(outs[1], hf, atol=1e-3)

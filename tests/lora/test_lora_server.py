@@ -15,17 +15,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from live_server import start_thread
+from peft_adapters import make_adapter
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import LLM, EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai.api_server import build_app
 from kvflow.entrypoints.openai.errors import APIError
 from kvflow.entrypoints.openai.serving_models import (
-    MAX_LORA_NAME_CHARS, LoadLoRAAdapterRequest, ServingModels, UnloadLoRAAdapterRequest,
+    MAX_LORA_NAME_CHARS,
+    LoadLoRAAdapterRequest,
+    ServingModels,
+    UnloadLoRAAdapterRequest,
 )
-from live_server import start_thread
-from peft_adapters import make_adapter
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 P = "/v1/completions"
 BODY = {"prompt": "Tell me a story", "max_tokens": 12, "temperature": 0, "ignore_eos": True}

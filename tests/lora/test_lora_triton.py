@@ -13,6 +13,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from peft_adapters import make_adapter  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
+
 from kvflow import EngineArgs, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from kvflow.bench.engine_shapes import Step, engine_shapes  # noqa: E402
 from kvflow.bench.gpu_kernels import LORA_ADAPTERS, lora_cases  # noqa: E402
@@ -22,8 +25,6 @@ from kvflow.lora.batch import LoRABatch  # noqa: E402
 from kvflow.lora.layers import LoRAContext, LoRALinear  # noqa: E402
 from kvflow.lora.triton_ops import add_lora, lora_expand_launch, lora_shrink_launch  # noqa: E402
 from kvflow.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear  # noqa: E402
-from peft_adapters import make_adapter  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MAX_LORAS, MAX_RANK = 3, 16

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import write_tiny_tokenizer
 
 from kvflow.model.chat_template import compile_chat_template, render_chat_template
 from kvflow.model.tokenizer import Tokenizer
-from tiny_models import write_tiny_tokenizer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo <b> & 'you'"},
             {"role": "assistant", "content": "hi"}]

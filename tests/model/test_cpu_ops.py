@@ -140,8 +140,9 @@ def test_cpu_tensors_take_the_kernels_unless_switched_off(monkeypatch):
 
 @pytest.mark.parametrize("name", ["llama-gqa-llama3-rope", "qwen3-qknorm"])
 def test_tiny_model_with_kernels_matches_the_torch_code(name, tmp_path, monkeypatch):
-    from kvflow import LLM, SamplingParams
     from tiny_models import make_tiny_model
+
+    from kvflow import LLM, SamplingParams
 
     make_tiny_model(name, tmp_path)
     prompts = [[5, 17, 3, 88, 40, 2, 9, 61, 33, 12, 7, 70, 1, 4], [44, 45], [90, 3, 3, 3, 8, 11]]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from tiny_models import COMMON
 
 from kvflow import LLM, SamplingParams
-from tiny_models import COMMON
 
 CONFIG = {**COMMON, "architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
           "tie_word_embeddings": False, "rope_theta": 10000.0}

@@ -111,7 +111,8 @@ def test_model_imports_and_runs_without_triton():
     script = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "import kvflow.model.models.llama\nfrom kvflow.model.layers.norm import RMSNorm\nfrom kvflow.model.layers.activation import silu_and_mul\n"
+        "import kvflow.model.models.llama\nfrom kvflow.model.layers.norm import RMSNorm\n"
+        "from kvflow.model.layers.activation import silu_and_mul\n"
         "normed, residual = RMSNorm(8, 1e-6)(torch.ones(2, 8), torch.ones(2, 8))\n"
         "assert torch.equal(residual, torch.full((2, 8), 2.0)) and silu_and_mul(torch.ones(2, 8)).shape == (2, 4)\n"
     )
@@ -120,9 +121,11 @@ def test_model_imports_and_runs_without_triton():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers take the kernels only for CUDA tensors")
 def test_llm_with_kernels_matches_the_torch_layers(tmp_path, monkeypatch):
-    from kvflow import LLM, SamplingParams
-    from kvflow.model.layers import activation, norm, rotary as rotary_layer
     from tiny_models import make_tiny_model
+
+    from kvflow import LLM, SamplingParams
+    from kvflow.model.layers import activation, norm
+    from kvflow.model.layers import rotary as rotary_layer
 
     assert triton_ops.kernels_for(torch.zeros(1, device=DEVICE)) is not None
     make_tiny_model("qwen3-qknorm", tmp_path)  # GQA and the per-head q/k norms

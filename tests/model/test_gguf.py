@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from hf_oracle import default_gguf_path, default_model_hf_dir
+
 from kvflow.model.gguf_tokenizer import tokenizer_from_gguf
 from kvflow.model.loader.gguf import llama3_rope_factors, llama3_rope_scaling, load_gguf, unpermute_rope
 

@@ -6,19 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import make_tiny_model
 from torch import nn
 
 from kvflow import LLM, SamplingParams
 from kvflow.attention.backend import get_attention_backend
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.embedding import VocabParallelEmbedding
-from kvflow.model.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                        RowParallelLinear)
+from kvflow.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.model.loader.hf import load_hf_dir
 from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.quant.base import QuantizationConfig, QuantMethod, set_weight_attrs
-from tiny_models import make_tiny_model
 
 
 def test_qkv_shards_fill_their_rows():

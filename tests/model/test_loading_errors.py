@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import make_tiny_model
 
 from kvflow import LLM
-from tiny_models import make_tiny_model
 
 
 def test_missing_model_path(tmp_path):
@@ -32,7 +32,8 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="'GPTNeoXForCausalLM' is not supported; supported: .*Gemma3ForCausalLM, LlamaForCausalLM"):
+    supported = "'GPTNeoXForCausalLM' is not supported; supported: .*Gemma3ForCausalLM, LlamaForCausalLM"
+    with pytest.raises(ValueError, match=supported):
         LLM(str(tmp_path), skip_tokenizer_init=True)
 
 

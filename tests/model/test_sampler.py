@@ -39,7 +39,8 @@ def test_top_k_keeps_exactly_k_best():
 def test_top_p_keeps_smallest_set_reaching_mass():
     probs = torch.tensor([[0.5, 0.25, 0.15, 0.1]])
     logits = probs.log()
-    keep = lambda p: _kept(filter_logits(logits, torch.tensor([0]), torch.tensor([p]), torch.tensor([0.0])))
+    def keep(p):
+        return _kept(filter_logits(logits, torch.tensor([0]), torch.tensor([p]), torch.tensor([0.0])))
     assert keep(0.5) == [0]  # the first token alone reaches 0.5
     assert keep(0.6) == [0, 1]
     assert keep(0.9) == [0, 1, 2]
@@ -49,7 +50,8 @@ def test_top_p_keeps_smallest_set_reaching_mass():
 
 def test_min_p_scales_with_the_best_token():
     logits = torch.tensor([[0.6, 0.3, 0.05, 0.05]]).log()
-    keep = lambda m: _kept(filter_logits(logits, torch.tensor([0]), torch.tensor([1.0]), torch.tensor([m])))
+    def keep(m):
+        return _kept(filter_logits(logits, torch.tensor([0]), torch.tensor([1.0]), torch.tensor([m])))
     assert keep(0.1) == [0, 1]  # threshold 0.06 cuts the 0.05s
     assert keep(0.08) == [0, 1, 2, 3]  # threshold 0.048 keeps them
     assert keep(0.6) == [0]  # threshold 0.36 cuts 0.3
@@ -127,7 +129,8 @@ def test_logprobs_are_raw_and_ranked():
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0),
     ("max_tokens", 0), ("min_tokens", -1), ("repetition_penalty", 0.0), ("frequency_penalty", 3.0),
-    ("presence_penalty", -2.5), ("logprobs", -1), ("prompt_logprobs", -1), ("top_k", 2**63), ("seed", 2**63), ("stop", [""]), ("seed", 1.5),
+    ("presence_penalty", -2.5), ("logprobs", -1), ("prompt_logprobs", -1), ("top_k", 2**63), ("seed", 2**63), ("stop", [""]),
+    ("seed", 1.5),
     ("temperature", float("nan")), ("max_tokens", True),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):

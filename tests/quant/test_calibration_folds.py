@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import LLM, SamplingParams
 from kvflow.quant.awq import AWQMethod
 from kvflow.quant.online import CalibratedMethod
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 PROMPT = {"prompt_token_ids": [3, 17, 42, 8, 61, 5, 29, 77, 12, 40, 2, 33]}
 

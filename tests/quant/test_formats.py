@@ -6,8 +6,18 @@ import pytest
 import torch
 
 from kvflow.quant.awq import _pack_awq, _unpack_awq
-from kvflow.quant.formats import (E2M1_VALUES, e2m1_decode, e2m1_encode, e8m0_decode, fp8_per_channel,
-                                  int4_per_group, int8_per_channel, mxfp4_per_block, pack_nibbles, unpack_nibbles)
+from kvflow.quant.formats import (
+    E2M1_VALUES,
+    e2m1_decode,
+    e2m1_encode,
+    e8m0_decode,
+    fp8_per_channel,
+    int4_per_group,
+    int8_per_channel,
+    mxfp4_per_block,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 
 def test_int8_error_is_at_most_half_a_step():

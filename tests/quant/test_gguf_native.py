@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from hf_oracle import default_gguf_path
+
 from kvflow.model.layers.embedding import VocabParallelEmbedding
 from kvflow.model.layers.linear import QKVParallelLinear
 from kvflow.model.loader.gguf import open_gguf, raw_blocks

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from kvflow.quant.calibration import InputStats
-from kvflow.quant.fp8 import Fp8Method, shifted_scales
 from kvflow.quant.formats import fp8_per_channel
+from kvflow.quant.fp8 import Fp8Method, shifted_scales
 from kvflow.quant.gptq import gptq_round
 from kvflow.quant.registry import get_quantization_config
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gguf_native import default_tensors, gguf_py_dequantize, random_blocks  # noqa: F401 - a fixture
 
 from kvflow.quant import int4_gemv
 from kvflow.quant.gguf_blocks import decode
 from kvflow.quant.int4_gemv import GROUP, Int4Gemv
 from kvflow.quant.int4pack import Int4Planes, _unpack, planes_from_affine
-from test_gguf_native import default_tensors, gguf_py_dequantize, random_blocks  # noqa: F401 - a fixture
 
 SHAPES = [(100, 96), (960, 576), (576, 1536), (33, 160), (24, 512), (20, 1056)]
 # 3, 5 and 33 groups: an odd count is padded; 16 and 48: whole blocks only; 18 and 33: blocks and groups after them
@@ -54,7 +54,8 @@ def test_kernel_computes_the_float_product(bits, n, k):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int8_levels_miss_the_product_by_their_stated_bound(bits):
     """One row of 4- or 8-bit codes through the two int8 levels: off the float product of the exact
-    bfloat16 activations by at most the output's bfloat16 rounding plus, per group, max|x| / 64,516 (half of a/254, a = max|x| / 127)
+    bfloat16 activations by at most the output's bfloat16 rounding plus, per group, max|x| / 64,516
+    (half of a/254, a = max|x| / 127)
     times the group's Σ|w| (float sums add a little slack). Groups of zeros, one outlier among tiny
     values, and an odd group count (the kernel's masked last chunk) included."""
     if not torch.ops.kvflow_int4_gemv.has_int8_levels():

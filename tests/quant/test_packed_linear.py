@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.model.layers.linear import MergedColumnParallelLinear
-from kvflow.quant import panel_linear, packed_linear
+from kvflow.quant import packed_linear, panel_linear
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.quant import panel_linear, packed_linear
+from kvflow.quant import packed_linear, panel_linear
 
 pytestmark = pytest.mark.skipif(not panel_linear.available(), reason="no AVX-512 BF16 here, or the kernel could not be built")
 # dot products wherever the kernel runs; tiles too where the CPU has AMX

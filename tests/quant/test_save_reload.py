@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, SamplingParams
 from kvflow.entrypoints.cli import main
 from kvflow.quant.awq import AWQConfig
 from kvflow.quant.calibration import InputStats
 from kvflow.quant.w8a8 import W8A8Config
-from tiny_models import make_tiny_model
 
 PROMPTS = [[1, 5, 9, 22, 40, 3, 7, 8], [11, 12]]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3, logprobs=3, ignore_eos=True)

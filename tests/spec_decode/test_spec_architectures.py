@@ -6,9 +6,9 @@ plain mixture of experts; a draft model that needs several block tables is refus
 from __future__ import annotations
 
 import pytest
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, SamplingParams
-from tiny_models import make_tiny_model
 
 # Outputs several windows long (Gemma's tiny window is 8), with repeats for the n-gram proposer.
 PROMPTS = [[3, 4, 5, 6, 7] * 4, [9, 10, 11] * 3, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]

@@ -10,10 +10,10 @@ import json
 import jsonschema
 import pytest
 import torch
-
-from kvflow import LLM, EngineArgs, LoRARequest, SamplingParams, StructuredOutputsParams
 from peft_adapters import make_adapter
 from tiny_models import make_tiny_model
+
+from kvflow import LLM, EngineArgs, LoRARequest, SamplingParams, StructuredOutputsParams
 
 ARCH = "llama-gqa-llama3-rope"
 

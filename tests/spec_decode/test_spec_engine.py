@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import COMMON, make_tiny_model
 
 from kvflow import LLM, SamplingParams
-from tiny_models import COMMON, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

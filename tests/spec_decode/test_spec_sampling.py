@@ -13,6 +13,8 @@ import os
 
 import pytest
 import torch
+from test_rejection_distribution import _chi_square_p_value
+from tiny_models import make_tiny_model
 
 from kvflow import EngineArgs, LLMEngine, SamplingParams
 from kvflow.core.sched_output import ScheduledChunk
@@ -20,8 +22,6 @@ from kvflow.model.layers.sampler import filter_logits
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.worker.runner_output import ModelRunnerOutput
 from kvflow.worker.speculator import Speculator
-from test_rejection_distribution import _chi_square_p_value
-from tiny_models import make_tiny_model
 
 SAMPLES = int(os.environ.get("SAMPLES", 200_000))
 PARAMS = SamplingParams(temperature=0.9, top_k=30, repetition_penalty=1.2, max_tokens=8)

@@ -9,6 +9,8 @@ import json
 import httpx
 import pytest
 import torch
+from live_server import parse_metrics, start_thread
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from kvflow.bench.spec_latency import measure_speculative_latency
@@ -16,8 +18,6 @@ from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.cli import build_parser, main
 from kvflow.entrypoints.openai.api_server import build_app
 from kvflow.entrypoints.plan_cli import main_plan
-from live_server import parse_metrics, start_thread
-from tiny_models import make_tiny_model
 
 K = 3
 

@@ -182,9 +182,9 @@ def test_params_canonical_text_keeps_property_order():
 def test_a_tokenizer_the_library_cannot_read_is_named_as_such_not_blamed_on_the_spec(tmp_path):
     # The tiny models' character tokenizer has a lone Fuse decoder, which llguidance cannot read.
     import tokenizers
-
-    from kvflow.structured_output.backend import make_backend
     from tiny_models import write_tiny_tokenizer
+
+    from kvflow.structured_output.backends import make_backend
 
     write_tiny_tokenizer(tmp_path)
     tokenizer = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from kvflow.structured_output.backend import bitmask_width, make_backend
+from kvflow.structured_output.backend import bitmask_width
+from kvflow.structured_output.backends import make_backend
 from kvflow.structured_output.manager import StructuredOutputManager
 from kvflow.structured_output.params import StructuredOutputsParams
 

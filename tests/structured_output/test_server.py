@@ -9,10 +9,10 @@ import json
 import re
 
 import jsonschema
+import live_server
 import openai
 import pytest
 
-import live_server
 from kvflow import AsyncLLM, EngineArgs
 from kvflow.entrypoints.openai.api_server import build_app
 

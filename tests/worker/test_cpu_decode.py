@@ -5,7 +5,8 @@ CPU kernels, which the other tests switch off (tests/conftest.py), so these turn
 from __future__ import annotations
 
 import pytest
-import torch
+from test_cuda_graphs import _generate
+from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
@@ -13,8 +14,6 @@ from kvflow.model.layers import cpu_ops
 from kvflow.quant import int4_gemv, panel_linear
 from kvflow.worker import cpu_decode
 from kvflow.worker.cpu_decode import CpuDecodeLoop
-from test_cuda_graphs import _generate
-from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 PROMPTS = [[5, 17, 3, 88, 40, 2, 9, 61, 33, 12, 7, 70, 1, 4], [44, 45], [90, 3, 3, 3, 8, 11], [7] * 21, [60, 61, 62],
            [8, 9, 10, 11], [90, 1], [30, 31, 32, 33, 34, 35, 36, 37, 38]]

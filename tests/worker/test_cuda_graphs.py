@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import SamplingParams
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.worker.cuda_graphs import DecodeGraphs, decode_buckets
-from tiny_models import make_tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 17, 3, 88, 40, 2, 9, 61, 33, 12, 7, 70, 1, 4], [44, 45], [90, 3, 3, 3, 8, 11], [7] * 21, [60, 61, 62]]

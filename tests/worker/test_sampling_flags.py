@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from kvflow import LLM, SamplingParams
-from tiny_models import make_tiny_model
 
 PROMPTS = [[5, 17, 3, 88, 40, 2, 9], [44, 45, 46]]
 

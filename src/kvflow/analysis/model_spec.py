@@ -16,7 +16,13 @@ from types import MappingProxyType
 from typing import Any
 
 from kvflow.kv_cache_spec import (
-    FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SharedKVSpec, SlidingWindowSpec, kv_bytes_per_token, token_bytes,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SharedKVSpec,
+    SlidingWindowSpec,
+    kv_bytes_per_token,
+    token_bytes,
 )
 from kvflow.model.arch_config import ArchConfig
 

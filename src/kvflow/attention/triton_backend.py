@@ -21,7 +21,12 @@ import triton
 from kvflow.attention import kv_quant
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.attention.triton_kernels import (
-    decode_split_k_launches, kv_store_launch, make_tiles, num_splits_for, paged_prefill_launch, query_tile_size,
+    decode_split_k_launches,
+    kv_store_launch,
+    make_tiles,
+    num_splits_for,
+    paged_prefill_launch,
+    query_tile_size,
 )
 from kvflow.kernel_launch import KernelLaunch
 

@@ -1,11 +1,11 @@
 """`kvflow bench disagg`: what disaggregated prefill/decode costs one request on one host.
 
 Three engines of one model: a single engine (the baseline), a prefill engine and a decode engine
-joined by a KV store: a directory (`--kv-store DIR`, default a fresh one under /dev/shm), a
-`kvflow kv-store` server (`--kv-store tcp://HOST:PORT`), or one started on a thread of this
-process (`--kv-store tcp`: its socket work then shares this process's interpreter). Each iteration times one fresh prompt (its own random
-tokens, so no prefix cache helps) on the baseline and on the pair, interleaved so that a noisy
-machine slows both alike; the median of each is reported:
+joined by a KV store: a directory (`--kv-store DIR`, default a fresh one under /dev/shm), a `kvflow
+kv-store` server (`--kv-store tcp://HOST:PORT`), or one started on a thread of this process (`--kv-
+store tcp`: its socket work then shares this process's interpreter). Each iteration times one fresh
+prompt (its own random tokens, so no prefix cache helps) on the baseline and on the pair,
+interleaved so that a noisy machine slows both alike; the median of each is reported:
 
 - TTFT: the baseline's first token; the pair's is the prefill engine's prompt (saving its KV)
   plus the decode engine's first step (loading it, computing the last prompt token, sampling);
@@ -129,7 +129,8 @@ def run_disagg(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="kvflow-kv-", dir="/dev/shm") as store:
             result = measure_disagg(args, store)
     print(json.dumps(result) if args.json else
-          f"{result['kv_store']} store, prompt {result['input_len']} tokens, KV {result['kv_mb_per_request']:.2f} MB ({result['dtype']})   "
+          f"{result['kv_store']} store, prompt {result['input_len']} tokens, "
+          f"KV {result['kv_mb_per_request']:.2f} MB ({result['dtype']})   "
           f"TTFT single {result['ttft_ms_single_engine']:.1f} ms, disaggregated "
           f"{result['ttft_ms_disaggregated']:.1f} ms (+{result['added_ttft_ms']:.1f} ms)   "
           f"save {result['save_ms']:.2f} ms ({result['save_mb_s']:.0f} MB/s), "

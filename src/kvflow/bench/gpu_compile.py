@@ -88,9 +88,9 @@ def _report(request: CompileRequest, cache: dict) -> dict[str, Any]:
     from kvflow.analysis.planner import roofline
     from kvflow.bench.ceilings import torch_dtype
     from kvflow.bench.engine_shapes import DEFAULT_CONTEXT_LEN, engine_shapes
+    from kvflow.bench.gpu_kernels import per_head_qk_norm
     from kvflow.bench.gpu_targets import parse_targets
     from kvflow.bench.kernel_compile import compile_launch
-    from kvflow.bench.gpu_kernels import per_head_qk_norm
 
     targets = parse_targets(request.archs)
     shapes = engine_shapes(request.model, EngineArgs(**request.engine), torch_dtype(request.dtype),

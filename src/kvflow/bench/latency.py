@@ -70,7 +70,8 @@ def measure_latency(engine, workload: LatencyWorkload, ceilings: Ceilings) -> di
     gaps = [g for _, run_gaps in runs for g in run_gaps]
     decode_s = statistics.median(sum(g) for _, g in runs)
     shape = EngineShape.from_engine(engine)
-    util = utilization(latency_decode_work(shape.spec, input_len, output_len, shape.dtype_bytes, shape.weight_bytes), decode_s, ceilings)
+    work = latency_decode_work(shape.spec, input_len, output_len, shape.dtype_bytes, shape.weight_bytes)
+    util = utilization(work, decode_s, ceilings)
     return {
         "input_len": input_len,
         "output_len": output_len,

@@ -143,7 +143,7 @@ class KVCacheManager:
                     break
             found.append(blocks)
         n = min((_leading_run(f) for w, f in zip(self.sliding_windows, found) if w is None), default=len(hashes))
-        for n in range(n, -1, -1):
+        for n in range(n, -1, -1):  # noqa: B020 (counting down from the n given)
             whole = n == len(hashes) and request.num_output_tokens == 0 and not whole_blocks_only
             n_used = n if whole else min(n, last_full)
             tokens = request.num_tokens - 1 if whole else n_used * self.block_size

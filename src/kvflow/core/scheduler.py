@@ -31,8 +31,8 @@ from collections.abc import Set
 
 from kvflow.config import SchedulerConfig
 from kvflow.core.block_pool import BlockPool
-from kvflow.core.kv_connector import KVConnectorScheduler
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.kv_connector import KVConnectorScheduler
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.core.waiting_queue import WaitingQueue

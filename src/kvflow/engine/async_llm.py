@@ -19,7 +19,14 @@ from collections.abc import AsyncIterator, Callable
 
 from kvflow.config import EngineArgs
 from kvflow.engine.engine_thread import (
-    AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineThread, Item, RequestFailedError, StopCommand,
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    EngineDeadError,
+    EngineThread,
+    Item,
+    RequestFailedError,
+    StopCommand,
     build_on_fresh_thread,
 )
 from kvflow.engine.llm_engine import LLMEngine, PromptType

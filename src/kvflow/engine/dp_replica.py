@@ -32,7 +32,13 @@ from multiprocessing.connection import Connection
 from kvflow.config import EngineArgs
 from kvflow.engine.async_llm import compile_grammar
 from kvflow.engine.engine_thread import (
-    AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineThread, RequestFailedError, StopCommand,
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    EngineDeadError,
+    EngineThread,
+    RequestFailedError,
+    StopCommand,
     build_on_fresh_thread,
 )
 from kvflow.engine.load_limits import LoadLimits

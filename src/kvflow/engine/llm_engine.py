@@ -14,20 +14,20 @@ import time
 
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
-from kvflow.core.kv_connector import KVStoreConnector
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.kv_connector import KVStoreConnector
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
 from kvflow.engine.speculation import setup_speculation
-from kvflow.engine.step_budget import StepBudget
 from kvflow.engine.stats import EngineStats, StatsLogger
-from kvflow.lora.manager import LoRAManager
-from kvflow.lora.request import LoRARequest
+from kvflow.engine.step_budget import StepBudget
 from kvflow.executor.base import create_executor
 from kvflow.kv_store import open_kv_block_store
+from kvflow.lora.manager import LoRAManager
+from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.batch_invariant import ROW_TILE
 from kvflow.model.loader.resolve import load_checkpoint
@@ -70,7 +70,8 @@ class LLMEngine:
         self.model_executor = create_executor(self.config, self.arch, self.quant_config, checkpoint)
         self.num_kv_blocks, num_host_blocks = self.model_executor.num_kv_blocks, self.model_executor.num_host_blocks
         cache, layout = self.config.cache, self.arch.kv_layout
-        self.eos_token_ids = frozenset(self.arch.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids) | tokenizer_eos
         # The grammars are the engine's: their masks travel to the sampler in the step.
         self.structured_output = self._make_structured_output()
         self.speculation = setup_speculation(self.config, self.arch, self.runner, self.num_kv_blocks)

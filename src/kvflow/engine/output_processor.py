@@ -74,7 +74,8 @@ class OutputProcessor:
                 state.parent.metrics.kv_transfer_bytes += transfer.bytes
                 state.parent.metrics.kv_transfer_seconds += transfer.seconds
 
-    def process(self, produced: list[tuple[Request, int]], runner_out: ModelRunnerOutput) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, produced: list[tuple[Request, int]],
+                runner_out: ModelRunnerOutput) -> tuple[list[RequestOutput], list[str]]:
         """`produced`: each request that got tokens this step, with how many (several with
         speculative decoding). Returns the outputs to hand out and the ids of requests a stop
         string just ended (the scheduler must finish those)."""
@@ -148,7 +149,8 @@ class OutputProcessor:
 
     def _logprob_dict(self, lp: PositionLogprobs) -> PositionLogprobDict:
         decode = (lambda i: self.tokenizer.decode([i])) if self.tokenizer else (lambda i: None)
-        out = {tid: Logprob(value, rank, decode(tid)) for rank, (tid, value) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), 1)}
+        top = zip(lp.token_ids[1:], lp.logprobs[1:])
+        out = {tid: Logprob(value, rank, decode(tid)) for rank, (tid, value) in enumerate(top, 1)}
         out[lp.token_ids[0]] = Logprob(lp.logprobs[0], lp.rank, decode(lp.token_ids[0]))
         return out
 

@@ -49,7 +49,6 @@ def _runs_a_worker_rank(args: argparse.Namespace) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvflow.entrypoints.plan_cli import add_plan_parser
     from kvflow.bench.ceilings import add_ceilings_parser
     from kvflow.bench.disagg import add_disagg_parser
     from kvflow.bench.gpu_compile import add_gpu_compile_parser
@@ -57,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.bench.lora import add_lora_bench_parser
     from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
-    from kvflow.entrypoints.quantize_cli import add_quantize_parser
     from kvflow.entrypoints.kv_store import add_kv_store_parser
+    from kvflow.entrypoints.plan_cli import add_plan_parser
+    from kvflow.entrypoints.quantize_cli import add_quantize_parser
     from kvflow.entrypoints.router import add_router_parser
     from kvflow.eval.perplexity import add_eval_parser
 

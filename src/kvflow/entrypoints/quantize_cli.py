@@ -27,5 +27,6 @@ def run_quantize(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs(model=model, quantization=args.method, group_size=args.group_size, dtype=args.dtype,
                                   swap_space_gb=0, disable_log_stats=True))
     out = save_checkpoint(engine.runner.model, engine.hf_config, engine.quant_config.to_dict(), engine.tokenizer, args.out)
-    print(f"wrote {out} ({args.method}{f', group size {engine.quant_config.group_size}' if engine.quant_config.group_size else ''})")
+    group = f", group size {engine.quant_config.group_size}" if engine.quant_config.group_size else ""
+    print(f"wrote {out} ({args.method}{group})")
     return 0

@@ -25,8 +25,7 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.distributed.process_groups import (DistributedInit, broadcast_object, create_groups, create_store,
-                                               wait_for_joins)
+from kvflow.distributed.process_groups import DistributedInit, broadcast_object, create_groups, create_store, wait_for_joins
 from kvflow.executor.base import Executor
 from kvflow.executor.rank_watch import RankWatch
 from kvflow.model.arch_config import ArchConfig

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvflow.kv_store import protocol
+import kvflow.kv_store.protocol as protocol
 from kvflow.kv_store.base import Blob, KVBlockStore, KVStoreError, check_keys
 
 MAX_REPLY_BYTES = 16 << 30  # the server is trusted to answer what it was asked; this only bounds nonsense

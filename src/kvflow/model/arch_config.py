@@ -15,7 +15,13 @@ from functools import cached_property
 from types import MappingProxyType
 
 from kvflow.kv_cache_spec import (
-    FullAttentionSpec, KVCacheSpec, KVLayout, MLAAttentionSpec, SharedKVSpec, SlidingWindowSpec, kv_layout,
+    FullAttentionSpec,
+    KVCacheSpec,
+    KVLayout,
+    MLAAttentionSpec,
+    SharedKVSpec,
+    SlidingWindowSpec,
+    kv_layout,
 )
 
 # model_type → config fields its HF config class fills in when config.json omits them.

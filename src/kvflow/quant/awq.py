@@ -20,6 +20,7 @@ from kvflow.quant.formats import int4_per_group
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
 from kvflow.quant.int8 import Int8Method
 from kvflow.quant.online import CalibratedMethod, OnlineQuantConfig
+
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k of an int32 holds column _AWQ_ORDER[k] of its 8
 
 

@@ -23,7 +23,6 @@ import torch
 from kvflow.disk_cache import beyond_newest, code_fingerprint
 from kvflow.quant import gguf_blocks, int4_gemv, int4pack
 
-
 KEEP = 2  # files per dtype, torch and layout: this code's and the newest other (two versions in turn)
 
 

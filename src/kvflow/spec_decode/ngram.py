@@ -3,9 +3,10 @@ summary quotes its source, an edit copies most of the file), so the tokens that 
 occurrence of the current suffix are a cheap guess at what comes next.
 
 For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n tokens are compared with
-every earlier window of n tokens at once (one vectorised comparison over the context, no Python
-loop over tokens); the most recent match of the longest n that is followed by k tokens wins (else
-the match followed by the most) and the tokens after it are proposed. Nothing matched: no proposal, and the request decodes one token as usual.
+every earlier window of n tokens at once (one vectorised comparison over the context, no Python loop
+over tokens); the most recent match of the longest n that is followed by k tokens wins (else the
+match followed by the most) and the tokens after it are proposed. Nothing matched: no proposal, and
+the request decodes one token as usual.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The interface every grammar library sits behind, and the choice between them.
+"""The interface every grammar library sits behind (`backends.py` chooses one).
 
 A backend compiles a `GrammarSpec` once (the result is shared, read-only, by every request with
 that spec) and makes one `GrammarMatcher` per request from it. A matcher's whole job: fill the
@@ -16,15 +16,12 @@ the compile's time limit, and a constraint that cannot even start is refused bef
 
 from __future__ import annotations
 
-import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from kvflow.structured_output.params import GrammarSpec
-
-BACKENDS = ("guidance", "xgrammar")  # vLLM's names for llguidance and xgrammar
 
 
 class GrammarMatcher(ABC):
@@ -96,26 +93,3 @@ class GrammarBackend(ABC):
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
-
-
-def check_backend(name: str) -> None:
-    """Refuse an unknown or uninstalled backend when the engine starts, not at the first request."""
-    if name not in BACKENDS:
-        raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
-    package = {"guidance": "llguidance", "xgrammar": "xgrammar"}[name]
-    if importlib.util.find_spec(package) is None:
-        raise ValueError(f"structured_outputs_backend {name!r} needs the {package} package: pip install {package}")
-
-
-def make_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> GrammarBackend:
-    """`tokenizer`: the `tokenizers.Tokenizer` of the model; `vocab_size`: its logits' width."""
-    check_backend(name)
-    if name == "guidance":
-        from kvflow.structured_output.llguidance_backend import LLGuidanceBackend as backend_class
-    else:
-        from kvflow.structured_output.xgrammar_backend import XGrammarBackend as backend_class
-    try:
-        return backend_class(tokenizer, vocab_size, eos_token_ids)
-    except (ValueError, RuntimeError) as e:  # the library cannot read this tokenizer (its decoder, say)
-        raise ValueError(f"structured output is unavailable with this model: the {name} backend cannot read "
-                         f"its tokenizer ({str(e)[:300]})") from None

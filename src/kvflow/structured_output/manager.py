@@ -39,9 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.core.sched_output import StepGrammar
-from kvflow.structured_output.backend import (
-    CompiledGrammar, GrammarMatcher, bitmask_width, check_backend, make_backend,
-)
+from kvflow.structured_output.backend import CompiledGrammar, GrammarMatcher, bitmask_width
+from kvflow.structured_output.backends import check_backend, make_backend
 from kvflow.structured_output.compiler import GrammarCompiler
 from kvflow.structured_output.params import StructuredOutputsParams
 

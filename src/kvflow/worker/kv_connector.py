@@ -81,7 +81,8 @@ class KVStoreConnectorWorker:
             return
         started = time.perf_counter()
         ids = torch.tensor([t.block_id for t in saves], device=self.pools[0].device)
-        rows = torch.cat([pool.index_select(1, ids).transpose(0, 1).reshape(len(ids), -1).view(torch.uint8) for pool in self.pools],
+        rows = torch.cat([pool.index_select(1, ids).transpose(0, 1).reshape(len(ids), -1).view(torch.uint8)
+                          for pool in self.pools],
                          dim=1).cpu().numpy()
         try:
             self.store.put([(t.key, memoryview(row)) for t, row in zip(saves, rows)])

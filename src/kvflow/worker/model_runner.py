@@ -45,7 +45,8 @@ class FlatBatch:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int,
-                 host_kv_caches: list[torch.Tensor] | None = None, decode_graphs: DecodeGraphs | CpuDecodeLoop | None = None) -> None:
+                 host_kv_caches: list[torch.Tensor] | None = None,
+                 decode_graphs: DecodeGraphs | CpuDecodeLoop | None = None) -> None:
         self.model = model
         # The engine's, set after the workers are built (rank 0's runner samples for every rank):
         self.lora: LoRAManager | None = None  # once the model's layers are final (after AWQ)
@@ -285,7 +286,8 @@ class ModelRunner:
         values, ids, ranks = (torch.cat(column).tolist() for column in zip(*parts))
         for request_id, (first_pos, first, count, n) in batch.prompt_spans.items():
             rows = range(first, first + count)
-            out.prompt_logprobs[request_id] = (first_pos + 1, [PositionLogprobs(ids[j][:n + 1], values[j][:n + 1], ranks[j]) for j in rows])
+            entries = [PositionLogprobs(ids[j][:n + 1], values[j][:n + 1], ranks[j]) for j in rows]
+            out.prompt_logprobs[request_id] = (first_pos + 1, entries)
 
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from kvflow.core.kv_cache_manager import NULL_BLOCK
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
-from kvflow.sampling_params import SamplingParams
 from kvflow.lora.request import LoRARequest
+from kvflow.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

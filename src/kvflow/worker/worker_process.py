@@ -16,9 +16,18 @@ import torch
 
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.distributed.process_groups import (IDLE_FOREVER, DistributedInit, ProcessGroups, announce_joined,
-                                               broadcast_object, create_groups, create_store, die_with_parent,
-                                               report_failure, wait_for_joins)
+from kvflow.distributed.process_groups import (
+    IDLE_FOREVER,
+    DistributedInit,
+    ProcessGroups,
+    announce_joined,
+    broadcast_object,
+    create_groups,
+    create_store,
+    die_with_parent,
+    report_failure,
+    wait_for_joins,
+)
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.quant.registry import get_quantization_config

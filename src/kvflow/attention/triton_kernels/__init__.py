@@ -8,7 +8,10 @@ for checking kernels, never for serving.
 from kvflow.attention.triton_kernels.decode_split_k import decode_split_k, decode_split_k_launches, num_splits_for
 from kvflow.attention.triton_kernels.kv_store import kv_store_launch, store_kv
 from kvflow.attention.triton_kernels.paged_prefill import (
-    make_tiles, paged_prefill, paged_prefill_launch, query_tile_size,
+    make_tiles,
+    paged_prefill,
+    paged_prefill_launch,
+    query_tile_size,
 )
 
 __all__ = [

@@ -22,14 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernel_launch import KernelLaunch
-
 from kvflow.attention.triton_kernels.paged_prefill import (
     LOG2E,
     dot_precision,
     online_softmax_step,
     paged_kv_offsets,
 )
+from kvflow.kernel_launch import KernelLaunch
 
 BLOCK_N = 64  # keys per inner step
 # Two buffers of K/V in flight: a third (triton's default) adds registers, and in float32 on A100
@@ -115,7 +114,7 @@ def _merge_segments_kernel(
     d_ok = d < HEAD_DIM
     part = (b * num_heads + head) * num_splits + s
     m = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)
+    l = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)  # noqa: E741 (the softmax sum's usual name)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     weight = tl.exp2(m - tl.max(m, 0))  # each segment rescaled to the common max
     total = tl.sum(weight * l, 0)

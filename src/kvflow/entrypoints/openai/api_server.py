@@ -44,7 +44,10 @@ from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, Completion
 from kvflow.entrypoints.openai.serving_chat import ChatServing
 from kvflow.entrypoints.openai.serving_completion import CompletionServing
 from kvflow.entrypoints.openai.serving_models import (
-    LoadLoRAAdapterRequest, ServingModels, UnloadLoRAAdapterRequest, parse_lora_modules,
+    LoadLoRAAdapterRequest,
+    ServingModels,
+    UnloadLoRAAdapterRequest,
+    parse_lora_modules,
 )
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
 from kvflow.lora.request import LoRARequest

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from kvflow.engine.async_llm import AsyncLLM, RequestStream
 from kvflow.engine.outputs import PositionLogprobDict
@@ -13,13 +14,25 @@ from kvflow.entrypoints.openai.errors import bad_request
 from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.responses import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, Delta,
-    DeltaToolCall, TokenLogprob, TopLogprob, Usage,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChoiceLogprobs,
+    Delta,
+    DeltaToolCall,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
 )
 from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, finish_reason, sse
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
 from kvflow.entrypoints.openai.tool_calls import messages_for_template
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS, ChoiceOutput, choice_output, whole_calls
+
+if TYPE_CHECKING:
+    from kvflow.entrypoints.openai.serving_models import ServingModels
 
 
 class ChatServing(Serving):

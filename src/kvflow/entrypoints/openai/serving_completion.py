@@ -15,11 +15,18 @@ from dataclasses import dataclass
 
 from kvflow.engine.async_llm import RequestStream
 from kvflow.engine.outputs import CompletionOutput, PositionLogprobDict, RequestOutput
+from kvflow.entrypoints.openai.errors import bad_request
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
-from kvflow.entrypoints.openai.errors import bad_request
 from kvflow.entrypoints.openai.serving import (
-    MIN_LOGPROB, Choice, EventStreamResponse, Serving, close_all, finish_reason, merge, sse,
+    MIN_LOGPROB,
+    Choice,
+    EventStreamResponse,
+    Serving,
+    close_all,
+    finish_reason,
+    merge,
+    sse,
 )
 
 

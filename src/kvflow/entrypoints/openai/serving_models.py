@@ -30,7 +30,6 @@ from kvflow.entrypoints.openai.protocol import OpenAIBody
 from kvflow.entrypoints.openai.responses import ModelCard, ModelList
 from kvflow.lora.request import LoRARequest
 
-
 MAX_LORA_NAME_CHARS = 256
 DEFAULT_MAX_SERVED_LORAS = 256  # a few KB each here and in each engine replica; /v1/models lists them all
 

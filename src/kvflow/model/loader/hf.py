@@ -15,7 +15,6 @@ from safetensors import SafetensorError, safe_open
 from kvflow.model.loader import Checkpoint
 from kvflow.model.tokenizer import Tokenizer, has_hf_tokenizer
 
-
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

@@ -25,7 +25,6 @@ from kvflow.model.layers.rotary import RotaryEmbedding
 from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, RopeAttention
 from kvflow.quant.base import QuantizationConfig
 
-
 # (config, layer index, quant config, prefix) → the layer's feed-forward block
 MLPFactory = Callable[[ArchConfig, int, QuantizationConfig | None, str], nn.Module]
 
