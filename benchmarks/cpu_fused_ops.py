@@ -22,8 +22,8 @@ import torch
 
 from kvflow.model.layers import cpu_ops
 from kvflow.model.layers.activation import torch_silu_and_mul
-from kvflow.model.layers.norm import torch_rms_norm
-from kvflow.model.layers.rotary import Rope, RotaryEmbedding, torch_rotary
+from kvflow.model.layers.reference import Rope, torch_rms_norm, torch_rotary
+from kvflow.model.layers.rotary import RotaryEmbedding
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64  # SmolLM2-135M
 EPS = 1e-5

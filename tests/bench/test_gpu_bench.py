@@ -96,7 +96,8 @@ def test_kvflow_made_exactly_the_tokens_asked(run, gpu_bench, gpu_phase):
     assert t["prompt_tokens"] == sum(len(p) for p in prompts)
     assert all(3 <= n <= 9 for n in output_lens) and all(3 <= len(p) <= 9 for p in prompts)
     assert t["output_tok_s"] == pytest.approx(t["output_tokens"] / t["elapsed_s"])
-    assert 0 < t["mbu"] < 1 and 0 < t["mfu"] < 1
+    # (Against this test's made-up ceilings a fast run can pass 100%: only the sign is the report's.)
+    assert t["mbu"] > 0 and t["mfu"] > 0
 
 
 def test_kvflow_batch1_mbu_is_the_decode_bytes_over_the_ceiling(run, gpu_phase, tiny_config):

@@ -28,9 +28,9 @@ from live_server import wait_until
 from tiny_models import make_tiny_model
 
 from kvflow import LLM, EngineArgs, LLMEngine, SamplingParams
+from kvflow.device_faults import WorkerDiedError, is_device_fault
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
 from kvflow.engine.engine_thread import RequestFailedError, build_on_fresh_thread
-from kvflow.worker.device_faults import WorkerDiedError, is_device_fault
 
 TIMEOUT_S = 10  # distributed_timeout_s of these engines
 ENGINE = dict(dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S,
@@ -88,7 +88,7 @@ def test_a_script_without_the_main_guard_is_told_to_add_one(model_dir, tmp_path)
                      r"put the code that builds the LLM under `if __name__ == '__main__':`", done.stderr)
     # ...and rank 0 ends with an error naming the rank, its exit and the advice.
     error = _last_error(done.stderr)
-    assert error.startswith("kvflow.worker.device_faults.WorkerDiedError: tensor-parallel rank 1 (kvflow-rank-1")
+    assert error.startswith("kvflow.device_faults.WorkerDiedError: tensor-parallel rank 1 (kvflow-rank-1")
     assert "exited with code 1 before it joined the engine" in error
     assert "script.py): a script that builds the LLM at its top level must do so under " \
            "`if __name__ == '__main__':`" in error
@@ -116,7 +116,7 @@ def test_a_rank_that_fails_loading_reports_its_exception_to_rank_0(model_dir, tm
     """, model_dir)
     assert done.returncode != 0 and "built" not in done.stdout
     assert _last_error(done.stderr) == (
-        "kvflow.worker.device_faults.WorkerDiedError: tensor-parallel rank 1 (kvflow-rank-1, pid "
+        "kvflow.device_faults.WorkerDiedError: tensor-parallel rank 1 (kvflow-rank-1, pid "
         f"{_pid_in(done.stderr)}) exited with code 1: OSError: injected: rank 1 cannot read its weights")
 
 

@@ -13,13 +13,13 @@ from tiny_models import make_tiny_model
 
 from kvflow import LLM, SamplingParams
 from kvflow.attention.backend import get_attention_backend
+from kvflow.device_faults import WorkerDiedError, is_device_fault
 from kvflow.distributed.parallel_state import TensorParallel, tensor_parallel_scope
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.hf import load_hf_dir
 from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
 from kvflow.quant.registry import get_quantization_config
-from kvflow.worker.device_faults import WorkerDiedError, is_device_fault
 
 # 4 query heads: 2 KV heads split one per rank; 1 KV head is replicated on both ranks.
 ARCHS = ["llama-gqa-llama3-rope", "llama-mqa"]

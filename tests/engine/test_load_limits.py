@@ -142,7 +142,7 @@ def test_a_device_fault_kills_the_engine_at_once(make_llm, fault):
 
 
 def test_out_of_memory_is_not_a_device_fault():
-    from kvflow.worker.device_faults import is_device_fault
+    from kvflow.device_faults import is_device_fault
 
     assert not is_device_fault(torch.OutOfMemoryError("CUDA out of memory"))
     assert not is_device_fault(ValueError("CUDA error"))

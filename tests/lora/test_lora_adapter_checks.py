@@ -63,7 +63,7 @@ def _edit_config(directory: Path, **changes) -> None:
 
 
 def _load(engine: LLMEngine, directory: Path, dtype: torch.dtype = torch.float32, name: str = "x"):
-    return load_peft_adapter(LoRARequest(name, 1, str(directory)), engine.lora.targets, MAX_RANK, dtype)
+    return load_peft_adapter(LoRARequest(name, 1, str(directory)), engine.runner.lora.targets, MAX_RANK, dtype)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
@@ -166,8 +166,8 @@ def test_removed_adapters_are_forgotten_and_their_ids_retired(base, tmp_path):
     for lora_int_id in range(2, 202):  # a server's load / unload cycles: a fresh id each time
         engine.add_lora(LoRARequest("x" * 1000, lora_int_id, directory))
         assert engine.remove_lora(lora_int_id)
-    assert set(engine.lora._identities) == {1}  # only what is loaded is remembered
-    assert engine.lora.retired.num_ranges == 1  # ids 2..201, as one range
+    assert set(engine.runner.lora._identities) == {1}  # only what is loaded is remembered
+    assert engine.runner.lora.retired.num_ranges == 1  # ids 2..201, as one range
     for reused in (LoRARequest("x" * 1000, 7, directory), LoRARequest("other", 201, directory)):
         with pytest.raises(ValueError, match=f"lora_int_id {reused.lora_int_id} named an adapter that was removed"):
             engine.add_request("r", [1, 2, 3], PARAMS, lora_request=reused)
@@ -190,12 +190,12 @@ def test_an_adapter_removed_while_in_use_stays_for_its_requests(base, tmp_path):
     engine.add_request("r", [5, 6, 7, 8], PARAMS, lora_request=lora)
     engine.step()
     assert engine.remove_lora(3)
-    assert 3 not in engine.lora.retired  # its request still runs with it
+    assert 3 not in engine.runner.lora.retired  # its request still runs with it
     got = [o for o in _steps(engine) if o.finished][0].outputs[0].token_ids
     assert got == expected
     engine.add_request("s", [1, 2], PARAMS)
     _steps(engine)  # the next step forgets it
-    assert 3 in engine.lora.retired and 3 not in engine.lora._identities and engine.lora.list_loras() == []
+    assert 3 in engine.runner.lora.retired and 3 not in engine.runner.lora._identities and engine.runner.lora.list_loras() == []
 
 
 def _steps(engine: LLMEngine) -> list:

@@ -82,7 +82,7 @@ def test_eviction_and_reload_give_identical_outputs(base, loras):
             assert tokens == want_tokens
             torch.testing.assert_close(lps, want_lps, atol=1e-4, rtol=0)
     assert max(len(m) for m in mixes) == 1  # the scheduler never mixed two adapters into one step
-    stats = tight.llm_engine.lora.stats
+    stats = tight.llm_engine.runner.lora.stats
     assert stats.disk_loads > 3 and stats.slot_loads > 3  # adapters really were evicted and reloaded
     assert stats.disk_load_seconds > 0 and stats.slot_load_seconds > 0
 
@@ -168,7 +168,7 @@ def test_adapters_of_unfinished_requests_stay_in_host_memory(base, loras, tmp_pa
     run_until(lambda: not engine.has_unfinished_requests())
     for name in alone:
         assert finished[name].outputs[0].token_ids == alone[name].outputs[0].token_ids
-    assert engine.lora.list_loras() == [loras[2].lora_int_id]  # the bound holds again once they finished
+    assert engine.runner.lora.list_loras() == [loras[2].lora_int_id]  # the bound holds again once they finished
 
 
 def test_batch_invariant_adapters_are_bit_identical_alone_batched_and_chunked(base, loras):

@@ -135,7 +135,7 @@ def test_a_poisoned_adapter_leaves_the_requests_batched_with_it_alone(tmp_path):
         engine.add_request(name, prompts[name], PARAMS, lora_request=loras[name])
         alone[name] = _run(engine)[name]
     engine = LLMEngine(args)
-    for a, b in engine.lora.load(bad).weights.values():  # host copy: what a slot is filled from
+    for a, b in engine.runner.lora.load(bad).weights.values():  # host copy: what a slot is filled from
         a.fill_(float("nan"))
         b.fill_(float("nan"))
     steps = []

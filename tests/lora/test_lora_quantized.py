@@ -25,8 +25,8 @@ def dequantized_copy(hf, engine):
     model, ours = copy.deepcopy(hf), engine.runner.model
     with torch.no_grad():
         applied_by_layer = {}
-        for module, target in engine.lora.targets.items():
-            lora = engine.lora.layers[target.layer]
+        for module, target in engine.runner.lora.targets.items():
+            lora = engine.runner.lora.layers[target.layer]
             base = lora.base_layer
             if target.layer not in applied_by_layer:  # [out, in], no bias
                 applied_by_layer[target.layer] = base.quant_method.apply(base, torch.eye(base.input_size)).t()

@@ -16,8 +16,9 @@ import torch
 
 from kvflow.model.layers import cpu_ops, triton_ops
 from kvflow.model.layers.activation import torch_silu_and_mul
-from kvflow.model.layers.norm import RMSNorm, torch_rms_norm
-from kvflow.model.layers.rotary import Rope, RotaryEmbedding, torch_rotary
+from kvflow.model.layers.norm import RMSNorm
+from kvflow.model.layers.reference import Rope, torch_rms_norm, torch_rotary
+from kvflow.model.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 EPS = 1e-6

@@ -19,8 +19,8 @@ triton = pytest.importorskip("triton")
 
 from kvflow.model.layers import triton_ops  # noqa: E402
 from kvflow.model.layers.activation import torch_silu_and_mul  # noqa: E402
-from kvflow.model.layers.norm import torch_rms_norm  # noqa: E402
-from kvflow.model.layers.rotary import Rope, RotaryEmbedding, torch_rotary  # noqa: E402
+from kvflow.model.layers.reference import Rope, torch_rms_norm, torch_rotary  # noqa: E402
+from kvflow.model.layers.rotary import RotaryEmbedding  # noqa: E402
 from kvflow.model.layers.triton_ops.activation import silu_and_mul  # noqa: E402
 from kvflow.model.layers.triton_ops.norm import rms_norm  # noqa: E402
 from kvflow.model.layers.triton_ops.rotary import rotary  # noqa: E402

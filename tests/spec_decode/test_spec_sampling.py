@@ -17,10 +17,10 @@ from test_rejection_distribution import _chi_square_p_value
 from tiny_models import make_tiny_model
 
 from kvflow import EngineArgs, LLMEngine, SamplingParams
+from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import ScheduledChunk
 from kvflow.model.layers.sampler import filter_logits
 from kvflow.spec_decode.ngram import NgramProposer
-from kvflow.worker.runner_output import ModelRunnerOutput
 from kvflow.worker.speculator import Speculator
 
 SAMPLES = int(os.environ.get("SAMPLES", 200_000))

@@ -143,14 +143,15 @@ def test_every_weight_format_matches_the_modules(tmp_path, method, monkeypatch):
     assert with_loop == _generate(_engine(str(tmp_path), "bfloat16", False, monkeypatch, **kw), PROMPTS[:3])
 
 
-def test_awq_is_built_before_its_calibration(tmp_path, monkeypatch):
-    """AWQ layers have no quantized runtime when the loop is built (the engine calibrates after):
-    the loop calls the layers themselves, and matches the modules once they are quantized."""
+def test_awq_is_built_after_its_calibration(tmp_path, monkeypatch):
+    """The worker builds the loop once calibration has quantized the layers (before, AWQ's had no
+    quantized runtime, and the loop had to call the layers themselves): it takes their GEMV form,
+    and matches the modules."""
     make_tiny_model("llama-mha-tied", tmp_path)
     write_tiny_tokenizer(tmp_path)  # AWQ calibrates on text
     kw = dict(quantization="awq", skip_tokenizer_init=False)
     loop_engine = _engine(str(tmp_path), "bfloat16", True, monkeypatch, **kw)
-    assert loop_engine.runner.decode_graphs.native is None  # no GEMV form was there to take
+    assert loop_engine.runner.decode_graphs.native is not None  # the int4 GEMV form of the calibrated layers
     with_loop = _generate(loop_engine, PROMPTS[:2])
     assert with_loop == _generate(_engine(str(tmp_path), "bfloat16", False, monkeypatch, **kw), PROMPTS[:2])
 

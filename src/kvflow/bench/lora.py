@@ -88,15 +88,15 @@ def run_lora_bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvflow-lora-bench-") as tmp:
         adapters = []
         for i in range(max(counts)):
-            write_random_adapter(Path(tmp) / f"adapter{i}", engine.lora.targets, args.lora_rank, seed=i)
+            write_random_adapter(Path(tmp) / f"adapter{i}", engine.runner.lora.targets, args.lora_rank, seed=i)
             adapters.append(LoRARequest(f"adapter{i}", i + 1, str(Path(tmp) / f"adapter{i}")))
         warm = params.clone(max_tokens=2)
         run_workload(base, prompts[:2], warm, [None])
         run_workload(engine, prompts[:len(adapters)], warm, adapters)  # loads and activates them all
-        stats = engine.lora.stats
+        stats = engine.runner.lora.stats
         load_ms = {"disk_to_host": 1e3 * stats.disk_load_seconds / stats.disk_loads,
                    "host_to_slot": 1e3 * stats.slot_load_seconds / stats.slot_loads,
-                   "adapter_mb": engine.lora.load(adapters[0]).nbytes / 2**20}
+                   "adapter_mb": engine.runner.lora.load(adapters[0]).nbytes / 2**20}
         runs = {"base": (base, [None]), "base, LoRA enabled": (engine, [None]),
                 **{f"{k} adapters": (engine, adapters[:k]) for k in counts}}
         samples: dict[str, list[dict]] = {name: [] for name in runs}

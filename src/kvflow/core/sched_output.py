@@ -79,6 +79,8 @@ class SchedulerOutput:
     # The grammar masks of the sampling rows whose requests have one, filled by the engine after
     # scheduling (None: no row has a grammar).
     grammar: StepGrammar | None = None
+    # LoRA adapters the unfinished requests use (a worker's host cache keeps them), with LoRA on.
+    adapters_in_use: frozenset[int] = frozenset()
 
     num_batched_tokens: int = 0
 

@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvflow.device_faults import is_device_fault
 from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
 from kvflow.engine.outputs import RequestOutput
@@ -45,7 +46,6 @@ from kvflow.engine.request_timing import FinishedRequest, RequestTiming
 from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured_output.backend import CompiledGrammar
-from kvflow.worker.device_faults import is_device_fault
 
 logger = logging.getLogger("kvflow")
 

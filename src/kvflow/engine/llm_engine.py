@@ -21,22 +21,19 @@ from kvflow.core.sched_output import SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
-from kvflow.engine.speculation import setup_speculation
 from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.engine.step_budget import StepBudget
-from kvflow.executor.base import create_executor
+from kvflow.executor import create_executor
 from kvflow.kv_store import open_kv_block_store
-from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
-from kvflow.model.layers.batch_invariant import ROW_TILE
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+from kvflow.spec_decode.adaptive import AdaptiveSpeculation
 from kvflow.structured_output.backend import CompiledGrammar
 from kvflow.structured_output.manager import MASK_WAIT_S, Settled, StructuredOutputManager
-from kvflow.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kvflow")
 
@@ -74,7 +71,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | tokenizer_eos
         # The grammars are the engine's: their masks travel to the sampler in the step.
         self.structured_output = self._make_structured_output()
-        self.speculation = setup_speculation(self.config, self.arch, self.runner, self.num_kv_blocks)
+        # How many tokens each request proposes is the scheduler's; the drafter is the worker's.
+        self.speculation = None if self.config.speculative is None else AdaptiveSpeculation(self.config.speculative)
         self.scheduler = Scheduler(
             self.config.scheduler,
             KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, layout.sliding_windows),
@@ -97,12 +95,6 @@ class LLMEngine:
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
         if getattr(self.quant_config, "needs_calibration", False):
             self._calibrate()
-        # LoRA wraps the linear layers once they are final: calibration rescales bare ones.
-        lora = self.config.lora
-        self.lora = None if lora is None else LoRAManager(
-            self.runner.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.config.model.dtype,
-            self.config.device, in_use=self._adapters_in_use, row_tile=ROW_TILE if self.config.batch_invariant else None)
-        self.runner.lora = self.lora
 
     def _check_calibration(self) -> None:
         """Refuse what cannot be calibrated, or (fp8) round it to nearest instead, saying so."""
@@ -120,11 +112,10 @@ class LLMEngine:
         self.quant_config.calibrates = False
 
     def _calibrate(self) -> None:
-        """AWQ, w8a8 or fp8 on a float checkpoint: run calibration text through the float model, fold
-        the searched scales (AWQ, w8a8), then quantize (quant/calibration.py)."""
+        """AWQ, w8a8 or fp8 on a float checkpoint: run calibration text through the float model
+        with the engine's own steps, while the worker records its layers' inputs; the worker then
+        folds the searched scales (AWQ, w8a8) and quantizes (quant/calibration.py)."""
         from kvflow.data import english_text
-        from kvflow.quant.calibration import calibrate_and_quantize
-
         wanted = self.quant_config.calibration_tokens
         # Only the text's end is read: ~8 characters a token leaves the cut's partial word outside
         # the last `wanted` tokens (and encoding the whole text took 1.7 s).
@@ -138,7 +129,7 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
 
-        calibrate_and_quantize(self.runner.model, run, windows, self.config.model.seed)
+        self.model_executor.calibrate(run, windows)
         self.reset_prefix_cache()  # those blocks hold the float model's keys and values
 
     def _check_kv_transfer(self) -> None:
@@ -170,8 +161,9 @@ class LLMEngine:
         return self.structured_output.compile(params)
 
     @property
-    def runner(self) -> ModelRunner:
-        """Rank 0's runner, in this process (its model: AWQ calibration, `kvflow quantize`, tests)."""
+    def runner(self):
+        """Rank 0's runner, in this process, for tools and tests (`kvflow quantize` saves its
+        model); the engine itself reaches the workers only through `model_executor`."""
         return self.model_executor.driver_worker.model_runner
 
     def shutdown(self) -> None:
@@ -317,25 +309,24 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and check an adapter into host memory. Raises ValueError naming it if it cannot
         run on this model, or if LoRA is not enabled."""
-        if self.lora is None:
+        if self.config.lora is None:
             raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} was asked for, "
                              "but LoRA is not enabled (enable_lora=True, --enable-lora)")
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest; got {type(lora_request).__name__}")
-        self.lora.load(lora_request)
-        return True
+        return self.model_executor.add_lora(lora_request, self._adapters_in_use())
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter: unfinished requests keep running with it; once they finish, its weights and
         identity are dropped and its id is retired (never loadable again: blocks cached under it must
         never reach another adapter)."""
-        return self.lora is not None and self.lora.remove(lora_int_id)
+        return self.config.lora is not None and self.model_executor.remove_lora(lora_int_id, self._adapters_in_use())
 
     def list_loras(self) -> list[int]:
-        return [] if self.lora is None else self.lora.list_loras()
+        return [] if self.config.lora is None else self.model_executor.list_loras()
 
-    def _adapters_in_use(self) -> set[int]:
-        return {r.lora_int_id for r in self.scheduler.requests.values()} - {0}
+    def _adapters_in_use(self) -> frozenset[int]:
+        return frozenset(r.lora_int_id for r in self.scheduler.requests.values()) - {0}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -356,6 +347,8 @@ class LLMEngine:
             raise
         if self.structured_output is not None and self.structured_output.active:
             self._attach_grammar_masks(sched, settled)
+        if self.config.lora is not None:
+            sched.adapters_in_use = self._adapters_in_use()
         runner_out = self.model_executor.execute_model(sched)
         if self.step_budget is not None:
             budget = self.step_budget.observe(sched.num_batched_tokens, runner_out.target_seconds)

@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass, field
 
 from kvflow.core.request import Request, RequestStatus
+from kvflow.core.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.engine.outputs import CompletionOutput, Logprob, PositionLogprobDict, RequestMetrics, RequestOutput
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import RequestOutputKind
-from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 
 
 @dataclass

@@ -1,42 +1,46 @@
-"""The executor interface the engine sees, and the choice of executor."""
+"""The executor interface the engine sees: the only way it reaches the workers."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
-from kvflow.config import EngineConfig
+from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
-from kvflow.model.arch_config import ArchConfig
-from kvflow.model.loader import Checkpoint
-from kvflow.worker.runner_output import ModelRunnerOutput
+from kvflow.lora.request import LoRARequest
 from kvflow.worker.worker import Worker
 
 
 class Executor(ABC):
     """Owns the workers. After construction the model is loaded on every rank and the KV pool is
     allocated: `num_kv_blocks` device blocks (the same on every rank) and `num_host_blocks` of
-    swap space."""
+    swap space. Rank 0's worker lives in this process (`driver_worker`): its output is the
+    step's, and tools read its model through it."""
 
-    driver_worker: Worker  # rank 0, in this process: its output is the step's output
+    driver_worker: Worker
     num_kv_blocks: int
     num_host_blocks: int
 
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def calibrate(self, run_prompts: Callable[[list[list[int]]], None], windows: list[list[int]]) -> dict[str, float]:
+        """Calibrate the model's quantization on `windows`, which `run_prompts` runs through the
+        engine's steps (one process only: calibration folds scales across a layer's whole input)."""
+        return self.driver_worker.calibrate(run_prompts, windows)
+
+    def add_lora(self, request: LoRARequest, in_use: frozenset[int]) -> bool:
+        """Load and check an adapter; ValueError naming it if it cannot run on this model."""
+        return self.driver_worker.add_lora(request, in_use)
+
+    def remove_lora(self, lora_int_id: int, in_use: frozenset[int]) -> bool:
+        return self.driver_worker.remove_lora(lora_int_id, in_use)
+
+    def list_loras(self) -> list[int]:
+        return self.driver_worker.list_loras()
+
     def check_health(self) -> None:  # noqa: B027 (no worker can die in this process)
         """Raise if a worker has died."""
 
     def shutdown(self) -> None:  # noqa: B027 (nothing to stop in this process)
         """Stop the workers (idempotent)."""
-
-
-def create_executor(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint) -> Executor:
-    """`checkpoint`: the one the engine opened (its weights not yet read), loaded by rank 0."""
-    if config.parallel.world_size == 1:
-        from kvflow.executor.in_process import InProcessExecutor
-
-        return InProcessExecutor(config, arch, quant_config, checkpoint)
-    from kvflow.executor.multiprocess import MultiprocExecutor
-
-    return MultiprocExecutor(config, arch, quant_config, checkpoint)

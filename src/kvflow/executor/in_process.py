@@ -4,11 +4,11 @@ engine calling its runner itself (no message is encoded; the SchedulerOutput is 
 from __future__ import annotations
 
 from kvflow.config import EngineConfig
+from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.executor.base import Executor
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader import Checkpoint
-from kvflow.worker.runner_output import ModelRunnerOutput
 from kvflow.worker.worker import Worker
 
 

@@ -23,17 +23,18 @@ import weakref
 import torch
 
 from kvflow.config import EngineConfig
+from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
+from kvflow.device_faults import WorkerDiedError
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.distributed.process_groups import DistributedInit, broadcast_object, create_groups, create_store, wait_for_joins
 from kvflow.executor.base import Executor
 from kvflow.executor.rank_watch import RankWatch
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader import Checkpoint
-from kvflow.worker.device_faults import WorkerDiedError
-from kvflow.worker.runner_output import ModelRunnerOutput
+from kvflow.worker.rank_model import rank_arch
 from kvflow.worker.step_message import StepEncoder
-from kvflow.worker.worker import Worker, rank_arch
+from kvflow.worker.worker import Worker
 from kvflow.worker.worker_process import run_worker_process, start_worker, threads_per_rank
 
 logger = logging.getLogger(__name__)

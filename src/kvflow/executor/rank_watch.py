@@ -20,8 +20,8 @@ import signal
 import sys
 import time
 
+from kvflow.device_faults import WorkerDiedError
 from kvflow.distributed.process_groups import DistributedInit, joined_ranks, reported_failure
-from kvflow.worker.device_faults import WorkerDiedError
 
 POLL_S = 0.05  # how soon a dead spawned rank is seen while rank 0 waits
 EXIT_GRACE_S = 2.0  # after a collective fails: how long a dying rank may take to be reaped

@@ -9,6 +9,7 @@ carries k proposals to verify), and prompt rows whose next token's logprob was a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.core.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput, StepGrammar
 from kvflow.lora.manager import LoRAManager
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
@@ -23,7 +25,6 @@ from kvflow.worker.cpu_decode import CpuDecodeLoop
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import unique_caches
 from kvflow.worker.kv_connector import KVStoreConnectorWorker
-from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.worker.speculator import Speculator, VerifyRow
 
 # Prompt-logprob rows are scored this many at a time: a long prompt's [rows, vocab] logits (and
@@ -46,10 +47,14 @@ class FlatBatch:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int, device, seed: int,
                  host_kv_caches: list[torch.Tensor] | None = None,
-                 decode_graphs: DecodeGraphs | CpuDecodeLoop | None = None) -> None:
+                 decode_graphs: DecodeGraphs | CpuDecodeLoop | None = None, *, lora: LoRAManager | None = None,
+                 kv_connector: KVStoreConnectorWorker | None = None,
+                 build_speculator: Callable[[ModelRunner], Speculator] | None = None) -> None:
+        """`lora`: the adapters' slots (the model's linear layers already wrapped); `kv_connector`: KV
+        moving between engines; `build_speculator`: the runner builds its drafter with it, since the
+        drafter shares the runner's sampler and flat-batch builder (and, for layer skip, its model)."""
         self.model = model
-        # The engine's, set after the workers are built (rank 0's runner samples for every rank):
-        self.lora: LoRAManager | None = None  # once the model's layers are final (after AWQ)
+        self.lora = lora
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches  # swap space, same layout, in host memory
         self.block_size = block_size
@@ -57,8 +62,8 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, for its whole life
         self.decode_graphs = decode_graphs
-        self.speculator: Speculator | None = None  # set when speculative decoding is on
-        self.kv_connector: KVStoreConnectorWorker | None = None  # set when KV moves between engines
+        self.kv_connector = kv_connector
+        self.speculator: Speculator | None = None if build_speculator is None else build_speculator(self)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

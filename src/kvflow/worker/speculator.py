@@ -16,12 +16,12 @@ from typing import NamedTuple
 
 import torch
 
+from kvflow.core.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.core.sched_output import ScheduledChunk
 from kvflow.model.layers.sampler import Sampler, SamplingBatch, first_argmax, gather_logprobs
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.proposer import DraftRequest, Proposer
 from kvflow.spec_decode.rejection_sampler import pad_rows, rejection_sample, verify_greedy
-from kvflow.worker.runner_output import ModelRunnerOutput, PositionLogprobs
 
 GeneratorOf = Callable[[ScheduledChunk], torch.Generator | None]
 

@@ -1,13 +1,22 @@
-"""Worker: one rank's device, model, KV cache and runner.
+"""Worker: one rank's device, model, KV cache and runner — the one owner of the step.
+
+Everything a step runs is built here, from the `EngineConfig`, never attached from outside: the
+model, the KV pool, the runner with its sampler, the LoRA slots, the drafter of speculative
+decoding (its draft model and KV), the KV connector, and the fast step (CUDA graphs, or the CPU
+decode step). The engine reaches a worker only through its executor, with `SchedulerOutput`s in
+and `ModelRunnerOutput`s out, plus adapter loading between steps.
 
 Its life, in the order every rank follows (ranks stay in lockstep because they make the same
 collective calls in the same order):
 
 1. `__init__`: the device, and the tensor-parallel group this rank belongs to;
 2. `load_model`: the model built for this rank (its slices of every layer), weights loaded;
-3. `num_kv_blocks`: how many KV blocks fit, from memory measured after loading;
-4. `initialize_cache`: the KV tensors (the count every rank agreed on), swap space, CUDA graphs,
-   and the `ModelRunner` that runs steps on them;
+3. `determine_num_kv_blocks`: how many KV blocks fit, from memory measured after loading;
+4. `initialize_cache`: the KV tensors (the count every rank agreed on), swap space and the runner
+   with all it runs beside the model. A quantization that calibrates (AWQ, w8a8, fp8 from a float
+   checkpoint) first gets a bare runner: the engine runs calibration text through it, `calibrate`
+   rounds the weights, and only then is the runner built whole (LoRA wraps the final layers, the
+   fast step captures them);
 5. `execute_model`: one step.
 
 The worker knows nothing of requests' text or of scheduling; it receives `SchedulerOutput`s.
@@ -15,21 +24,21 @@ The worker knows nothing of requests' text or of scheduling; it receives `Schedu
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 
 import torch
 
-from kvflow.attention.backend import get_attention_backend
 from kvflow.config import EngineConfig
+from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
-from kvflow.distributed.parallel_state import SINGLE, TensorParallel, split_heads, tensor_parallel_scope
+from kvflow.distributed.parallel_state import SINGLE, TensorParallel
 from kvflow.kv_store import open_kv_block_store
+from kvflow.lora.manager import LoRAManager
+from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
-from kvflow.model.layers.batch_invariant import make_batch_invariant
+from kvflow.model.layers.batch_invariant import ROW_TILE
 from kvflow.model.loader import Checkpoint
-from kvflow.model.loader.dummy import init_dummy_weights
-from kvflow.model.loader.weights import process_weights_after_loading
-from kvflow.model.registry import build_model
+from kvflow.quant.calibration import calibrate_and_quantize
 from kvflow.worker import host_malloc
 from kvflow.worker.cpu_decode import CpuDecodeLoop
 from kvflow.worker.cuda_graphs import DecodeGraphs
@@ -43,7 +52,8 @@ from kvflow.worker.kv_cache import (
 )
 from kvflow.worker.kv_connector import KVStoreConnectorWorker
 from kvflow.worker.model_runner import ModelRunner
-from kvflow.worker.runner_output import ModelRunnerOutput
+from kvflow.worker.rank_model import load_model, rank_arch
+from kvflow.worker.speculation import build_speculator
 
 
 class Worker:
@@ -55,10 +65,15 @@ class Worker:
         self.device = torch.device(config.device)
         self.model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
+        self.lora: LoRAManager | None = None  # the adapters' slots, once the model's layers are final
         self.local_arch = rank_arch(arch, tp)
         # With --kv-populate when-idle, the KV pool's populate runs only while no step does.
         self.idle = IdleGate() if config.cache.populate == "when-idle" else None
         self.populators: list[tuple[PagePopulator, bool]] = []  # (the pool's, whether the pool is the host's)
+        # Adapters unfinished requests use (the engine says so with each step and each load): the
+        # host cache never evicts them, and a removed adapter is forgotten only once unused.
+        self._adapters_in_use: frozenset[int] = frozenset()
+        self._pools: tuple[list[torch.Tensor], list[torch.Tensor] | None, int] | None = None
         if self.device.type == "cpu":
             host_malloc.keep_freed_memory()  # each step's activations on pages the last step freed
 
@@ -73,27 +88,72 @@ class Worker:
         return pool_blocks(cfg.cache, self.local_arch.kv_layout, cfg.model.dtype.itemsize, cfg.model.max_model_len,
                            cfg.scheduler.max_num_seqs, available_memory_bytes(self.device))
 
+    @property
+    def needs_calibration(self) -> bool:
+        """The model's weights are rounded only after calibration text has run through it."""
+        return getattr(self.quant_config, "needs_calibration", False)
+
     def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        """The KV tensors, swap space and captured decode graphs; then the runner."""
-        cfg, cache, dtype = self.config, self.config.cache, self.config.model.dtype
+        """The KV tensors and swap space; then the runner, whole, or bare until `calibrate`."""
+        cache, dtype = self.config.cache, self.config.model.dtype
         layout = self.local_arch.kv_layout
         kv_caches = allocate_kv_caches(layout, num_blocks, cache.block_size, dtype, self.device, cache.cache_dtype,
                                        populate=False)
         host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype,
                                           populate=False) if num_host_blocks else None)
         self.start_populate(kv_caches, host_caches)
-        graphs = None
-        # A mixture of experts sizes its per-expert matmuls from the routing, on the host: not capturable.
+        self._pools = (kv_caches, host_caches, num_blocks)
+        if self.needs_calibration:
+            self.model_runner = self._bare_runner()
+        else:
+            self.model_runner = self._build_runner()
+
+    def calibrate(self, run_prompts: Callable[[list[list[int]]], None], windows: list[list[int]]) -> dict[str, float]:
+        """Record the layers' inputs while `run_prompts` runs `windows` through the float model
+        (the engine's steps, which come back here), fold the searched scales, round the weights,
+        then build the whole runner. Returns each searched layer's choice."""
+        if not self.needs_calibration or self._pools is None:
+            raise RuntimeError("calibrate: this worker's model has nothing to calibrate, or no KV pool yet")
+        chosen = calibrate_and_quantize(self.model, run_prompts, windows, self.config.model.seed)
+        self.model_runner = self._build_runner()
+        return chosen
+
+    def _bare_runner(self) -> ModelRunner:
+        kv_caches, host_caches, _ = self._pools
+        return ModelRunner(self.model, kv_caches, self.config.cache.block_size, self.device, self.config.model.seed,
+                           host_caches)
+
+    def _build_runner(self) -> ModelRunner:
+        """The runner and what a step runs beside the model, in the order each needs the others:
+        LoRA wraps the final linear layers; the fast step captures the layers as they will run; the
+        runner builds its own drafter (which shares its sampler and, for layer skip, its model)."""
+        cfg = self.config
+        kv_caches, host_caches, num_blocks = self._pools
+        if cfg.lora is not None:
+            self.lora = LoRAManager(self.model, cfg.lora.max_loras, cfg.lora.max_lora_rank, cfg.lora.max_cpu_loras,
+                                    cfg.model.dtype, self.device, in_use=lambda: self._adapters_in_use,
+                                    row_tile=ROW_TILE if cfg.batch_invariant else None)
+        connector = None if cfg.kv_transfer is None else KVStoreConnectorWorker(open_kv_block_store(cfg.kv_transfer),
+                                                                                 kv_caches)
+        speculator = None if cfg.speculative is None else (
+            lambda runner: build_speculator(cfg, self.arch, runner, num_blocks))
+        return ModelRunner(self.model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, host_caches,
+                           self._fast_step(kv_caches), lora=self.lora, kv_connector=connector,
+                           build_speculator=speculator)
+
+    def _fast_step(self, kv_caches: list[torch.Tensor]) -> DecodeGraphs | CpuDecodeLoop | None:
+        """Decode steps replayed from captured CUDA graphs, or run by the CPU decode step; None:
+        through the modules. A mixture of experts sizes its per-expert matmuls from the routing, on
+        the host: not capturable. LoRA's per-step slots are not captured yet."""
+        cfg = self.config
         if cfg.use_cuda_graphs and self.arch.moe is None:
-            graphs = DecodeGraphs(self.model, kv_caches, cache.block_size, cfg.scheduler.max_num_seqs,
-                                  cfg.model.max_model_len, self.device, len(layout.groups))
+            graphs = DecodeGraphs(self.model, kv_caches, cfg.cache.block_size, cfg.scheduler.max_num_seqs,
+                                  cfg.model.max_model_len, self.device, len(self.local_arch.kv_layout.groups))
             graphs.capture()
-        elif self.device.type == "cpu" and cfg.lora is None:
-            graphs = CpuDecodeLoop.build(self.model, kv_caches)  # LoRA wraps the layers later: not with it
-        self.model_runner = ModelRunner(self.model, kv_caches, cache.block_size, self.device, cfg.model.seed,
-                                        host_caches, graphs)
-        if cfg.kv_transfer is not None:
-            self.model_runner.kv_connector = KVStoreConnectorWorker(open_kv_block_store(cfg.kv_transfer), kv_caches)
+            return graphs
+        if self.device.type == "cpu" and self.lora is None:
+            return CpuDecodeLoop.build(self.model, kv_caches)
+        return None
 
     def start_populate(self, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor] | None) -> None:
         """Map the pools' pages in (`--kv-populate`, `kv_cache.PagePopulator`): all of them while
@@ -112,6 +172,7 @@ class Worker:
         self.populators = [(populator, host) for populator, host in populators if populator.thread is not None]
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._adapters_in_use = sched.adapters_in_use
         if self.idle is None:
             if self.populators:  # background: ahead of the blocks this step holds
                 device_block, host_block = highest_blocks(sched)
@@ -121,43 +182,26 @@ class Worker:
         with self.idle:
             return self.model_runner.execute(sched)
 
+    # -- LoRA adapters, between steps ------------------------------------------------------
+    def add_lora(self, request: LoRARequest, in_use: frozenset[int]) -> bool:
+        """Load and check an adapter into host memory; ValueError naming it if it cannot run here."""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {getattr(request, 'lora_name', request)!r} was asked for, but LoRA is "
+                             "not enabled (enable_lora=True, --enable-lora)")
+        self._adapters_in_use = in_use
+        self.lora.load(request)
+        return True
+
+    def remove_lora(self, lora_int_id: int, in_use: frozenset[int]) -> bool:
+        self._adapters_in_use = in_use
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.lora is None else self.lora.list_loras()
+
 
 def highest_blocks(sched: SchedulerOutput) -> tuple[int, int]:
     """The highest device block the step's requests hold (a table's newest block is its last) and
     the highest host block it swaps out to; -1 for none."""
     device = max((table[-1] for chunk in sched.chunks for table in chunk.block_ids if table), default=-1)
     return device, max((host for _, host in sched.swap_out), default=-1)
-
-
-def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint,
-               tp: TensorParallel = SINGLE) -> torch.nn.Module:
-    """A model of `arch` built for rank `tp.rank` (its slices of every layer), with the
-    checkpoint's weights (dummy ones for load_format="dummy"), ready to run."""
-    # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
-    static_len = config.model.max_model_len if config.use_cuda_graphs else None
-    with tensor_parallel_scope(tp):
-        if config.batch_invariant and (arch.moe is not None or arch.mla is not None):
-            raise ValueError(f"batch_invariant: {arch.architecture} is not covered yet (expert routing and latent "
-                             "attention are batched by their own kernels); use a dense-attention model")
-        model = build_model(arch, get_attention_backend(config.attention_backend, static_len, config.batch_invariant),
-                            config.model.dtype, config.device, quant_config)
-    if config.model.load_format == "dummy":
-        init_dummy_weights(model, config.model.seed)
-    else:
-        model.load_weights(checkpoint.weights)
-    process_weights_after_loading(model)
-    if config.batch_invariant:
-        make_batch_invariant(model)
-    return model
-
-
-def rank_arch(arch: ArchConfig, tp: TensorParallel) -> ArchConfig:
-    """The architecture as rank `tp.rank` sees it: its share of the attention heads (so its KV
-    layout holds only its KV heads). Raises if the model cannot be split `tp.size` ways."""
-    if tp.size == 1:
-        return arch
-    if arch.mla is not None or arch.moe is not None:
-        raise ValueError(f"tensor_parallel_size={tp.size}: {arch.architecture} cannot run tensor-parallel yet "
-                         "(latent attention and mixtures of experts are not sharded); use tensor_parallel_size=1")
-    heads = split_heads(arch.num_heads, arch.num_kv_heads, tp, arch.architecture)
-    return dataclasses.replace(arch, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)

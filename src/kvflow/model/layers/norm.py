@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.model.layers.reference import torch_rms_norm
 from kvflow.model.layers.triton_ops import kernels_for
 
 
@@ -22,20 +23,3 @@ class RMSNorm(nn.Module):
         kernels = kernels_for(x)
         norm = kernels.rms_norm if kernels is not None else torch_rms_norm
         return norm(x, self.weight, self.eps, residual)
-
-
-def torch_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The torch code, and the reference the kernel is tested against."""
-    if residual is None:
-        return _norm(x, weight, eps)
-    x = x + residual
-    return _norm(x, weight, eps), x
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)

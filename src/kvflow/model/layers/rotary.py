@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from torch import nn
 
+from kvflow.model.layers.reference import Rope, torch_rotary
 from kvflow.model.layers.triton_ops import kernels_for
 
 
@@ -35,21 +34,6 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(wavelen < old_len / high, inv_freq, scaled)
 
 
-@dataclass
-class Rope:
-    """One forward pass's rotary inputs, shared by all its layers."""
-
-    positions: torch.Tensor  # [T]
-    cos_table: torch.Tensor  # [max_positions, head_dim / 2] float32
-    sin_table: torch.Tensor
-
-    @cached_property
-    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token's (cos, sin), [T, 1, head_dim / 2]: the torch code's operands, looked up
-        by the first layer that needs them (the kernel looks them up itself)."""
-        return self.cos_table[self.positions].unsqueeze(1), self.sin_table[self.positions].unsqueeze(1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -70,10 +54,3 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, rope: Rope) -> tuple[t
     if kernels is not None:
         return kernels.rotary(q, k, rope.positions, rope.cos_table, rope.sin_table)
     return torch_rotary(q, rope), torch_rotary(k, rope)
-
-
-def torch_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """The torch code, and the reference the kernel is tested against."""
-    cos, sin = rope.cos_sin
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -28,7 +28,8 @@ from kvflow.model.layers.attention import Attention
 from kvflow.model.layers.embedding import ParallelLMHead
 from kvflow.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from kvflow.model.layers.norm import RMSNorm
-from kvflow.model.layers.rotary import Rope, apply_rotary
+from kvflow.model.layers.reference import Rope
+from kvflow.model.layers.rotary import apply_rotary
 from kvflow.model.loader.weights import load_named_weights
 from kvflow.quant.base import QuantizationConfig
 

@@ -33,7 +33,8 @@ from kvflow.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, R
 from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.layers.moe import SparseMoE
 from kvflow.model.layers.norm import RMSNorm
-from kvflow.model.layers.rotary import Rope, RotaryEmbedding, torch_rotary
+from kvflow.model.layers.reference import Rope, torch_rotary
+from kvflow.model.layers.rotary import RotaryEmbedding
 from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel
 from kvflow.quant.base import QuantizationConfig
 

@@ -21,7 +21,8 @@ from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.embedding import VocabParallelEmbedding
 from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.layers.norm import RMSNorm
-from kvflow.model.layers.rotary import Rope, RotaryEmbedding
+from kvflow.model.layers.reference import Rope
+from kvflow.model.layers.rotary import RotaryEmbedding
 from kvflow.model.models.blocks import CausalLM, RopeAttention
 from kvflow.quant.base import QuantizationConfig, copy_checked
 

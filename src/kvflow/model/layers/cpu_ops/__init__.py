@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from kvflow import cpu_extension
+from kvflow.model.layers.reference import Rope, torch_rms_norm, torch_rotary
 
 SOURCE = Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp"
 DISABLE_ENV = "KVFLOW_CPU_FUSED_OPS"
@@ -46,15 +47,13 @@ def load() -> tuple | None:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """As norm.torch_rms_norm; with a residual, the sum x + residual is written into `residual`
+    """As reference.torch_rms_norm; with a residual, the sum x + residual is written into `residual`
     (which is returned as the new residual stream) where it is a contiguous tensor of x's dtype."""
     width = x.shape[-1]
     rows = x.reshape(-1, width)
     in_place = residual is not None and residual.is_contiguous() and residual.shape == x.shape
     if (weight.dtype != x.dtype or rows.stride(-1) != 1
             or (residual is not None and (residual.dtype != x.dtype or not in_place))):
-        from kvflow.model.layers.norm import torch_rms_norm  # imported here: norm.py imports this package
-
         return torch_rms_norm(x, weight, eps, residual)
     out = torch.empty(rows.shape, dtype=x.dtype)
     torch.ops.kvflow_cpu_ops.rms_norm(out, rows, None if residual is None else residual.view(-1, width), weight, eps)
@@ -62,10 +61,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
 
 
 def rotary(q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """As rotary.torch_rotary on q [T, heads, head_dim] and k [T, kv_heads, head_dim], in place."""
+    """As reference.torch_rotary on q [T, heads, head_dim] and k [T, kv_heads, head_dim], in place."""
     if q.dtype != k.dtype or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64:
-        from kvflow.model.layers.rotary import Rope, torch_rotary  # imported here: rotary.py imports this package
-
         rope = Rope(positions, cos, sin)
         return torch_rotary(q, rope), torch_rotary(k, rope)
     torch.ops.kvflow_cpu_ops.rotary(q, k, positions.contiguous(), cos.contiguous(), sin.contiguous())

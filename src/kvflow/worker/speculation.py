@@ -1,5 +1,7 @@
-"""Builds speculative decoding for an engine from its `speculative_config`: the proposer (with its
-draft model and KV, if any), the worker's speculator, and the scheduler's adaptive policy."""
+"""The drafter a runner builds for speculative decoding (`speculative_config`): the proposer,
+with its draft model and that model's KV where it has them, and the speculator that verifies the
+proposals and asks for the next ones. The scheduler's half (how many tokens each request
+proposes: spec_decode/adaptive.py) is the engine's."""
 
 from __future__ import annotations
 
@@ -8,29 +10,22 @@ from kvflow.kv_cache_spec import KVLayout
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.quant.registry import get_quantization_config
-from kvflow.spec_decode.adaptive import AdaptiveSpeculation
 from kvflow.spec_decode.model_proposer import ModelProposer
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.spec_decode.proposer import Proposer
 from kvflow.worker.draft_runner import DraftRunner
 from kvflow.worker.kv_cache import allocate_kv_caches
-from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.rank_model import load_model
 from kvflow.worker.speculator import Speculator
-from kvflow.worker.worker import load_model
 
 
-def setup_speculation(config: EngineConfig, arch: ArchConfig, runner: ModelRunner,
-                      num_blocks: int) -> AdaptiveSpeculation | None:
-    """Attach a speculator to `runner` (rank 0's, which samples) and return the policy for the
-    scheduler (None: off)."""
-    spec = config.speculative
-    if spec is None:
-        return None
-    runner.speculator = Speculator(make_proposer(config, arch, runner, num_blocks), runner.sampler, runner.device)
-    return AdaptiveSpeculation(spec)
+def build_speculator(config: EngineConfig, arch: ArchConfig, runner, num_blocks: int) -> Speculator:
+    """`runner`: the target's ModelRunner, whose sampler, flat-batch builder (and, for layer skip,
+    model and KV) the drafter shares."""
+    return Speculator(make_proposer(config, arch, runner, num_blocks), runner.sampler, runner.device)
 
 
-def make_proposer(config: EngineConfig, arch: ArchConfig, runner: ModelRunner, num_blocks: int) -> Proposer:
+def make_proposer(config: EngineConfig, arch: ArchConfig, runner, num_blocks: int) -> Proposer:
     spec = config.speculative
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
