@@ -12,9 +12,9 @@ prompts at temperature 1 (seeded, EOS ignored so every request makes every token
 unconstrained (A) and once constrained by a JSON schema that cannot end within that many tokens
 (B: an array of at least 1000 short strings), alternating A and B --iters times. A step's time
 is the median of its decode steps (prefill steps excluded); overhead = B / A - 1. The mask's own
-parts are timed inside B: filling the bitmask (the grammar library, on the fill thread while the
-forward pass runs), how long the step then waits for the fill before sampling, and applying the
-mask (the sampler).
+parts are timed inside B: one request's mask job (the grammar library, on a mask thread, started
+when the step before ends), how long the engine then settles the jobs before scheduling (waiting
+for fresh ones), and applying the mask (the sampler).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def measure_overhead(engine: LLMEngine, batch: int, output_len: int, iters: int)
     tokenizer = engine.get_tokenizer()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "List some short words as JSON."}], tokenize=True)
     timed = {"fill": [], "wait": [], "apply": []}
-    _time_into(engine.structured_output, "_fill_rows", timed["fill"])
-    _time_into(engine.runner, "_grammar_fields", timed["wait"])
+    _time_into(engine.structured_output, "_follow", timed["fill"])  # one request's mask job, on a mask thread
+    _time_into(engine.structured_output, "settle", timed["wait"])  # the engine thread, before each step
     _time_into(sampler_module, "apply_grammar_bitmask", timed["apply"])
     steps = {"A": [], "B": []}
     parts = {part: [] for part in timed}  # per constrained run: the median time of one step's part
@@ -88,8 +88,8 @@ def measure_overhead(engine: LLMEngine, batch: int, output_len: int, iters: int)
                     parts[part].append(statistics.median(times))
     a, b = statistics.median(steps["A"]), statistics.median(steps["B"])
     return {"batch": batch, "step_ms_unconstrained": a * 1e3, "step_ms_constrained": b * 1e3, "overhead": b / a - 1,
-            "fill_ms_per_step": statistics.median(parts["fill"]) * 1e3,  # masks filled (fill thread)
-            "fill_wait_ms_per_step": statistics.median(parts["wait"]) * 1e3,  # the step waiting for it
+            "mask_job_ms": statistics.median(parts["fill"]) * 1e3,  # one request's next mask (a mask thread)
+            "settle_ms_per_step": statistics.median(parts["wait"]) * 1e3,  # the engine waiting for them
             "apply_ms_per_step": statistics.median(parts["apply"]) * 1e3,
             "runs_ms": {k: [round(v * 1e3, 2) for v in runs] for k, runs in steps.items()}}
 
