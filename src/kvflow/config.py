@@ -197,24 +197,12 @@ class EngineArgs:
         _require(self.distributed_timeout_s > 0, "distributed_timeout_s", "> 0")
         _require(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
                  "data_parallel_size", "an integer >= 1")
-        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet (each replica "
-                             "runs one rank); use one of them")
         _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", KV_CACHE_DTYPE_CHOICES)
         _require(self.kv_populate in KV_POPULATE_MODES, "kv_populate", ", ".join(KV_POPULATE_MODES))
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
-        if self.speculative_config is not None and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported yet (only rank 0 "
-                             "would propose and verify); use tensor_parallel_size=1")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet (adapters are not "
-                             "sharded); use tensor_parallel_size=1")
         kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
-        if kv_transfer is not None and self.tensor_parallel_size > 1:
-            raise ValueError("kv_transfer_config with tensor_parallel_size > 1 is not supported yet (each rank holds "
-                             "its own KV heads); use tensor_parallel_size=1")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         if self.kv_cache_dtype != "auto" and backend == "triton":

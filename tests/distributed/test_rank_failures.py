@@ -246,8 +246,8 @@ def test_a_spawned_rank_dies_with_the_engines_process(model_dir, tmp_path):
 
         spawn = kvflow.executor.multiprocess._spawn_ranks
 
-        def spawn_then_die(config, init, processes):
-            spawn(config, init, processes)
+        def spawn_then_die(config, init, processes, *rest):
+            spawn(config, init, processes, *rest)
             print(processes[0].pid, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -114,3 +114,22 @@ def test_messages_carry_only_what_changed():
     assert isinstance(third, CachedRequestData) and third.nulled == ((0,),) and third.new_block_ids == ([],)
     fourth = step(6, 1, ([-1, 4],), [11, 12, 13])  # a block replaced (copy-on-write): sent whole again
     assert isinstance(fourth, NewRequestData)
+
+
+def test_proposals_and_lookahead_travel_in_the_message(tmp_path):
+    """Every rank verifies and proposes: a chunk's proposals and how many tokens to propose after it
+    are rebuilt exactly (a repetitive prompt makes the n-gram proposer propose)."""
+    make_tiny_model("llama-gqa-llama3-rope", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    trip = RoundTrip(llm.llm_engine.model_executor)
+    verified = []
+
+    def step(sched):
+        verified.append(sum(c.num_spec_tokens for c in sched.chunks))
+        return trip(sched)
+
+    llm.llm_engine.model_executor.execute_model = step
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9] * 6}
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert sum(verified) > 0 and "CachedRequestData" in trip.kinds

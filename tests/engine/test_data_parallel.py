@@ -155,8 +155,6 @@ def test_a_duplicate_id_and_bad_input_are_refused_and_harm_nothing(dp):
 def test_bad_data_parallel_size_is_refused_naming_the_field(model_dir, value):
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
         DPAsyncLLM(EngineArgs(model_dir, data_parallel_size=value, **ENGINE))
-    with pytest.raises(ValueError, match="data_parallel_size"):
-        DPAsyncLLM(EngineArgs(model_dir, data_parallel_size=2, tensor_parallel_size=2, **ENGINE))
     with pytest.raises(ValueError, match="data_parallel_size=2: an LLMEngine .* is one replica"):
         LLM(model_dir, data_parallel_size=2, **ENGINE)
 

@@ -13,7 +13,7 @@ import torch
 from peft_adapters import make_adapter
 from tiny_models import make_tiny_model
 
-from kvflow import LLM, EngineArgs, LoRARequest, SamplingParams, StructuredOutputsParams
+from kvflow import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 
 ARCH = "llama-gqa-llama3-rope"
 
@@ -89,9 +89,3 @@ def test_structured_output_speculates_to_the_same_tokens():
     stats = llm.llm_engine.get_stats().spec_decoding
     assert stats.num_accepted_tokens > 10
     assert llm.llm_engine.kv_cache_usage == 0.0
-
-
-def test_speculation_with_tensor_parallel_is_refused():
-    with pytest.raises(ValueError, match="speculative_config with tensor_parallel_size > 1"):
-        EngineArgs(model="x", tensor_parallel_size=2,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_config(2048)

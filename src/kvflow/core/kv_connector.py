@@ -37,6 +37,7 @@ prompt here. Nothing waits on the store longer than its timeout.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 
@@ -94,6 +95,14 @@ def transfer_keys(prompt_token_ids: list[int], block_size: int, extra_keys: tupl
     return keys
 
 
+def rank_key(key: BlockHash, rank: int, world_size: int) -> BlockHash:
+    """The key of rank `rank`'s part of a block (under tensor parallel each rank holds its own KV
+    heads, stored apart); one rank's key is the block's own, so single-rank stores are unchanged."""
+    if world_size == 1:
+        return key
+    return hashlib.sha256(key + f"/rank {rank} of {world_size}".encode()).digest()
+
+
 class KVConnectorScheduler:
     """The interface the scheduler calls; the base class transfers nothing."""
 
@@ -119,12 +128,14 @@ class KVConnectorScheduler:
 class KVStoreConnector(KVConnectorScheduler):
     """Blocks in a `KVBlockStore` (a directory on one host, a `kvflow kv-store` server across hosts)."""
 
-    def __init__(self, store: KVBlockStore, kv_role: str, block_size: int) -> None:
+    def __init__(self, store: KVBlockStore, kv_role: str, block_size: int, world_size: int = 1) -> None:
+        """`world_size`: the tensor-parallel ranks, each of which stores its part of every block."""
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}; got {kv_role!r}")
         self.store = store
         self.kv_role = kv_role
         self.block_size = block_size
+        self.world_size = world_size
         self._loads: list[BlockTransfer] = []
         self._load_failed: set[str] = set()  # requests that compute their prompts here, whatever the store holds
         self._failures = StoreFailureLog(logger)
@@ -148,8 +159,9 @@ class KVStoreConnector(KVConnectorScheduler):
         keys = self._keys(request)[num_computed_tokens // self.block_size:]
         if not keys:
             return 0
-        try:
-            found = self.store.lookup([key for key, _ in keys])
+        try:  # every rank's part of a block must be there: the prefix all ranks can load
+            found = min(self.store.lookup([rank_key(key, rank, self.world_size) for key, _ in keys])
+                        for rank in range(self.world_size))
         except KVStoreError as e:  # the store is down: the prompt is computed here
             self._failures.report("looking up a prompt's KV blocks", e)
             return 0
@@ -191,7 +203,8 @@ class KVStoreConnector(KVConnectorScheduler):
 
     def discard(self, prompt_token_ids: list[int], extra_keys: tuple = ()) -> None:
         """Delete whatever was saved for a prompt that no engine will load now (its request ended)."""
-        keys = [key for key, _ in transfer_keys(prompt_token_ids, self.block_size, extra_keys)]
+        keys = [rank_key(key, rank, self.world_size) for key, _ in transfer_keys(prompt_token_ids, self.block_size, extra_keys)
+                for rank in range(self.world_size)]
         try:
             self.store.delete(keys)
         except KVStoreError as e:  # a bounded store evicts them in time

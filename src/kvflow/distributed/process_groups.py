@@ -48,6 +48,11 @@ class DistributedInit:
     world_size: int
     rank: int
     timeout_s: float = 60.0
+    local_rank: int | None = None  # among the ranks on this machine (None: the rank: all ranks here)
+
+    @property
+    def machine_rank(self) -> int:
+        return self.rank if self.local_rank is None else self.local_rank
 
     @classmethod
     def parse(cls, method: str, world_size: int, rank: int, timeout_s: float = 60.0) -> DistributedInit:
@@ -56,7 +61,7 @@ class DistributedInit:
             raise ValueError(f"distributed_init_method must be tcp://host:port; got {method!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"node_rank must be in [0, {world_size}) for {world_size} ranks; got {rank}")
-        return cls(url.hostname, url.port, world_size, rank, timeout_s)
+        return cls(url.hostname, url.port, world_size, rank, timeout_s, local_rank=0)  # one rank per machine
 
     @classmethod
     def from_torchrun(cls, timeout_s: float = 60.0) -> DistributedInit | None:
@@ -65,7 +70,18 @@ class DistributedInit:
         if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
             return None
         # torchrun's own store already holds MASTER_PORT: ours listens on the next port.
-        return cls(env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1, int(env["WORLD_SIZE"]), int(env["RANK"]), timeout_s)
+        rank = int(env["RANK"])
+        return cls(env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1, int(env["WORLD_SIZE"]), rank, timeout_s,
+                   local_rank=int(env.get("LOCAL_RANK", rank)))
+
+
+def rank_device(device: str, machine_rank: int) -> str:
+    """A rank's device: the CPU is shared; on CUDA the rank with `machine_rank` on its machine takes
+    the GPU that many after the one `device` names (a data-parallel replica's ranks start at its own)."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.partition(":")[2] or 0)
+    return f"cuda:{first + machine_rank}"
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -57,8 +58,13 @@ class DPAsyncLLM:
         self._listeners: tuple[Callable[[FinishedRequest], None], ...] = ()
         num_threads = max(1, torch.get_num_threads() // n)  # the cores are shared out, not fought over
         context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
-        self.replicas = [ReplicaClient(i, replace(args, data_parallel_size=1, device=replica_device(config.device, i, n)),
+        tp = config.parallel.tensor_parallel_size
+        self.replicas = [ReplicaClient(i, replace(args, data_parallel_size=1, device=replica_device(config.device, i, n, tp)),
                                        limits, num_threads, context) for i in range(n)]
+        # Replicas are not daemons (their ranks are their children), so nothing would stop them at
+        # exit, and the interpreter waits for non-daemon children: a front dropped without
+        # shutdown() must not hang its process's exit.
+        weakref.finalize(self, _kill, [r.process for r in self.replicas])
         try:
             for replica in self.replicas:
                 replica.wait_ready()
@@ -162,13 +168,22 @@ class DPAsyncLLM:
             listener(finished)
 
 
-def replica_device(device: str, index: int, num_replicas: int) -> str:
-    """Replica `index`'s device: the CPU is shared; on CUDA replica i owns GPU i."""
+def _kill(processes) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+def replica_device(device: str, index: int, num_replicas: int, tensor_parallel_size: int = 1) -> str:
+    """Replica `index`'s device: the CPU is shared; on CUDA replica i owns GPUs i·tp .. i·tp + tp − 1
+    (its tensor-parallel ranks take them in order from the first)."""
     if device == "cpu" or num_replicas == 1:
         return device
     if device != "cuda":
-        raise ValueError(f"data_parallel_size > 1 puts replica i on cuda:i; give device=cuda, not {device!r}")
-    if torch.cuda.device_count() < num_replicas:
-        raise ValueError(f"data_parallel_size={num_replicas} needs {num_replicas} GPUs; torch sees "
-                         f"{torch.cuda.device_count()}")
-    return f"cuda:{index}"
+        raise ValueError(f"data_parallel_size > 1 puts replica i on its own GPUs; give device=cuda, not {device!r}")
+    needed = num_replicas * tensor_parallel_size
+    if torch.cuda.device_count() < needed:
+        raise ValueError(f"data_parallel_size={num_replicas} x tensor_parallel_size={tensor_parallel_size} needs "
+                         f"{needed} GPUs; torch sees {torch.cuda.device_count()}")
+    return f"cuda:{index * tensor_parallel_size}"

@@ -45,8 +45,10 @@ class ReplicaClient:
     def __init__(self, index: int, args: EngineArgs, limits: LoadLimits, num_threads: int, context) -> None:
         self.index = index
         self._conn, child_end = context.Pipe()
+        # Not a daemon: a replica with tensor parallel starts its own ranks, which a daemon may not.
+        # It still dies with the server (it watches the server's process).
         self.process = context.Process(target=run_replica, args=(child_end, args, limits, num_threads),
-                                       name=f"kvflow-dp{index}", daemon=True)
+                                       name=f"kvflow-dp{index}", daemon=False)
         self.process.start()
         child_end.close()  # ours must go, or the replica's death would never read as end-of-file
         self.stats: EngineStats | None = None  # as of the replica's last batch (set once it is ready)

@@ -52,9 +52,11 @@ def run_replica(conn: Connection, args: EngineArgs, limits: LoadLimits, num_thre
     """The replica process's entry point (spawned: nothing of the server's state is inherited)."""
     import torch
 
+    from kvflow.distributed.process_groups import die_with_parent
     from kvflow.engine.llm_engine import LLMEngine
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    die_with_parent()  # not a daemon (its tensor-parallel ranks are its children): it follows the server
     torch.set_num_threads(num_threads)
     try:
         def build() -> LLMEngine:

@@ -141,7 +141,8 @@ class LLMEngine:
         kv_transfer = self.config.kv_transfer
         if kv_transfer is None:
             return None
-        return KVStoreConnector(open_kv_block_store(kv_transfer), kv_transfer.kv_role, self.config.cache.block_size)
+        return KVStoreConnector(open_kv_block_store(kv_transfer), kv_transfer.kv_role, self.config.cache.block_size,
+                                self.config.parallel.tensor_parallel_size)
 
     def _make_structured_output(self) -> StructuredOutputManager | None:
         """Grammar matchers need the vocabulary: none without a tokenizer."""

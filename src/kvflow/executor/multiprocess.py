@@ -15,6 +15,7 @@ ends the requests it carried with an error, and every later step raises at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -27,7 +28,14 @@ from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.device_faults import WorkerDiedError
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.distributed.process_groups import DistributedInit, broadcast_object, create_groups, create_store, wait_for_joins
+from kvflow.distributed.process_groups import (
+    DistributedInit,
+    broadcast_object,
+    create_groups,
+    create_store,
+    rank_device,
+    wait_for_joins,
+)
 from kvflow.executor.base import Executor
 from kvflow.executor.rank_watch import RankWatch
 from kvflow.model.arch_config import ArchConfig
@@ -35,7 +43,7 @@ from kvflow.model.loader import Checkpoint
 from kvflow.worker.rank_model import rank_arch
 from kvflow.worker.step_message import StepEncoder
 from kvflow.worker.worker import Worker
-from kvflow.worker.worker_process import run_worker_process, start_worker, threads_per_rank
+from kvflow.worker.worker_process import run_worker_process, start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +55,18 @@ class MultiprocExecutor(Executor):
         rank_arch(arch, TensorParallel(0, par.world_size))  # a model that cannot split fails before any rank starts
         init, spawn = _rank_zero_init(par)
         self._threads = torch.get_num_threads()
+        # The cores this engine was given (a data-parallel replica has its share), split among its ranks.
+        rank_threads = max(1, self._threads // par.world_size)
         self._failed: str | None = None
         self._processes: list[mp.Process] = []
         self._finalizer = None
         store, init = create_store(init)
         try:
             if spawn:
-                _spawn_ranks(config, init, self._processes)
+                _spawn_ranks(config, init, self._processes, rank_threads)
             self._watch = RankWatch(init, store, self._processes)
-            self._start(config, arch, quant_config, checkpoint, init, store)
+            own = dataclasses.replace(config, device=rank_device(config.device, init.machine_rank))
+            self._start(own, arch, quant_config, checkpoint, init, store, rank_threads)
         except BaseException:
             self._failed = "a rank failed to start"
             self.shutdown()
@@ -65,11 +76,11 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_ranks, self.groups, self._processes, True, self._threads)
 
     def _start(self, config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint,
-               init: DistributedInit, store) -> None:
+               init: DistributedInit, store, num_threads: int) -> None:
         """Join the ranks, then load and agree on the pool, never waiting on a dead rank."""
         wait_for_joins(store, init, self._watch.check)
         if config.device == "cpu":
-            torch.set_num_threads(threads_per_rank(init.world_size))
+            torch.set_num_threads(num_threads)
         try:
             self.groups = create_groups(init, torch.device(config.device), store)
         except RuntimeError as e:  # a rank that joined did not connect: gone, or silent past the timeout
@@ -147,12 +158,13 @@ def _rank_zero_init(par) -> tuple[DistributedInit, bool]:
     return init, False
 
 
-def _spawn_ranks(config: EngineConfig, init: DistributedInit, processes: list[mp.Process]) -> None:
-    """Start ranks 1..N-1, each added to `processes` as it starts (so a failure stops those before it)."""
+def _spawn_ranks(config: EngineConfig, init: DistributedInit, processes: list[mp.Process], num_threads: int) -> None:
+    """Start ranks 1..N-1, each added to `processes` as it starts (so a failure stops those before it).
+    Each takes its own device from the one `config.device` names (`rank_device`)."""
     ctx = mp.get_context("spawn")
     for rank in range(1, init.world_size):
-        p = ctx.Process(target=run_worker_process, args=(config, _for_rank(init, rank)), daemon=True,
-                        name=f"kvflow-rank-{rank}")
+        p = ctx.Process(target=run_worker_process, args=(config, _for_rank(init, rank), True, num_threads),
+                        daemon=True, name=f"kvflow-rank-{rank}")
         p.start()
         processes.append(p)
 
@@ -171,7 +183,9 @@ def _refuse_while_bootstrapping(world_size: int) -> None:
 
 
 def _for_rank(init: DistributedInit, rank: int) -> DistributedInit:
-    return DistributedInit(init.host, init.port, init.world_size, rank, init.timeout_s)
+    """Spawned rank `rank`, on rank 0's machine: its machine rank counts from rank 0's."""
+    return DistributedInit(init.host, init.port, init.world_size, rank, init.timeout_s,
+                           local_rank=init.machine_rank + rank)
 
 
 def _is_collective_error(e: RuntimeError) -> bool:

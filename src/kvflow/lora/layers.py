@@ -15,6 +15,14 @@ fewer per run of rows, the faster trade on this CPU at every shape measured.
 Which slot each row uses is the step's `LoRABatch`, which the model never sees: a hook on the
 model reads it from the step's attention metadata into the layers' shared `LoRAContext` before
 each forward pass. On CUDA the deltas are `lora.triton_ops`' kernels, elsewhere the torch forms.
+
+Under tensor parallel an adapter is sharded like the layer it wraps (as vLLM's and Punica's
+sharding does). A column-parallel layer (q/k/v, gate/up) sees the whole input and makes a slice of
+the output: A is whole on every rank, B keeps the rank's rows of each slice, and the delta is the
+rank's slice of the output's. A row-parallel layer (o_proj, down_proj) sees a slice of the input
+and its ranks' outputs are summed: A keeps the rank's columns, B is whole, and each rank adds its
+partial delta (x_r A_r^T) B to its partial output before the layer's one all-reduce, whose sum is
+the whole delta; no collective of its own.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class LoRALinear(nn.Module):
         self.base_layer = base_layer
         self.context = context  # shared, not a submodule
         self.max_rank = max_rank
+        self.tp_split = base_layer.tp_split if base_layer.tp_size > 1 else None
         sizes = base_layer.output_sizes
         self.out_slices = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # (first column, width)
         self.register_buffer("lora_a", torch.zeros(max_loras, len(sizes) * max_rank, base_layer.input_size,
@@ -92,16 +101,28 @@ class LoRALinear(nn.Module):
         return None  # the deltas go into gate/up before the activation: forward, then the MLP's act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
         batch = self.context.batch
-        if batch is None:
-            return y
+        if self.tp_split == "input" and batch is not None:
+            return self._row_parallel(x, batch)
+        y = self.base_layer(x)
+        if batch is not None:
+            self._add_deltas(y, x, batch)
+        return y
+
+    def _row_parallel(self, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        """The rank's partial output and partial delta, summed over the ranks by one all-reduce."""
+        base = self.base_layer
+        y = base.quant_method.apply(base, x)
+        self._add_deltas(y, x, batch)
+        y = base.tp.all_reduce(y)
+        return y if base.bias is None else y + base.bias
+
+    def _add_deltas(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
         kernels = lora_kernels_for(x)
         if kernels is not None:
             kernels(y, x, self.lora_a, self.lora_b, batch, self.max_rank, self.out_slices)
         else:
             batch.add_lora(y, x, self.lora_a, self.lora_b)
-        return y
 
     def set_slot(self, slot: int, slices: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill `slot` with an adapter's (A [r, in], B [out, r]) per slice; slices it does not
@@ -109,10 +130,23 @@ class LoRALinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         for index, (a, b) in slices.items():
+            a, b = self._rank_part(index, a, b)
             first, width = self.out_slices[index]
             rows = slice(index * self.max_rank, index * self.max_rank + a.shape[0])
             self.lora_a[slot, rows].copy_(a, non_blocking=True)
             self.lora_b[slot, rows, first:first + width].copy_(b.t(), non_blocking=True)
+
+    def _rank_part(self, index: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a slice's whole A [r, in] and B [out, r]: B's rows of the rank's
+        output slice (column-parallel), or A's columns of its input slice (row-parallel)."""
+        base = self.base_layer
+        if self.tp_split == "output":
+            _, first = base.tp_shard_rows(index)
+            return a, b[first:first + base.output_sizes[index]]
+        if self.tp_split == "input":
+            width = base.input_size
+            return a[:, base.tp_rank * width:(base.tp_rank + 1) * width], b
+        return a, b
 
 
 def install_lora_layers(model: nn.Module, max_loras: int, max_rank: int, context: LoRAContext,
@@ -131,8 +165,6 @@ def install_lora_layers(model: nn.Module, max_loras: int, max_rank: int, context
             if f"{name}.{child_name}".lstrip(".") in skipped:
                 continue
             if isinstance(child, LinearBase) and not isinstance(child, VocabParallelEmbedding):
-                if child.tp_size > 1:
-                    raise NotImplementedError("LoRA under tensor parallelism is not supported yet")
                 lora = LoRALinear(child, max_loras, max_rank, context, dtype, torch.device(device))
                 setattr(module, child_name, lora)
                 wrapped[child.prefix or f"{name}.{child_name}".lstrip(".")] = lora
@@ -149,7 +181,16 @@ def lora_targets(layers: dict[str, LoRALinear], stacked_params: dict[str, tuple[
         for part, (fused, shard_id) in stacked_params.items():
             if fused == own and shard_id in base.shard_ids:
                 index = base.shard_index(shard_id)
-                targets[f"{parent}.{part}"] = LoRATarget(prefix, index, base.input_size, base.output_sizes[index])
+                targets[f"{parent}.{part}"] = LoRATarget(prefix, index, *_whole_sizes(base, index))
         if base.shard_ids == (None,):
-            targets[prefix] = LoRATarget(prefix, 0, base.input_size, base.output_sizes[0])
+            targets[prefix] = LoRATarget(prefix, 0, *_whole_sizes(base, 0))
     return targets
+
+
+def _whole_sizes(base: LinearBase, index: int) -> tuple[int, int]:
+    """(in, out) features of slice `index` as the checkpoint has them, whatever this rank keeps."""
+    if base.tp_size == 1 or base.tp_split is None:
+        return base.input_size, base.output_sizes[index]
+    if base.tp_split == "input":
+        return base.input_size * base.tp_size, base.output_sizes[index]
+    return base.input_size, base.tp_shard_rows(index)[0]

@@ -12,6 +12,10 @@ request's blocks are copied and `load_kv` names it: the runner discards what the
 for it and the scheduler has it compute its prompt (`Scheduler.recompute_failed_loads`). Its
 blocks are its own (fresh ones, not yet findable in the prefix cache), so no other request sees
 them. A failed save only means the consumer computes what it would have loaded.
+
+Under tensor parallel every rank moves its own part of each block (its KV heads) under its own
+key (`rank_key`), and the ranks agree on which loads failed (one all-reduce of a flag per load)
+before anything is copied: a request whose part is missing on any rank recomputes on all of them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import time
 import numpy as np
 import torch
 
-from kvflow.core.kv_connector import BlockTransfer, KVConnectorMetadata, TransferStats
+from kvflow.core.kv_connector import BlockTransfer, KVConnectorMetadata, TransferStats, rank_key
+from kvflow.distributed.parallel_state import SINGLE, TensorParallel
 from kvflow.kv_store.base import KVBlockStore, KVStoreError, StoreFailureLog
 from kvflow.worker.kv_cache import unique_caches
 
@@ -30,8 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 class KVStoreConnectorWorker:
-    def __init__(self, store: KVBlockStore, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, store: KVBlockStore, kv_caches: list[torch.Tensor], tp: TensorParallel = SINGLE) -> None:
         self.store = store
+        self.tp = tp
         self.pools = unique_caches(kv_caches)
         self._pool_bytes = [p[:, 0].numel() * p.element_size() for p in self.pools]
         self.block_bytes = sum(self._pool_bytes)
@@ -42,7 +48,7 @@ class KVStoreConnectorWorker:
         tensor). Returns the requests whose blocks could not all be loaded."""
         started = time.perf_counter()
         try:
-            blobs = self.store.get([t.key for t in meta.loads])
+            blobs = self.store.get([self._key(t) for t in meta.loads])
         except KVStoreError as e:
             self._failures.report("loading KV blocks", e)
             blobs = [None] * len(meta.loads)
@@ -51,13 +57,26 @@ class KVStoreConnectorWorker:
             if blob is not None and memoryview(blob).nbytes != self.block_bytes:
                 logger.error("the KV store's block %s holds %d bytes, not the %d of one block of this engine's KV "
                              "layout (another model or dtype wrote it?): its request computes its prompt",
-                             t.key.hex(), memoryview(blob).nbytes, self.block_bytes)
+                             self._key(t).hex(), memoryview(blob).nbytes, self.block_bytes)
                 failed.add(t.request_id)
+        failed = self._agreed(meta, failed)
         loads = [(t, blob) for t, blob in zip(meta.loads, blobs) if t.request_id not in failed]
         if loads:
             self._copy_in(loads)
             self._record([t for t, _ in loads], time.perf_counter() - started, stats)
         return failed
+
+    def _key(self, transfer: BlockTransfer) -> bytes:
+        return rank_key(transfer.key, self.tp.rank, self.tp.size)
+
+    def _agreed(self, meta: KVConnectorMetadata, failed: set[str]) -> set[str]:
+        """The requests whose load failed on any rank (every rank the same set)."""
+        if self.tp.size == 1:
+            return failed
+        requests = list(dict.fromkeys(t.request_id for t in meta.loads))
+        flags = torch.tensor([r in failed for r in requests], dtype=torch.float32, device=self.pools[0].device)
+        flags = self.tp.all_reduce(flags)
+        return {r for r, flag in zip(requests, flags.tolist()) if flag > 0}
 
     def _copy_in(self, loads: list[tuple[BlockTransfer, object]]) -> None:
         staging = torch.empty((len(loads), self.block_bytes), dtype=torch.uint8)
@@ -85,7 +104,7 @@ class KVStoreConnectorWorker:
                           for pool in self.pools],
                          dim=1).cpu().numpy()
         try:
-            self.store.put([(t.key, memoryview(row)) for t, row in zip(saves, rows)])
+            self.store.put([(self._key(t), memoryview(row)) for t, row in zip(saves, rows)])
         except KVStoreError as e:
             self._failures.report("saving KV blocks", e)
             return

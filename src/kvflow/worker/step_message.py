@@ -10,6 +10,11 @@ encodes it (`StepEncoder`) into a `StepMessage`:
   sampled since (one per decode step), blocks appended to each table and entries a sliding window
   gave back.
 
+Both kinds carry the proposals a chunk verifies (speculative decoding) and how many tokens to
+propose after it: every rank verifies and proposes, so that a drafter on the model's collectives
+(layer skip) runs on every rank, and every rank samples the same tokens. The step's grammar masks
+and the adapters in use travel whole.
+
 Each worker rebuilds the same `SchedulerOutput` from the per-request state it keeps
 (`StepDecoder`). A request whose table changed in any other way (recomputed after preemption,
 swapped back in, a copy-on-write) is simply sent as new again. Outputs are append-only; a
@@ -22,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvflow.core.kv_cache_manager import NULL_BLOCK
-from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
+from kvflow.core.kv_connector import KVConnectorMetadata
+from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput, StepGrammar
 from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 
@@ -39,17 +45,21 @@ class NewRequestData:
     num_tokens: int
     sample: bool
     lora_request: LoRARequest | None = None
+    spec_token_ids: tuple[int, ...] = ()  # proposals verified after the chunk's known tokens
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class CachedRequestData:
     request_id: str
     start_pos: int
-    num_tokens: int
+    num_tokens: int  # known tokens (the proposals come on top)
     sample: bool
     new_output_token_ids: list[int]
     new_block_ids: tuple[list[int], ...]  # per KV group, appended to its table
     nulled: tuple[tuple[int, ...], ...]  # per KV group, table entries now NULL_BLOCK
+    spec_token_ids: tuple[int, ...] = ()
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
@@ -61,6 +71,9 @@ class StepMessage:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    grammar: StepGrammar | None = None
+    adapters_in_use: frozenset[int] = frozenset()
+    kv_connector_metadata: KVConnectorMetadata | None = None  # every rank moves its part of the blocks
 
 
 @dataclass
@@ -82,17 +95,21 @@ class StepEncoder:
             self._sent.pop(request_id, None)
         msg = StepMessage(finished_request_ids=set(sched.finished_request_ids),
                           preempted_request_ids=list(sched.preempted_request_ids),
-                          swap_out=sched.swap_out, swap_in=sched.swap_in, block_copies=sched.block_copies)
+                          swap_out=sched.swap_out, swap_in=sched.swap_in, block_copies=sched.block_copies,
+                          grammar=sched.grammar, adapters_in_use=sched.adapters_in_use,
+                          kv_connector_metadata=sched.kv_connector_metadata)
         msg.requests = [self._encode_chunk(c) for c in sched.chunks]
         return msg
 
     def _encode_chunk(self, c: ScheduledChunk) -> NewRequestData | CachedRequestData:
         sent = self._sent.get(c.request_id)
         diff = None if sent is None else _table_diff(sent.tables, c.block_ids)
+        known, spec = c.num_tokens - c.num_spec_tokens, tuple(c.spec_token_ids)
         if diff is None or len(c.output_token_ids) < sent.num_outputs:
             self._sent[c.request_id] = _Sent(len(c.output_token_ids), tuple(list(t) for t in c.block_ids))
             return NewRequestData(c.request_id, c.prompt_token_ids, list(c.output_token_ids), c.sampling_params,
-                                  c.eos_token_ids, c.block_ids, c.start_pos, c.num_tokens, c.sample, c.lora_request)
+                                  c.eos_token_ids, c.block_ids, c.start_pos, known, c.sample, c.lora_request,
+                                  spec, c.num_lookahead_tokens)
         new_blocks, nulled = diff
         for table, blocks, gone in zip(sent.tables, new_blocks, nulled):
             table.extend(blocks)
@@ -100,7 +117,8 @@ class StepEncoder:
                 table[i] = NULL_BLOCK
         new_outputs = c.output_token_ids[sent.num_outputs:]
         sent.num_outputs = len(c.output_token_ids)
-        return CachedRequestData(c.request_id, c.start_pos, c.num_tokens, c.sample, new_outputs, new_blocks, nulled)
+        return CachedRequestData(c.request_id, c.start_pos, known, c.sample, new_outputs, new_blocks, nulled, spec,
+                                 c.num_lookahead_tokens)
 
 
 def _table_diff(old: tuple[list[int], ...], new: tuple[list[int], ...]):
@@ -143,7 +161,9 @@ class StepDecoder:
             self.requests.pop(request_id, None)
         sched = SchedulerOutput(finished_request_ids=msg.finished_request_ids,
                                 preempted_request_ids=msg.preempted_request_ids,
-                                swap_out=msg.swap_out, swap_in=msg.swap_in, block_copies=msg.block_copies)
+                                swap_out=msg.swap_out, swap_in=msg.swap_in, block_copies=msg.block_copies,
+                                grammar=msg.grammar, adapters_in_use=msg.adapters_in_use,
+                                kv_connector_metadata=msg.kv_connector_metadata)
         for data in msg.requests:
             sched.add(self._chunk(data))
         return sched
@@ -165,5 +185,6 @@ class StepDecoder:
         if end > len(prompt) + len(outputs):
             raise RuntimeError(f"step message for {d.request_id!r} computes tokens the worker was never sent")
         tokens = prompt[start:end] + outputs[max(0, start - len(prompt)):max(0, end - len(prompt))]
-        return ScheduledChunk(d.request_id, tokens, start, state.block_ids, d.sample, state.sampling_params,
-                              prompt, outputs, state.eos_token_ids, state.lora_request)
+        return ScheduledChunk(d.request_id, tokens + list(d.spec_token_ids), start, state.block_ids, d.sample,
+                              state.sampling_params, prompt, outputs, state.eos_token_ids, state.lora_request,
+                              num_spec_tokens=len(d.spec_token_ids), num_lookahead_tokens=d.num_lookahead_tokens)

@@ -134,7 +134,7 @@ class Worker:
                                     cfg.model.dtype, self.device, in_use=lambda: self._adapters_in_use,
                                     row_tile=ROW_TILE if cfg.batch_invariant else None)
         connector = None if cfg.kv_transfer is None else KVStoreConnectorWorker(open_kv_block_store(cfg.kv_transfer),
-                                                                                 kv_caches)
+                                                                                 kv_caches, self.tp)
         speculator = None if cfg.speculative is None else (
             lambda runner: build_speculator(cfg, self.arch, runner, num_blocks))
         return ModelRunner(self.model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, host_caches,

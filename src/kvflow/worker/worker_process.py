@@ -8,6 +8,7 @@ ends the loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from kvflow.distributed.process_groups import (
     create_groups,
     create_store,
     die_with_parent,
+    rank_device,
     report_failure,
     wait_for_joins,
 )
@@ -63,15 +65,17 @@ def start_worker(worker: Worker, groups: ProcessGroups, checkpoint,
     return device_blocks, host_blocks
 
 
-def run_worker_process(config: EngineConfig, init: DistributedInit, spawned: bool = True) -> None:
+def run_worker_process(config: EngineConfig, init: DistributedInit, spawned: bool = True,
+                       num_threads: int | None = None) -> None:
     """The whole life of rank `init.rank` (> 0). `spawned`: started by rank 0 on this machine,
     so it dies with it. It reaches the store first and says so, waits for the others, joins the
     groups, then loads: rank 0 learns at once that it arrived, and, if it fails at any point, of
-    what."""
+    what. `num_threads`: its share of the cores (default: the machine's, shared by the ranks)."""
     if spawned:
         die_with_parent()
+    config = dataclasses.replace(config, device=rank_device(config.device, init.machine_rank))
     if config.device == "cpu":
-        torch.set_num_threads(threads_per_rank(init.world_size))
+        torch.set_num_threads(num_threads or threads_per_rank(init.world_size))
     store, _ = create_store(init)
     announce_joined(store, init.rank)
     try:
