@@ -10,8 +10,8 @@ engine's is (`zeros_untouched`: transparent huge pages where the kernel offers t
 memory as in a model's step; with 1 (the default) one layer's pool stays in the caches. Both paths run in
 turn within each round, and the table reports the median of the rounds and their ratio; the
 machine's load is printed beside it (a shared machine makes every absolute number noisy).
-`--against no-tiles` compares the kernel with itself with its AMX scores switched off
-(`KVFLOW_CPU_ATTENTION_TILES=0`) instead of with the torch path.
+`--against no-tiles` compares the kernel with itself asked for multiply-adds instead of its AMX
+scores (its `tiles` argument False) instead of with the torch path.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import time
 
 import torch
 
-from kvflow.attention import cpu_paged
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.attention.torch_sdpa import TorchSDPABackend
 from kvflow.worker.kv_cache import zeros_untouched
@@ -65,13 +64,13 @@ def time_layer(backend, layers, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats / len(layers)
 
 
-def time_without_tiles(backend, layers, repeats: int) -> float:
-    """time_layer with the kernel's AMX scores switched off (multiply-adds instead)."""
-    os.environ[cpu_paged.TILES_ENV] = "0"
-    try:
-        return time_layer(backend, layers, repeats)
-    finally:
-        del os.environ[cpu_paged.TILES_ENV]
+def without_tiles() -> TorchSDPABackend:
+    """The backend with its kernel always asked for multiply-adds, never AMX scores (the kernel's
+    last argument)."""
+    backend = TorchSDPABackend()
+    kernel = backend.kernel
+    backend.kernel = lambda *args: kernel(*args[:-1], False)
+    return backend
 
 
 def main() -> None:
@@ -87,11 +86,11 @@ def main() -> None:
     if in_place.kernel is None:
         raise SystemExit("the CPU kernel is unavailable here (see the warning above)")
     if args.against == "torch":
-        os.environ[cpu_paged.DISABLE_ENV] = "0"
-        gather = TorchSDPABackend()
-        baseline = functools.partial(time_layer, gather)
+        baseline_backend = TorchSDPABackend()
+        baseline_backend.kernel = None  # as where it cannot be built: the gather + matmul path
     else:
-        baseline = functools.partial(time_without_tiles, in_place)
+        baseline_backend = without_tiles()
+    baseline = functools.partial(time_layer, baseline_backend)
     rows = []
     for batch_size, max_context in ((1, 160), (16, 640), (64, 640), (128, 640)):
         torch.manual_seed(0)

@@ -19,11 +19,13 @@ probe shows it is present:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,13 +33,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The HF-oracle tests compare the float32 torch code, the reference every fast path is held to;
-# the fused CPU kernels are compared with it in tests/model/test_cpu_ops.py, which turns them on.
-os.environ.setdefault("KVFLOW_CPU_FUSED_OPS", "0")
-# A test engine's KV pool is mostly never used: mapping every page of each one in (the background
-# populate of worker/kv_cache.py) would cost CPU and memory for nothing. tests/worker/test_kv_cache.py
-# turns it on.
-os.environ.setdefault("KVFLOW_KV_POPULATE", "0")
+
+@pytest.fixture
+def use_cache_dir(monkeypatch):
+    """`use_cache_dir(path)` points kvflow's cache directory (KVFLOW_CACHE_DIR: kvflow/settings.py,
+    read once per process) at `path` for one test. Its `kernels/` is the machine's (a link, where
+    `path` is a directory to be): the C++ kernels are built once per machine, not once per test
+    (40 s of the suite)."""
+    from kvflow import settings  # here: importing kvflow imports triton's kernels, after TRITON_INTERPRET
+
+    def use(path) -> None:
+        user, path = settings.get(), Path(path)
+        if not path.exists() and (user.cache_dir / "kernels").is_dir():
+            path.mkdir(parents=True)
+            (path / "kernels").symlink_to(user.cache_dir / "kernels", target_is_directory=True)
+        monkeypatch.setattr(settings, "get", lambda: dataclasses.replace(user, cache_dir=path))
+
+    return use
 
 
 def _loop_bounds_work(triton, tl) -> bool:

@@ -50,6 +50,8 @@ ARCH_CONFIGS: dict[str, tuple[str, dict]] = {
     # No query bottleneck; routing limited to the best of two expert groups.
     "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, topk_method="group_limited_greedy", n_group=2,
                                              topk_group=1, routed_scaling_factor=1.5)),
+    # A query bottleneck; plain greedy softmax routing over all experts.
+    "deepseek-v2-q-lora": ("DeepseekV2Config", dict(_MLA, q_lora_rank=24, topk_method="greedy")),
     # A query bottleneck; sigmoid routing with a choice bias, renormalised and scaled.
     "deepseek-v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=24, n_group=2, topk_group=1, norm_topk_prob=True,
                                              routed_scaling_factor=2.5)),

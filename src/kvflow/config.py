@@ -20,6 +20,8 @@ from kvflow.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_POPULATE_MODES = ("background", "when-idle", "off")
+CUSTOM_OPS = ("all", "none")
+CPU_WEIGHT_LAYOUTS = ("fast", "compact")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,25 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels an engine's model runs where it has a choice, fixed when the model is built
+    (the worker builds it in `cpu_extension.kernel_scope`; layers and backends keep what they read
+    there). Where a kernel cannot run (no compiler, another CPU, another dtype) its torch code runs
+    whatever this says."""
+
+    # kvflow's fused kernels for RMSNorm (+ residual add), RoPE and SiLU·up (C++ on CPU, Triton on
+    # CUDA), and the fused SiLU·up of a [gate; up] product; False (`custom_ops="none"`): the torch
+    # code they are tested against (model/layers/reference.py), e.g. to check a result against it.
+    custom_ops: bool = True
+    # CPU decode steps as one flat call of the kernels the modules would call (worker/cpu_decode.py:
+    # the same numbers, without the modules around them); False with `enforce_eager`, as CUDA graphs.
+    decode_step: bool = True
+    # The bf16 layouts kept beside a quantized weight for the products its own kernel is slow at
+    # (`cpu_weight_layouts`: CPU_WEIGHT_LAYOUTS); "compact" keeps none (docs/performance.md).
+    weight_layouts: str = "fast"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -95,6 +116,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None  # None: no KV moves between engines
     batch_invariant: bool = False  # model.layers.batch_invariant
+    kernels: KernelConfig = KernelConfig()
 
 
 @dataclass
@@ -120,7 +142,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     attention_backend: str = "auto"  # triton on CUDA, torch_sdpa on CPU
     device: str = "auto"  # cuda when a GPU is visible, else cpu
-    enforce_eager: bool = False  # vLLM's name: no CUDA graphs
+    enforce_eager: bool = False  # vLLM's name: no CUDA graphs, no CPU decode step (worker/cpu_decode.py)
     batch_invariant: bool = False  # a request's logits bit for bit the same whatever its batch (CPU)
     speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
     max_logprobs: int = 20  # vLLM's name and default; -1: no cap
@@ -143,6 +165,13 @@ class EngineArgs:
     distributed_timeout_s: float = 60.0
     kv_transfer_config: dict | str | None = None  # {"kv_connector": "SharedStorageConnector", "kv_role": ...}
     data_parallel_size: int = 1  # replicas, one process each, behind one server
+    # vLLM's compilation_config custom_ops, whole: "all" (kvflow's fused RMSNorm, RoPE and SiLU·up
+    # kernels) or "none" (their torch code, the reference they are tested against; KernelConfig).
+    custom_ops: str = "all"
+    # "fast": a quantized weight keeps bf16 layouts beside its codes for the products of more rows
+    # than its own kernel is fast at (prefill, batched decode); "compact": only its codes (less
+    # memory, slower prompts and batches). CPU_WEIGHT_LAYOUTS; docs/performance.md measures both.
+    cpu_weight_layouts: str = "fast"
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -199,6 +228,8 @@ class EngineArgs:
                  "data_parallel_size", "an integer >= 1")
         _require(self.kv_cache_dtype in ("auto", *QUANTIZED_KV_CACHE_DTYPES), "kv_cache_dtype", KV_CACHE_DTYPE_CHOICES)
         _require(self.kv_populate in KV_POPULATE_MODES, "kv_populate", ", ".join(KV_POPULATE_MODES))
+        _require(self.custom_ops in CUSTOM_OPS, "custom_ops", " or ".join(CUSTOM_OPS))
+        _require(self.cpu_weight_layouts in CPU_WEIGHT_LAYOUTS, "cpu_weight_layouts", " or ".join(CPU_WEIGHT_LAYOUTS))
         _require(self.structured_outputs_backend in ("auto", "guidance", "xgrammar"),
                  "structured_outputs_backend", "auto, guidance or xgrammar")
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
@@ -247,6 +278,7 @@ class EngineArgs:
             speculative=SpeculativeConfig.parse(self.speculative_config),
             kv_transfer=kv_transfer,
             batch_invariant=self.batch_invariant,
+            kernels=KernelConfig(self.custom_ops == "all", not self.enforce_eager, self.cpu_weight_layouts),
         )
 
     # -- CLI ---------------------------------------------------------------------------
@@ -273,7 +305,8 @@ class EngineArgs:
         g.add_argument("--attention-backend", default=d.attention_backend,
                        choices=["auto", "torch_sdpa", "torch_reference", "triton"])
         g.add_argument("--device", default=d.device, help="auto (cuda when a GPU is visible), cpu, or cuda[:N]")
-        g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="decode through the model's modules: no CUDA graphs, no CPU decode step")
         g.add_argument("--batch-invariant", action="store_true",
                        help="every request's logits bit for bit the same whatever else runs beside it (bf16 too), "
                             "at some speed (CPU, dense attention)")
@@ -318,6 +351,12 @@ class EngineArgs:
                             'with "kv_connector_extra_config": {"kv_store_url": "tcp://HOST:PORT"}, see kvflow kv-store)')
         g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                        help="serve from N engine replicas, one process each, behind one router (kvflow serve)")
+        g.add_argument("--custom-ops", default=d.custom_ops, choices=CUSTOM_OPS,
+                       help="all: kvflow's fused RMSNorm, RoPE and SiLU·up kernels; none: their torch code (the "
+                            "reference they are tested against; slower), e.g. to check a result against it")
+        g.add_argument("--cpu-weight-layouts", default=d.cpu_weight_layouts, choices=CPU_WEIGHT_LAYOUTS,
+                       help="fast: quantized weights also keep bf16 layouts for prompts and batched decode; "
+                            "compact: only their codes (less memory, slower prompts and batches)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

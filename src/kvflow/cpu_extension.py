@@ -8,6 +8,12 @@ caller runs its torch code.
 
 Kernels that must compute torch's numbers exactly pass -ffp-contract=off: without it GCC fuses
 a*b - c*d into fused multiply-adds, which round once where torch's elementwise ops round twice.
+
+Which kernels an engine's model runs where it has a choice (`config.KernelConfig`: the fused ops
+or their torch code, which layouts quantized weights keep) is fixed when the model is built. The
+model's constructors do not take it, so the worker builds the model inside `kernel_scope(config)`,
+as torch puts a device in scope with `torch.device(...)` and `build_model` a tensor-parallel group;
+layers and backends read `current_kernels()` when they are made and keep what they read.
 """
 
 from __future__ import annotations
@@ -18,11 +24,15 @@ import hashlib
 import logging
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 
-from kvflow.model.packaged_models import kvflow_cache_dir
+from kvflow import settings
+from kvflow.config import KernelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +45,23 @@ SHARED_HEADERS = Path(__file__).parent / "csrc"
 # parts prefers 256); a kernel whose loops are its arithmetic asks for the full width (ignored
 # elsewhere).
 WIDE_VECTORS = ("-mprefer-vector-width=512",)
+DEFAULT_KERNELS = KernelConfig()  # frozen: every fast kernel, fast layouts
+_IN_SCOPE: ContextVar[KernelConfig] = ContextVar("kvflow_kernels", default=DEFAULT_KERNELS)
+
+
+@contextmanager
+def kernel_scope(config: KernelConfig) -> Iterator[KernelConfig]:
+    """Models built (and their weights processed) inside run the kernels `config` chooses."""
+    token = _IN_SCOPE.set(config)
+    try:
+        yield config
+    finally:
+        _IN_SCOPE.reset(token)
+
+
+def current_kernels() -> KernelConfig:
+    """The kernel choices in scope; outside any scope the defaults: every fast kernel, fast layouts."""
+    return _IN_SCOPE.get()
 
 
 @functools.cache  # once per process: a failed build is not retried by every engine or layer
@@ -56,7 +83,7 @@ def load_library(prefix: str, source: Path, what: str, extra_cflags: tuple[str, 
 
 
 def build_dir(name: str) -> Path:
-    return kvflow_cache_dir() / "kernels" / name
+    return settings.get().cache_dir / "kernels" / name
 
 
 def build_name(prefix: str, source: Path, extra_cflags: tuple[str, ...] = ()) -> str:

@@ -4,7 +4,10 @@ family of cached versions to delete."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
+import mmap
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -39,3 +42,17 @@ def beyond_newest(paths: Iterable[Path], keep: int, stamp: Callable[[Path], Path
             return 0.0
 
     return sorted(paths, key=modified, reverse=True)[keep:]
+
+
+def drop_mapped_pages(address: int, nbytes: int) -> None:
+    """Give back the pages of a memory-mapped cache file that lie wholly in [address, address +
+    nbytes): what was read only to derive another form from. They leave the process's resident
+    set and are read from the file again if touched (madvise MADV_DONTNEED on a read-only private
+    file mapping loses nothing). Best effort: nothing happens where madvise is missing."""
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    stop = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if stop <= start or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), mmap.MADV_DONTNEED)

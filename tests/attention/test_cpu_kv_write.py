@@ -1,8 +1,10 @@
-"""The CPU KV-write op (attention/cpu_kv_write.py) against torch's index_put path of write_kv:
-the same bits in the pool (a copy), negative slots skipped, a slot past the pool refused before
-anything is written, and the switch back to torch."""
+"""The CPU KV-write op (attention/cpu_kv_write.py) against torch's index_put path of write_kv
+(what runs where the op cannot be built): the same bits in the pool (a copy), negative slots
+skipped, a slot past the pool refused before anything is written."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -20,6 +22,15 @@ def meta_for(slots: list[int]) -> AttentionMetadata:
                              block_size=BLOCK_SIZE, query_lens_cpu=[n], seq_lens_cpu=[n])
 
 
+@contextlib.contextmanager
+def writer(op: str, monkeypatch):
+    """Writes through the op ("op"), or through torch as where the op cannot be built ("torch")."""
+    with monkeypatch.context() as patch:
+        if op == "torch":
+            patch.setattr(cpu_kv_write, "load_writer", lambda: None)
+        yield
+
+
 def projections(tokens: int, dtype: torch.dtype, dim: int = DIM):
     """k and v as the attention front hands them over: strided views of one qkv output."""
     gen = torch.Generator().manual_seed(tokens)
@@ -33,19 +44,17 @@ def projections(tokens: int, dtype: torch.dtype, dim: int = DIM):
 def test_op_writes_the_bits_torch_writes(slots, dtype, monkeypatch):
     k, v = projections(len(slots), dtype)
     pools = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, switch)
-        pool = torch.full((2, BLOCKS, KV_HEADS, BLOCK_SIZE, DIM), float("nan"), dtype=dtype)
-        write_kv(k, v, pool, meta_for(slots))
-        pools[switch] = pool
-    assert cpu_kv_write.load_writer() is None  # "0": the torch path wrote the second pool
-    written = pools["1"][~pools["1"].isnan()]
+    for way in ("op", "torch"):
+        with writer(way, monkeypatch):
+            pool = torch.full((2, BLOCKS, KV_HEADS, BLOCK_SIZE, DIM), float("nan"), dtype=dtype)
+            write_kv(k, v, pool, meta_for(slots))
+            pools[way] = pool
+    written = pools["op"][~pools["op"].isnan()]
     assert written.numel() == 2 * sum(s >= 0 for s in slots) * KV_HEADS * DIM  # nothing else touched
-    assert torch.equal(pools["1"].nan_to_num(7.0), pools["0"].nan_to_num(7.0))
+    assert torch.equal(pools["op"].nan_to_num(7.0), pools["torch"].nan_to_num(7.0))
 
 
-def test_op_is_taken_for_a_cpu_pool(monkeypatch):
-    monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, "1")
+def test_op_is_taken_for_a_cpu_pool():
     k, v = projections(2, torch.float32)
     pool = torch.zeros(2, BLOCKS, KV_HEADS, BLOCK_SIZE, DIM)
     assert cpu_kv_write.try_write(k, v, pool, torch.tensor([0, 5]))
@@ -53,8 +62,7 @@ def test_op_is_taken_for_a_cpu_pool(monkeypatch):
     assert torch.equal(pool[1, 1, :, 1], v[1])
 
 
-def test_a_slot_past_the_pool_is_refused_and_nothing_is_written(monkeypatch):
-    monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, "1")
+def test_a_slot_past_the_pool_is_refused_and_nothing_is_written():
     k, v = projections(2, torch.float32)
     pool = torch.zeros(2, BLOCKS, KV_HEADS, BLOCK_SIZE, DIM)
     with pytest.raises(RuntimeError, match=f"slot {BLOCKS * BLOCK_SIZE} is past the pool of {BLOCKS * BLOCK_SIZE}"):
@@ -76,20 +84,19 @@ def test_op_quantizes_to_the_bits_kv_quant_writes(codes, dtype, slots, dim, monk
     v = v * torch.tensor([1.0, 3e-5, 1e-4, 1e-2]).repeat(dim)[:dim].to(dtype)  # codes near zero: E4M3 subnormals
     v[0, 0, 1] = 500.0  # an outlier sets its vector's scale
     pools = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, switch)
-        pool = torch.full((2, BLOCKS, KV_HEADS, BLOCK_SIZE * (dim + 2)), 0xA5, dtype=torch.uint8).view(codes)
-        write_kv(k, v, pool, meta_for(slots))
-        pools[switch] = pool.view(torch.uint8)
+    for way in ("op", "torch"):
+        with writer(way, monkeypatch):
+            pool = torch.full((2, BLOCKS, KV_HEADS, BLOCK_SIZE * (dim + 2)), 0xA5, dtype=torch.uint8).view(codes)
+            write_kv(k, v, pool, meta_for(slots))
+            pools[way] = pool.view(torch.uint8)
     if codes == torch.float8_e4m3fn:
-        assert bool(((pools["1"] & 0x78 == 0) & (pools["1"] & 0x07 != 0)).any())
-    assert torch.equal(pools["1"], pools["0"])
-    untouched = (pools["1"] == 0xA5).sum().item()
+        assert bool(((pools["op"] & 0x78 == 0) & (pools["op"] & 0x07 != 0)).any())
+    assert torch.equal(pools["op"], pools["torch"])
+    untouched = (pools["op"] == 0xA5).sum().item()
     assert untouched >= 2 * KV_HEADS * (BLOCKS * BLOCK_SIZE - sum(s >= 0 for s in slots)) * (dim + 2)
 
 
-def test_quantized_op_is_taken_for_a_cpu_pool(monkeypatch):
-    monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, "1")
+def test_quantized_op_is_taken_for_a_cpu_pool():
     k, v = projections(2, torch.bfloat16)
     pool = torch.zeros(2, BLOCKS, KV_HEADS, BLOCK_SIZE * (DIM + 2), dtype=torch.int8)
     assert cpu_kv_write.try_write(k, v, pool, torch.tensor([0, 5]))
@@ -105,12 +112,13 @@ def test_quantized_write_gives_back_the_round_trip(codes, dtype, dim, monkeypatc
     included. Without read_back (steps with no fresh prompt) nothing is made: k and v come back."""
     slots = [9, -1, 13, 20]
     k, v = projections(len(slots), dtype, dim)
-    for switch in ("1", "0"):
-        monkeypatch.setenv(cpu_kv_write.DISABLE_ENV, switch)
-        pool = torch.zeros(2, BLOCKS, KV_HEADS, BLOCK_SIZE * (dim + 2), dtype=codes)
-        k_back, v_back = write_kv(k, v, pool, meta_for(slots), read_back=True)
-        assert torch.equal(k_back, kv_quant.round_trip(k, codes)) and torch.equal(v_back, kv_quant.round_trip(v, codes))
-        pool_after_read_back = pool.clone()
-        k_given, v_given = write_kv(k, v, pool, meta_for(slots))
-        assert k_given is k and v_given is v  # no round trip made
-        assert torch.equal(pool.view(torch.uint8), pool_after_read_back.view(torch.uint8))  # the same bits stored
+    for way in ("op", "torch"):
+        with writer(way, monkeypatch):
+            pool = torch.zeros(2, BLOCKS, KV_HEADS, BLOCK_SIZE * (dim + 2), dtype=codes)
+            k_back, v_back = write_kv(k, v, pool, meta_for(slots), read_back=True)
+            assert torch.equal(k_back, kv_quant.round_trip(k, codes))
+            assert torch.equal(v_back, kv_quant.round_trip(v, codes))
+            pool_after_read_back = pool.clone()
+            k_given, v_given = write_kv(k, v, pool, meta_for(slots))
+            assert k_given is k and v_given is v  # no round trip made
+            assert torch.equal(pool.view(torch.uint8), pool_after_read_back.view(torch.uint8))  # the same bits stored

@@ -67,13 +67,15 @@ def kernel():
     return op
 
 
-def _kernel_attention(kernel, q, k, v, cache, meta, layer):
-    """Every request through the kernel (after the new K/V are written, as the backend does)."""
+def _kernel_attention(kernel, q, k, v, cache, meta, layer, tiles: bool | None = None):
+    """Every request through the kernel (after the new K/V are written, as the backend does);
+    `tiles`: the AMX scores where the CPU has them, or not (None: as the backend would decide)."""
     from kvflow.attention.metadata import write_kv
 
     write_kv(k, v, cache, meta)
     out = torch.full_like(q, float("nan"))
-    tiles = cpu_paged.use_tiles(meta.seq_lens_cpu, layer.num_kv_heads, batch_invariant=False)
+    if tiles is None:
+        tiles = cpu_paged.use_tiles(meta.seq_lens_cpu, layer.num_kv_heads, batch_invariant=False)
     cpu_paged.attend_in_place(kernel, q, cache, meta, layer, torch.arange(meta.num_requests), out, tiles)
     return out
 
@@ -93,44 +95,39 @@ def test_kernel_matches_reference_fp32(kernel, seed, block_size, heads, kv_heads
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size, dim", [(16, 32), (32, 64), (16, 128)])  # the bf16 paths: 16-key scores, pairs
-@pytest.mark.parametrize("tiles", ["1", "0"])  # scores of up to 16 rows on AMX tiles (where the CPU has them), or not
-def test_kernel_matches_reference_bf16(kernel, seed, window, block_size, dim, tiles, monkeypatch):
-    monkeypatch.setenv(cpu_paged.TILES_ENV, tiles)
-    monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", 0)  # these batches are smaller than the tiles repay
+@pytest.mark.parametrize("tiles", [True, False])  # scores of up to 16 rows on AMX tiles (where the CPU has them), or not
+def test_kernel_matches_reference_bf16(kernel, seed, window, block_size, dim, tiles):
     q, k, v, cache, meta, layer = nan_pool_batch(seed, block_size, 8, 2, torch.bfloat16, window, dim=dim)
     expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
-    got = _kernel_attention(kernel, q, k, v, cache, meta, layer).float()
+    got = _kernel_attention(kernel, q, k, v, cache, meta, layer, tiles).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # the output is rounded to bf16 once
 
 
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("tiles", ["1", "0"])
-def test_few_query_chunk_rows_see_only_their_keys(kernel, window, block_size, tiles, monkeypatch):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_few_query_chunk_rows_see_only_their_keys(kernel, window, block_size, tiles):
     """Chunks of 2-4 queries x G = 4 heads (up to 16 rows: the tile path where the CPU has AMX)
     whose queries' causal and window bounds fall in different sixteens of keys: each row's
     probabilities must stop at its own bounds, not the chunk's."""
-    monkeypatch.setenv(cpu_paged.TILES_ENV, tiles)
-    monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", 0)
     cases = [(30, 4), (13, 4), (46, 3), (62, 2), (31, 1)]
     q, k, v, cache, meta, layer = nan_pool_batch(0, block_size, 8, 2, torch.bfloat16, window, dim=64, cases=cases)
     expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
-    got = _kernel_attention(kernel, q, k, v, cache, meta, layer).float()
+    got = _kernel_attention(kernel, q, k, v, cache, meta, layer, tiles).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_tiles_are_asked_for_where_they_repay_and_not_switched_off(kernel, batch_invariant, monkeypatch):
+def test_tiles_are_asked_for_where_they_repay(kernel, batch_invariant, monkeypatch):
     """The backend asks the kernel for AMX scores for a step whose in-place requests hold at least
-    TILES_MIN_KEYS (request, KV head) keys, unless KVFLOW_CPU_ATTENTION_TILES=0 (the A/B switch)
-    or in batch-invariant mode (whether a step has enough keys depends on the batch)."""
+    TILES_MIN_KEYS (request, KV head) keys, never in batch-invariant mode (whether a step has
+    enough keys depends on the batch)."""
     asked = []
     backend = TorchSDPABackend(batch_invariant=batch_invariant)
     backend.kernel = lambda *args: asked.append(args[-1])
     cases, kv_heads = [(30, 1), (50, 1)], 2  # decodes: in place either way
     keys = sum(cached + new for cached, new in cases) * kv_heads
-    for value, min_keys, expected in (("1", keys, True), ("1", keys + 1, False), ("0", 0, False)):
-        monkeypatch.setenv(cpu_paged.TILES_ENV, value)
+    for min_keys, expected in ((keys, True), (keys + 1, False)):
         monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", min_keys)
         q, k, v, cache, meta, layer = nan_pool_batch(0, 16, 4, kv_heads, torch.bfloat16, None, cases=cases)
         backend.forward(q, k, v, cache, meta, layer)
@@ -198,12 +195,11 @@ def test_backend_dispatch_matches_reference_on_nan_pool(kernel, seed, window, di
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_torch_path_is_nan_safe(monkeypatch, seed):
-    monkeypatch.setenv(cpu_paged.DISABLE_ENV, "0")
+def test_torch_path_is_nan_safe(seed):
     q, k, v, cache, meta, layer = nan_pool_batch(seed, 16, 6, 2, torch.float32, 7)
     expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), meta, layer)
     backend = TorchSDPABackend()
-    assert backend.kernel is None
+    backend.kernel = None  # as where it cannot be built: the gather + matmul path
     torch.testing.assert_close(backend.forward(q, k, v, cache, meta, layer), expected, atol=2e-5, rtol=1e-5)
 
 
@@ -224,7 +220,6 @@ def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     )
     env = dict(os.environ, KVFLOW_CACHE_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"),
                PATH=str(tmp_path), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    env.pop(cpu_paged.DISABLE_ENV, None)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "kernel None" in result.stdout

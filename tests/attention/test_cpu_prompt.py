@@ -98,19 +98,17 @@ def test_tiles_and_dot_products_differ_by_at_most_a_rounding():
     torch.testing.assert_close(tiles.float(), dots.float(), atol=2**-7, rtol=2**-7)
 
 
-def test_tiles_are_asked_for_only_where_there_are_tiles(monkeypatch):
-    """The loaded kernel multiplies on tiles exactly where there is AMX and the switch allows it;
-    asked for tiles where there are none, it refuses by name."""
+def test_tiles_are_asked_for_only_where_there_are_tiles():
+    """The loaded kernel multiplies on tiles exactly where there is AMX; asked for tiles where there
+    are none, it refuses by name."""
     assert kernel.keywords["tiles"] == (len(WAYS) == 2)
-    monkeypatch.setenv(cpu_prompt.TILES_ENV, "0")
-    assert cpu_prompt.load().keywords["tiles"] is False
     if len(WAYS) == 1:
         q, k, v = _qkv(8, 9, 3)
         with pytest.raises(RuntimeError, match="no AMX here"):
             _way(True)(torch.empty(8, 9, 64, dtype=torch.bfloat16), q, k, v, 0.125)
 
 
-def test_the_switch_and_what_it_refuses(monkeypatch):
+def test_what_it_refuses():
     q, k, v = _qkv(8, 9, 3)
     assert cpu_prompt.takes(q, k, v)
     assert not cpu_prompt.takes(q.float(), k.float(), v.float())
@@ -118,12 +116,10 @@ def test_the_switch_and_what_it_refuses(monkeypatch):
     assert cpu_prompt.takes(q[2:], k, v) and not cpu_prompt.takes(torch.cat([q, q]), k, v)  # n <= L queries
     with pytest.raises(RuntimeError, match="last n of k's"):  # and the kernel itself refuses more queries than keys
         kernel(torch.empty(16, 9, 64, dtype=torch.bfloat16), torch.cat([q, q]), k, v, 0.125)
-    monkeypatch.setenv(cpu_prompt.DISABLE_ENV, "0")
-    assert cpu_prompt.load() is None
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_the_backend_writes_its_fresh_prompts_through_the_kernel(seed, monkeypatch):
+def test_the_backend_writes_its_fresh_prompts_through_the_kernel(seed):
     """torch_sdpa in bfloat16 with 64-wide heads: each fresh prompt's rows of the step's output are
     the kernel's (written where they lie), the rest of the batch as before; all within bf16 of the
     float32 reference, and near the SDPA path's output."""
@@ -140,9 +136,10 @@ def test_the_backend_writes_its_fresh_prompts_through_the_kernel(seed, monkeypat
     assert calls == [r.stop - r.start for r in fresh]
     expected = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, layer)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
-    monkeypatch.setenv(cpu_prompt.DISABLE_ENV, "0")
     meta.plans.clear()
-    sdpa = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, layer).float()
+    without = TorchSDPABackend()
+    without.prompt_kernel = None  # as where it cannot be built: SDPA
+    sdpa = without.forward(q, k, v, cache.clone(), meta, layer).float()
     for rows in fresh:
         assert (got[rows] - sdpa[rows]).abs().max() <= 2**-6 * sdpa[rows].abs().max()
 

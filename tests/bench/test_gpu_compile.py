@@ -151,11 +151,11 @@ def test_launches_built_from_shapes_match_a_real_engine_step(monkeypatch, tmp_pa
     """The meta-tensor launches that are compiled equal, in everything a compile sees, the
     launches a real engine makes (its triton attention, interpreted here) for the same step."""
     # On a GPU RoPE is Triton's, which returns new q and k; the CPU's fused RoPE rotates them in
-    # place as strided views of the qkv output, which would change the strides the KV store sees.
-    monkeypatch.setenv("KVFLOW_CPU_FUSED_OPS", "0")
+    # place as strided views of the qkv output, which would change the strides the KV store sees:
+    # the torch code here (custom_ops="none").
     make_tiny_model("qwen2-hybrid-window", tmp_path)  # GQA, one windowed layer, two full ones
     args = EngineArgs(str(tmp_path), attention_backend="triton", dtype="float32", skip_tokenizer_init=True,
-                      device="cpu", num_kv_blocks=64, disable_log_stats=True)
+                      device="cpu", num_kv_blocks=64, disable_log_stats=True, custom_ops="none")
     engine = LLMEngine(args)
     recorded: list[KernelLaunch] = []
     run = KernelLaunch.__call__

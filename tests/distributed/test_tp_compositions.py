@@ -13,6 +13,8 @@ features, which the single-rank tests hold to HF transformers and PEFT):
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from peft_adapters import make_adapter
@@ -234,3 +236,35 @@ def test_a_part_missing_on_one_rank_makes_every_rank_recompute(model, tmp_path):
     finally:
         pair.prefill.shutdown()
         pair.decode.shutdown()
+
+
+@TP_TIMEOUT
+def test_lora_on_a_mixtures_shared_experts_is_reduced_once(tmp_path):
+    """A shared expert's down projection returns its partial sum for the mixture to reduce once:
+    its LoRA delta rides in that partial sum (reduced twice, it would count N times)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "deepseek"
+    cfg = make_tiny_model("deepseek-v2", path).config
+    shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+    gen, tensors = torch.Generator().manual_seed(3), {}
+    for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        for module, (fan_in, fan_out) in {"gate_proj": (cfg.hidden_size, shared), "down_proj": (shared, cfg.hidden_size)}.items():
+            name = f"base_model.model.model.layers.{layer}.mlp.shared_experts.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(4, fan_in, generator=gen) * 0.3
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, 4, generator=gen) * 0.3
+    (tmp_path / "adapter").mkdir()
+    save_file(tensors, tmp_path / "adapter" / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj", "down_proj"], "bias": "none"}
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    adapter = LoRARequest("shared", 1, str(tmp_path / "adapter"))
+    prompts = _prompts([9, 15])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    args = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 4}
+    single, _ = _run(str(path), 1, prompts, params, args, adapter)
+    base, _ = _run(str(path), 1, prompts, params, {})
+    split, _ = _run(str(path), 2, prompts, params, args, adapter)
+    assert _logprobs(single[0]) != _logprobs(base[0])  # the adapter changes something
+    assert _tokens(split) == _tokens(single)
+    for one, two in zip(single, split):
+        torch.testing.assert_close(torch.tensor(_logprobs(two)), torch.tensor(_logprobs(one)), atol=1e-4, rtol=0)

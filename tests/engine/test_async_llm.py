@@ -145,14 +145,14 @@ def test_an_n_request_whose_completion_ids_are_taken_is_refused_whole(make_llm):
     llm = make_llm()
 
     async def main():
-        taken = await llm.add_request("x#1", prompt(4), GREEDY)
+        taken = await llm.add_request("x#1", prompt(4), LONG)  # long: still running when "x" comes
         with pytest.raises(ValueError, match="already in use"):
             await llm.add_request("x", prompt(5), GREEDY.clone(n=2))
         return [out async for out in taken]
 
     assert finish_reasons(run(main())) == ["length"]
     assert wait_until(lambda: idle(llm), 5)
-    assert llm.get_stats().generation_tokens_total == GREEDY.max_tokens  # "x#0" was never queued
+    assert llm.get_stats().generation_tokens_total == LONG.max_tokens  # "x#0" was never queued
 
 
 @pytest.mark.parametrize("how", ["cancel", "break"])

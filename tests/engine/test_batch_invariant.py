@@ -66,7 +66,6 @@ def test_decode_steps_are_bit_identical_alone_and_beside_others(model_dir, quant
     # (worker/cpu_decode.py) runs them. Its attention must not take the AMX scores for the busy
     # batch (enough keys) and the multiply-adds alone (too few).
     monkeypatch.setattr(cpu_paged, "TILES_MIN_KEYS", 300)
-    monkeypatch.setenv(cpu_ops.DISABLE_ENV, "1")  # the loop runs on them (tests/conftest.py switches them off)
     if cpu_ops.load() is None:
         pytest.skip("the C++ CPU kernels cannot be built here")
     target = _prompt(70, seed=1)

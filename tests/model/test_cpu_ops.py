@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvflow.config import KernelConfig
+from kvflow.cpu_extension import kernel_scope
 from kvflow.model.layers import cpu_ops, triton_ops
 from kvflow.model.layers.activation import torch_silu_and_mul
 from kvflow.model.layers.norm import RMSNorm
@@ -25,8 +27,7 @@ EPS = 1e-6
 
 
 @pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv(cpu_ops.DISABLE_ENV, "1")  # tests/conftest.py turns them off for the rest
+def kernels_built():
     assert cpu_ops.load() is not None, "the fused CPU kernels did not build (see the warning above)"
 
 
@@ -129,18 +130,24 @@ def test_the_op_refuses_a_wrong_output_shape():
 
 
 # -- the layers' dispatch and a whole model ---------------------------------------------------------------
-def test_cpu_tensors_take_the_kernels_unless_switched_off(monkeypatch):
+def test_cpu_tensors_take_the_kernels_unless_built_with_custom_ops_none():
     assert triton_ops.kernels_for(torch.zeros(1)).rms_norm is cpu_ops.rms_norm
     assert triton_ops.kernels_for(torch.zeros(1, dtype=torch.bfloat16)) is not None
     assert triton_ops.kernels_for(torch.zeros(1, dtype=torch.float64)) is None
-    monkeypatch.setenv(cpu_ops.DISABLE_ENV, "0")
-    assert triton_ops.kernels_for(torch.zeros(1)) is None
-    normed, residual = RMSNorm(8, EPS)(torch.ones(2, 8), torch.ones(2, 8))  # the torch code: a new sum
-    assert torch.equal(residual, torch.full((2, 8), 2.0))
+    stream = torch.ones(2, 8)
+    normed, residual = RMSNorm(8, EPS)(torch.ones(2, 8), stream)  # the kernel: the sum written in place
+    assert residual is stream and torch.equal(stream, torch.full((2, 8), 2.0))
+    with kernel_scope(KernelConfig(custom_ops=False)):
+        norm = RMSNorm(8, EPS)
+    stream = torch.ones(2, 8)
+    normed, residual = norm(torch.ones(2, 8), stream)  # the torch code: a new sum
+    assert residual is not stream and torch.equal(stream, torch.ones(2, 8))
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-llama3-rope", "qwen3-qknorm"])
-def test_tiny_model_with_kernels_matches_the_torch_code(name, tmp_path, monkeypatch):
+def test_tiny_model_with_kernels_matches_the_torch_code(name, tmp_path):
+    """The engine as users run it against the same engine with `custom_ops="none"` (the torch
+    code, the reference the HF-oracle tests may ask for)."""
     from tiny_models import make_tiny_model
 
     from kvflow import LLM, SamplingParams
@@ -149,12 +156,12 @@ def test_tiny_model_with_kernels_matches_the_torch_code(name, tmp_path, monkeypa
     prompts = [[5, 17, 3, 88, 40, 2, 9, 61, 33, 12, 7, 70, 1, 4], [44, 45], [90, 3, 3, 3, 8, 11]]
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
 
-    def generate(switch: str):
-        monkeypatch.setenv(cpu_ops.DISABLE_ENV, switch)
-        llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gb=0.01)
+    def generate(custom_ops: str):
+        llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gb=0.01,
+                  custom_ops=custom_ops)
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    fused, plain = generate("1"), generate("0")
+    fused, plain = generate("all"), generate("none")
     for a, b in zip(fused, plain):
         assert a.token_ids == b.token_ids
         for lp_a, lp_b in zip(a.logprobs, b.logprobs):

@@ -17,7 +17,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kvflow.model.layers import triton_ops  # noqa: E402
+from kvflow.model.layers import cpu_ops, triton_ops  # noqa: E402
 from kvflow.model.layers.activation import torch_silu_and_mul  # noqa: E402
 from kvflow.model.layers.reference import Rope, torch_rms_norm, torch_rotary  # noqa: E402
 from kvflow.model.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -93,9 +93,9 @@ def test_silu_and_mul_matches_torch(tokens, intermediate, dtype):
 
 
 # -- the layers' dispatch -----------------------------------------------------------------------------------
-def test_cpu_tensors_never_take_the_triton_kernels(monkeypatch):
-    monkeypatch.setenv("KVFLOW_CPU_FUSED_OPS", "0")  # the C++ kernels: tests/model/test_cpu_ops.py
-    assert triton_ops.kernels_for(torch.zeros(1)) is None
+def test_cpu_tensors_never_take_the_triton_kernels():
+    kernels = triton_ops.kernels_for(torch.zeros(1))  # the C++ kernels (tests/model/test_cpu_ops.py), or None
+    assert kernels is None or kernels.rms_norm is cpu_ops.rms_norm
 
 
 def test_missing_triton_falls_back_to_torch(monkeypatch):

@@ -51,8 +51,8 @@ def write_tiny_llama(path, seed: int = 0) -> None:
 
 
 @pytest.fixture
-def tiny_gguf(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+def tiny_gguf(tmp_path, use_cache_dir):
+    use_cache_dir(tmp_path / "cache")
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path)
     return path
@@ -113,10 +113,10 @@ def test_corrupt_packed_cache_is_rebuilt(tiny_gguf):
     assert packed.read_bytes() != b"not a torch file"  # rewritten
 
 
-def test_unwritable_cache_directory_still_loads(tmp_path, monkeypatch):
+def test_unwritable_cache_directory_still_loads(tmp_path, use_cache_dir):
     blocker = tmp_path / "cache-is-a-file"
     blocker.write_text("")
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(blocker))
+    use_cache_dir(blocker)
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path)
     assert len(_greedy(path, "float32")[0]) == 6
@@ -144,7 +144,7 @@ def test_a_save_deletes_older_codes_packed_files_beyond_the_newest_other(tmp_pat
     assert packed_cache.PackedWeightsCache(tmp_path, torch.bfloat16, ()).get("layer")[0]["w"].shape == (2,)
 
 
-def test_a_file_is_hashed_once_while_it_stays_the_same(tmp_path, monkeypatch):
+def test_a_file_is_hashed_once_while_it_stays_the_same(tmp_path, monkeypatch, use_cache_dir):
     """The cache entry's key, the file's SHA-256, is remembered by the file's identity: a start
     does not read a GGUF whole to hash it again, and a file written anew is hashed anew."""
     import hashlib
@@ -152,7 +152,7 @@ def test_a_file_is_hashed_once_while_it_stays_the_same(tmp_path, monkeypatch):
 
     from kvflow.model.loader import gguf_cache
 
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    use_cache_dir(tmp_path / "cache")
     path = tmp_path / "m.gguf"
     path.write_bytes(b"first weights")
     assert gguf_cache.file_digest_remembered(path) == hashlib.sha256(b"first weights").hexdigest()
@@ -191,3 +191,20 @@ def test_a_new_entry_deletes_the_same_files_older_code_entries_beyond_the_newest
     assert (entry / "index.json").is_file() and (olds[2] / "index.json").is_file()
     assert not olds[0].exists() and not olds[1].exists()
     assert unfinished.is_dir() and other_file.is_dir()
+
+
+def test_fast_and_compact_loads_keep_their_own_packed_files(tiny_gguf):
+    """`--cpu-weight-layouts compact` stores no dense copy: its packed file is its own, and a fast
+    load after it still finds its dense copy cached (nothing dequantized again)."""
+    def load(layouts: str):
+        engine = LLMEngine(EngineArgs(model=str(tiny_gguf), dtype="bfloat16", num_kv_blocks=16, max_model_len=64,
+                                      cpu_weight_layouts=layouts))
+        return [layer.gguf_parts[0] for layer in engine.runner.model.modules() if hasattr(layer, "gguf_parts")]
+
+    fast = load("fast")
+    compact = load("compact")
+    names = sorted(p.name for p in (tiny_gguf.parent / "cache").rglob("packed-*.pt"))
+    assert len(names) == 2 and any("-compact-" in n for n in names) and any("-fast-" in n for n in names)
+    assert all(getattr(p, "dense", None) is None for p in compact)
+    assert any(getattr(p, "dense", None) is not None for p in fast)
+    assert any(getattr(p, "dense", None) is not None for p in load("fast"))

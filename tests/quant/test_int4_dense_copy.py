@@ -10,18 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.model.layers.linear import MergedColumnParallelLinear
-from kvflow.quant import int4pack
 from kvflow.quant.int4pack import GROUP_SIZES, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS_NO_COPY, Int4Planes, planes_from_affine
 from kvflow.quant.packed_linear import DenseWeight
 from kvflow.quant.registry import get_quantization_config
 
 
-def _planes(n: int, k: int, group: int, bits: int, dtype: torch.dtype, seed: int = 0) -> Int4Planes:
+def _planes(n: int, k: int, group: int, bits: int, dtype: torch.dtype, seed: int = 0,
+            dense_copy: bool = True) -> Int4Planes:
     gen = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 2**bits, (n, k), generator=gen).to(torch.uint8)
     scale = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
     minimum = -scale * 2 ** (bits - 1) + torch.randn(n, k // group, generator=gen) * 0.01
-    return Int4Planes(planes_from_affine(u, scale, minimum, bits), group, dtype, f"g{group}b{bits}")
+    return Int4Planes(planes_from_affine(u, scale, minimum, bits), group, dtype, f"g{group}b{bits}", dense_copy)
 
 
 def _assert_near(y: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:
@@ -68,9 +68,8 @@ def test_fused_shards_run_both_paths():
         _assert_near(y, reference, torch.bfloat16)
 
 
-def test_without_dense_copy_large_calls_dequantize(monkeypatch):
-    monkeypatch.setenv(int4pack.DENSE_COPY_ENV, "0")
-    planes = _planes(64, 256, 32, 4, torch.bfloat16)
+def test_without_dense_copy_large_calls_dequantize():
+    planes = _planes(64, 256, 32, 4, torch.bfloat16, dense_copy=False)  # --cpu-weight-layouts compact
     assert planes.dense is None
     x = torch.randn(KERNEL_MAX_ROWS_NO_COPY + 1, 256).bfloat16()
     reference = x.float() @ planes.dequantize(torch.float32).t()
@@ -97,3 +96,31 @@ def test_dtypes_the_kernel_does_not_vectorise_take_the_dense_copy_at_any_row_cou
     planes = _planes(64, 256, 32, 4, dtype)
     x = torch.randn(1, 256).to(dtype)
     assert torch.equal(planes(x), linear(x, planes.dense))
+
+
+def _mapping_rss(address: int) -> int:
+    """Resident bytes of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_dense_copy_from_the_cache_gives_its_mapped_source_back(tmp_path):
+    """The packed-weights cache's dequantized weights (memory-mapped) are read once, to pack the
+    dense copy: then their pages leave the resident set (300 MiB of the default model's)."""
+    planes = _planes(512, 4096, 32, 4, torch.bfloat16)
+    torch.save({"dense": planes.dequantize()}, tmp_path / "cache.pt")  # 4 MiB
+    mapped = torch.load(tmp_path / "cache.pt", mmap=True, weights_only=True)["dense"]
+    assert mapped.float().abs().sum() > 0  # read: its pages are in this process
+    before = _mapping_rss(mapped.data_ptr())
+    cached = Int4Planes.from_packed(planes.packed, planes.scale_zero, planes.group, planes.out_features, mapped)
+    assert _mapping_rss(mapped.data_ptr()) <= before - 3 * 2**20
+    x = torch.randn(KERNEL_MAX_ROWS + 9, 4096).bfloat16()
+    assert torch.equal(cached(x), planes(x))  # the same dense copy

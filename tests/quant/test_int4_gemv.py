@@ -155,7 +155,6 @@ def test_planes_without_an_exact_form_are_left_to_aten():
 
 
 def test_layer_uses_it_for_few_bfloat16_rows_only(monkeypatch):
-    monkeypatch.setenv(int4_gemv.DISABLE_ENV, "1")
     form = decode(random_blocks("Q4_1", 128, 256))
     layer = Int4Planes(planes_from_affine(form.u, form.scale, form.min, form.bits), form.group, torch.bfloat16, "l")
     if not int4_gemv.fast():
@@ -173,11 +172,8 @@ def test_layer_uses_it_for_few_bfloat16_rows_only(monkeypatch):
     assert calls == [1, few]
 
 
-def test_switched_off_or_batch_invariant_it_is_not_used(monkeypatch):
+def test_batch_invariant_it_is_not_used():
     form = decode(random_blocks("Q4_1", 64, 64))
-    monkeypatch.setenv(int4_gemv.DISABLE_ENV, "0")
-    assert Int4Planes(planes_from_affine(form.u, form.scale, form.min, 4), 32, torch.bfloat16, "l").gemv is None
-    monkeypatch.setenv(int4_gemv.DISABLE_ENV, "1")
     layer = Int4Planes(planes_from_affine(form.u, form.scale, form.min, 4), 32, torch.bfloat16, "l")
     layer.use_kernel_at_any_rows()
     assert layer.gemv is None

@@ -1,6 +1,6 @@
 """Float weights packed once for oneDNN (quant/packed_linear.py): the same products as F.linear,
-used by unquantized bf16 layers on CPU, and never for other dtypes. The oneDNN tests switch the
-panel kernel off (its products sum in another order: tests/quant/test_panel_linear.py)."""
+used by unquantized bf16 layers on CPU, and never for other dtypes. The oneDNN tests run as where
+the panel kernel cannot be built (its products sum in another order: tests/quant/test_panel_linear.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.model.layers.linear import MergedColumnParallelLinear
-from kvflow.quant import packed_linear, panel_linear
+from kvflow.quant import layouts, packed_linear, panel_linear
 
 
 @pytest.fixture
 def onednn_only(monkeypatch):
-    monkeypatch.setenv(panel_linear.DISABLE_ENV, "0")
+    monkeypatch.setattr(panel_linear, "available", lambda: False)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 130, 200, 1100])  # x has 2 * rows: 400 is a middle count
@@ -28,7 +28,11 @@ def test_packed_product_equals_f_linear(rows, bias, onednn_only):
     assert torch.equal(packed_linear.packed_linear(x, packed, b), F.linear(x, weight, b))
 
 
-def test_the_layout_for_middle_row_counts_is_packed_when_one_first_asks(onednn_only):
+@pytest.mark.parametrize("amx", [True, False])
+def test_the_layout_for_middle_row_counts_is_packed_when_one_first_asks_on_amx(amx, onednn_only, monkeypatch):
+    """Where the CPU has AMX tiles the 1-row layout is laid out for middle row counts (it paid
+    there); elsewhere (it did not: docs/performance.md, issue 40) it never is."""
+    monkeypatch.setattr(panel_linear, "has_tiles", lambda: amx)
     weight = torch.randn(96, 64).bfloat16()
     packed = packed_linear.PackedWeight(weight)
     low, high = packed_linear.MIDDLE_ROWS
@@ -37,7 +41,8 @@ def test_the_layout_for_middle_row_counts_is_packed_when_one_first_asks(onednn_o
     assert packed.middle is None  # nothing asked for it: one packed copy in memory
     x = torch.randn(low, 64).bfloat16()
     assert torch.equal(packed_linear.packed_linear(x, packed, None), F.linear(x, weight))
-    assert packed.middle is not None and packed.for_rows(high) is packed.middle
+    assert (packed.middle is not None) == amx
+    assert packed.for_rows(high) is (packed.middle if amx else packed.main)
     assert packed.for_rows(high + 1) is packed.main
 
 
@@ -57,10 +62,8 @@ def test_unquantized_bf16_layer_runs_packed():
     assert "packed_weight" not in layer.state_dict()
 
 
-def test_float32_and_switched_off_layers_stay_unpacked(monkeypatch):
+def test_float32_layers_stay_unpacked():
     assert getattr(_layer(torch.float32), "packed_weight", None) is None
-    monkeypatch.setenv(packed_linear.DISABLE_ENV, "0")
-    assert getattr(_layer(torch.bfloat16), "packed_weight", None) is None
 
 
 # -- SiLU(gate) * up in one pass (GatedPair) and where it runs ----------------------------------------------
@@ -126,3 +129,33 @@ def test_int4_planes_take_the_one_pass_form_only_where_they_would_take_the_dense
                                rtol=2**-7, atol=1e-3)
     planes.use_kernel_at_any_rows()  # batch-invariant: the int4 kernel, whatever the rows
     assert planes.silu_and_mul(x) is None
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_gated_pairs_keep_onednn_halves_only_where_they_pay(amx, monkeypatch):
+    """Past the panel kernel's rows a pair's oneDNN halves (a second copy of the weight) paid on a
+    Xeon with AMX, not on the AMD EPYC (docs/performance.md, issue 40): elsewhere the pair holds
+    its panels alone, and a product of more rows runs unfused, bit for bit the layer's own product
+    and the activation kernel."""
+    from kvflow.model.layers import cpu_ops
+    from kvflow.model.layers.mlp import GatedMLP
+
+    if not panel_linear.available():
+        pytest.skip("no AVX-512 BF16 here: no panel kernel")
+    monkeypatch.setattr(panel_linear, "has_tiles", lambda: amx)
+    weight = torch.randn(2 * 48, 64).bfloat16()
+    pair = packed_linear.GatedPair(weight)
+    assert pair.panels is not None and (pair.gate is not None) == amx
+    assert pair.takes(panel_linear.MAX_ROWS) and pair.takes(panel_linear.MAX_ROWS + 1) == amx
+    assert len(pair.layouts()[layouts.GATED]) == (3 if amx else 1)  # the halves (for 512 rows) and the panels
+    if amx:
+        return  # the products below would ask this CPU's panel kernel for tiles
+    mlp = GatedMLP(64, 48, None, "mlp")
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.weight.data = (torch.randn_like(layer.weight) * 0.2).bfloat16()
+        layer.quant_method.process_weights_after_loading(layer)
+    many = torch.randn(panel_linear.MAX_ROWS + 1, 64).bfloat16()
+    assert mlp.gate_up_proj.silu_and_mul(many) is None and getattr(mlp.gate_up_proj, "gated", None) is None
+    assert mlp.gate_up_proj.silu_and_mul_plan(many.shape[0], torch.bfloat16) is None
+    unfused = mlp.down_proj(cpu_ops.silu_and_mul(mlp.gate_up_proj(many)))
+    assert torch.equal(mlp(many), unfused)

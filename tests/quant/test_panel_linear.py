@@ -110,8 +110,8 @@ def test_packed_bf16_layers_take_the_kernel_up_to_its_row_bound():
     assert panel_linear.takes(panel_linear.WIDE_MAX_ROWS, wide) and not panel_linear.takes(panel_linear.WIDE_MAX_ROWS + 1, wide)
 
 
-def test_switched_off_it_leaves_the_product_to_onednn(monkeypatch):
-    monkeypatch.setenv(panel_linear.DISABLE_ENV, "0")
+def test_where_it_cannot_run_the_product_is_onednns(monkeypatch):
+    monkeypatch.setattr(panel_linear, "available", lambda: False)
     weight = torch.randn(64, 96).bfloat16()
     packed = packed_linear.PackedWeight(weight)
     x = torch.randn(5, 96).bfloat16()
@@ -143,7 +143,7 @@ def test_tiles_and_dot_products_differ_by_at_most_a_rounding():
     assert (tiles == dots).float().mean() >= 0.95  # the same sums in another order: nearly always one rounding
 
 
-def test_tiles_are_asked_for_only_where_there_are_tiles(monkeypatch):
+def test_tiles_are_asked_for_only_where_there_are_tiles():
     weight = torch.randn(32, 64).bfloat16()
     x = torch.randn(4, 64).bfloat16()
     if not torch.ops.kvflow_panel_linear.has_tiles():
@@ -152,5 +152,3 @@ def test_tiles_are_asked_for_only_where_there_are_tiles(monkeypatch):
             panel_linear.linear(x, panel_linear.pack(weight), tiles=True)
     else:
         assert panel_linear.has_tiles()
-    monkeypatch.setenv(panel_linear.TILES_ENV, "0")
-    assert not panel_linear.has_tiles()

@@ -17,7 +17,6 @@ from kvflow.model.arch_config import ArchConfig
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker import kv_cache
 from kvflow.worker.kv_cache import (
-    POPULATE_ENV,
     IdleGate,
     PagePopulator,
     allocate_kv_caches,
@@ -83,9 +82,8 @@ def _resident_pages(t: torch.Tensor) -> int:
     return sum(v & 1 for v in vec)
 
 
-def test_the_pool_is_mapped_in_behind_the_writes(monkeypatch):
+def test_the_pool_is_mapped_in_behind_the_writes():
     """The background populate maps every page in and changes no byte, even of writes racing it."""
-    monkeypatch.setenv(POPULATE_ENV, "1")
     pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu")  # 128 MiB
     populate_in_background([pool])
     pool[7].fill_(1.5)  # a KV write while the thread works
@@ -96,10 +94,9 @@ def test_the_pool_is_mapped_in_behind_the_writes(monkeypatch):
     assert pool[7].eq(1.5).all() and not pool[:7].any() and not pool[8:].any()
 
 
-def test_every_layer_pool_is_mapped_in_by_one_thread(monkeypatch):
+def test_every_layer_pool_is_mapped_in_by_one_thread():
     """allocate_kv_caches starts one populate thread for all the layers' pools (a thread each
     stalled the start), and it reaches every pool."""
-    monkeypatch.setenv(POPULATE_ENV, "1")
     before = {t.ident for t in threading.enumerate()}
     caches = allocate_kv_caches(SMOLLM2.kv_layout, 200, 16, torch.bfloat16, "cpu")  # 2.4 MB a layer
     started = [t for t in threading.enumerate() if t.ident not in before and t.name == "kv-pool-populate"]
@@ -108,19 +105,16 @@ def test_every_layer_pool_is_mapped_in_by_one_thread(monkeypatch):
     assert all(_resident_pages(c) * os.sysconf("SC_PAGE_SIZE") >= c.nbytes for c in caches)
 
 
-def test_without_populate_pages_wait_for_their_first_write(monkeypatch):
-    """An untouched pool maps nothing by itself, and KVFLOW_KV_POPULATE=0 (A/B) starts no populate."""
-    monkeypatch.setenv(POPULATE_ENV, "0")
+def test_without_populate_pages_wait_for_their_first_write():
+    """An untouched pool maps nothing by itself."""
     pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu")
-    assert populate_in_background([pool]) is None
     time.sleep(0.2)
     assert _resident_pages(pool) == 0
 
 
-def test_a_gated_populate_waits_for_the_worker_to_be_idle(monkeypatch):
+def test_a_gated_populate_waits_for_the_worker_to_be_idle():
     """While a step runs (and for the gate's quiet period after it), populate maps nothing: a busy
     server's pages fault in as its steps write them. Once idle, every page is mapped in."""
-    monkeypatch.setenv(POPULATE_ENV, "1")
     pool = zeros_untouched((64, 1024, 1024), torch.bfloat16, "cpu")  # 128 MiB
     gate = IdleGate(quiet_s=0.2)
     with gate:
@@ -134,9 +128,8 @@ def test_a_gated_populate_waits_for_the_worker_to_be_idle(monkeypatch):
     assert pool[7].eq(1.5).all() and not pool[:7].any() and not pool[8:].any()
 
 
-def test_kv_populate_off_leaves_every_page_to_its_first_write(monkeypatch):
+def test_kv_populate_off_leaves_every_page_to_its_first_write():
     """`--kv-populate off`: the worker asks for no populate thread."""
-    monkeypatch.setenv(POPULATE_ENV, "1")
     before = {t.ident for t in threading.enumerate()}
     caches = allocate_kv_caches(SMOLLM2.kv_layout, 200, 16, torch.bfloat16, "cpu", populate=False)
     assert not [t for t in threading.enumerate() if t.ident not in before and t.name == "kv-pool-populate"]
@@ -187,7 +180,6 @@ def test_each_madvise_maps_one_chunk_at_the_priority_of_the_thread_that_started_
     lock for minutes on a loaded machine, and every brk, mmap and munmap of the engine's threads
     waited for it (`LLM()` took 60-125 s with four CPU hogs). Each call now maps at most one
     aligned huge page (the lock is held for one page's fault), at the engine's own priority."""
-    monkeypatch.setenv(POPULATE_ENV, "1")
     calls = _record_madvise(monkeypatch)
     huge_page = 2 << 20
     pool = zeros_untouched((2, 33, 3 << 18), torch.uint8, "cpu")  # its V plane starts inside a huge page
@@ -203,7 +195,6 @@ def test_each_madvise_maps_one_chunk_at_the_priority_of_the_thread_that_started_
 def test_pages_are_mapped_in_block_order_no_further_than_ahead_of_the_steps(monkeypatch):
     """With `ahead_blocks`, only the blocks up to that many past the highest a step holds are
     mapped (both planes of a block before the next block), and the window follows `reach`."""
-    monkeypatch.setenv(POPULATE_ENV, "1")
     calls = _record_madvise(monkeypatch)
     pool = _blocks_pool()
     populator = PagePopulator([pool], ahead_blocks=4)
@@ -223,10 +214,9 @@ def test_pages_are_mapped_in_block_order_no_further_than_ahead_of_the_steps(monk
     assert first_blocks == sorted(first_blocks) and len(calls) == 32
 
 
-def test_a_populator_no_one_holds_ends_its_thread_and_frees_the_pool(monkeypatch):
+def test_a_populator_no_one_holds_ends_its_thread_and_frees_the_pool():
     """A populator waiting for its steps holds no pool: once its worker is gone, so are the thread
     and the pool's memory."""
-    monkeypatch.setenv(POPULATE_ENV, "1")
     pool = _blocks_pool()
     populator = PagePopulator([pool], ahead_blocks=2)
     thread, pool_ref = populator.thread, weakref.ref(pool)
@@ -239,7 +229,6 @@ def test_a_populator_no_one_holds_ends_its_thread_and_frees_the_pool(monkeypatch
 def test_a_refused_madvise_ends_the_populate(monkeypatch):
     """A kernel without MADV_POPULATE_WRITE (Linux < 5.14) refuses the first call: no more are made,
     and the pages fault on first write."""
-    monkeypatch.setenv(POPULATE_ENV, "1")
     calls = _record_madvise(monkeypatch, result=-1)
     pool = _blocks_pool()
     thread = populate_in_background([pool])
@@ -254,11 +243,10 @@ def _step(block_tables: list[list[int]], swap_out: list[tuple[int, int]] = ()) -
 
 
 @pytest.mark.parametrize("mode", ["background", "when-idle", "off"])
-def test_a_worker_maps_its_pools_ahead_of_its_steps_or_while_idle(monkeypatch, mode):
+def test_a_worker_maps_its_pools_ahead_of_its_steps_or_while_idle(mode):
     """background: each step moves the device pool's window to past the highest block its requests
     hold, and the host pool's past the highest it swaps out to, by the blocks one step can take
     (64 tokens in blocks of 16, plus one per request: 6). when-idle: the whole pools, gated. off: none."""
-    monkeypatch.setenv(POPULATE_ENV, "1")
     config = EngineArgs(kv_populate=mode, device="cpu", max_num_batched_tokens=64, max_num_seqs=2).create_config(2048)
     worker = Worker(config, SMOLLM2, None)
     worker.start_populate(allocate_kv_caches(SMOLLM2.kv_layout, 400, 16, torch.bfloat16, "cpu", populate=False),

@@ -6,13 +6,12 @@ A copy changes no bit, so the op serves every backend, the torch reference inclu
 quantized cache (kv_quant.py) `write_kv_quantized` makes, in the same pass, the codes and scales
 kv_quant.write makes, bit for bit, and code x scale for the new rows (in torch: ~25 small ops a
 layer, and a 4,096-token prompt's round trip ~105 ms a step). Built once per machine
-(kvflow/cpu_extension.py); `load_writer()` is None where it cannot be built or with
-KVFLOW_CPU_KV_WRITE=0 (for A/B), and write_kv keeps torch's index_put.
+(kvflow/cpu_extension.py); `load_writer()` is None where it cannot be built, and write_kv keeps
+torch's index_put.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -21,14 +20,12 @@ from kvflow import cpu_extension
 from kvflow.attention import kv_quant
 
 SOURCE = Path(__file__).parent / "csrc" / "kv_write_cpu.cpp"
-DISABLE_ENV = "KVFLOW_CPU_KV_WRITE"
 
 
 def load_writer():
     """torch.ops.kvflow_cpu_kv.write_kv(key_cache, value_cache, key, value, slot_mapping), built
-    if need be; None where it cannot be, or with KVFLOW_CPU_KV_WRITE=0 (read at every call)."""
-    if (os.environ.get(DISABLE_ENV, "1") == "0"
-            or not cpu_extension.load_library("kvflow_cpu_kv_write", SOURCE, "the CPU KV-write kernel")):
+    if need be; None where it cannot be."""
+    if not cpu_extension.load_library("kvflow_cpu_kv_write", SOURCE, "the CPU KV-write kernel"):
         return None
     return torch.ops.kvflow_cpu_kv.write_kv
 

@@ -10,14 +10,12 @@ dequantize them into a padded copy (W1 with int8 KV ran at 97 tok/s that way, ~9
 
 The extension is compiled once per machine (kvflow/cpu_extension.py) — by `scripts/setup.sh`
 (`python -m kvflow.attention.cpu_paged`), or on first use. Where it cannot be built (no
-compiler) `load_kernel()` says why once and returns None, and the torch path runs;
-`KVFLOW_CPU_ATTENTION_KERNEL=0` asks for the torch path (for A/B measurements).
+compiler) `load_kernel()` says why once and returns None, and the torch path runs.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -37,8 +35,6 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 # SDPA's flash kernel beat the kernel there (680.2 against 660.5 tok/s, SmolLM2).
 MAX_QUERIES = 16
 LONG_CHUNK_MAX_HEAD_DIM = 64
-DISABLE_ENV = "KVFLOW_CPU_ATTENTION_KERNEL"
-TILES_ENV = "KVFLOW_CPU_ATTENTION_TILES"  # =0: bfloat16 scores by multiply-adds, not AMX tiles (A/B)
 # The kernel's AMX scores cost ~6 us more per call than its multiply-adds whatever the keys (one to
 # four decodes of ~150 keys, SmolLM2's heads: 6-10% slower), and repay that from about this many
 # (request, KV head) keys in the call on (8 decodes of ~150 keys: 4% faster; 16 of ~380: 10%).
@@ -51,11 +47,9 @@ def takes(query_len: int, seq_len: int, head_dim: int) -> bool:
 
 
 def load_kernel():
-    """torch.ops.kvflow_cpu.paged_attention, built if need be; None where it cannot be (or is
-    switched off by KVFLOW_CPU_ATTENTION_KERNEL=0)."""
-    if (os.environ.get(DISABLE_ENV, "1") == "0"
-            or not cpu_extension.load_library("kvflow_cpu_paged", SOURCE, "the CPU paged-attention kernel",
-                                              extra_cflags=cpu_extension.WIDE_VECTORS)):
+    """torch.ops.kvflow_cpu.paged_attention, built if need be; None where it cannot be."""
+    if not cpu_extension.load_library("kvflow_cpu_paged", SOURCE, "the CPU paged-attention kernel",
+                                      extra_cflags=cpu_extension.WIDE_VECTORS):
         return None
     return torch.ops.kvflow_cpu.paged_attention
 
@@ -76,12 +70,10 @@ def attend_in_place(kernel, q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
 
 def use_tiles(seq_lens: Iterable[int], kv_heads: int, batch_invariant: bool) -> bool:
     """Whether the kernel may take bfloat16 scores on AMX tiles (where the CPU has them) for a call
-    over requests of these lengths: enough keys to repay the tiles' cost per call, and not switched
-    off (TILES_ENV, read once a step like the other A/B switches). Never in batch-invariant mode:
-    whether a call has enough keys depends on the batch, and the tiles sum a score's products in
-    another order than the multiply-adds."""
-    return (not batch_invariant and os.environ.get(TILES_ENV, "1") != "0"
-            and sum(seq_lens) * kv_heads >= TILES_MIN_KEYS)
+    over requests of these lengths: enough keys to repay the tiles' cost per call. Never in
+    batch-invariant mode: whether a call has enough keys depends on the batch, and the tiles sum a
+    score's products in another order than the multiply-adds."""
+    return not batch_invariant and sum(seq_lens) * kv_heads >= TILES_MIN_KEYS
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it

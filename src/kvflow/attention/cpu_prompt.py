@@ -11,14 +11,13 @@ dot-product form there: see docs/performance.md, stop 35. Either way its error a
 SDPA's own in bfloat16 (tests/attention/test_cpu_prompt.py).
 
 Built once per machine like the other kernels (kvflow/cpu_extension.py); where it cannot be built
-or the CPU has no AVX-512 BF16, `load()` is None and SDPA runs. `KVFLOW_CPU_PROMPT_ATTENTION=0` asks
-for SDPA, `KVFLOW_CPU_PROMPT_TILES=0` for dot products where there are tiles (A/B measurements).
+or the CPU has no AVX-512 BF16, `load()` is None and SDPA runs. A call may ask for dot products
+where there are tiles (`tiles=False`), as the tests do.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -26,20 +25,18 @@ import torch
 from kvflow import cpu_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "prompt_attention_cpu.cpp"
-DISABLE_ENV = "KVFLOW_CPU_PROMPT_ATTENTION"
-TILES_ENV = "KVFLOW_CPU_PROMPT_TILES"
 HEAD_DIM = 64
 
 
 def load():
     """The kernel as `kernel(out, q, k, v, scale)` where it runs here (on tiles where it can), else None."""
-    if os.environ.get(DISABLE_ENV, "1") == "0" or not cpu_extension.load_library(
-            "kvflow_cpu_prompt", SOURCE, "the CPU prompt-attention kernel", extra_cflags=cpu_extension.WIDE_VECTORS):
+    if not cpu_extension.load_library("kvflow_cpu_prompt", SOURCE, "the CPU prompt-attention kernel",
+                                      extra_cflags=cpu_extension.WIDE_VECTORS):
         return None
     ops = torch.ops.kvflow_cpu_prompt
     if not ops.available():
         return None
-    return functools.partial(ops.prompt_attention, tiles=os.environ.get(TILES_ENV, "1") != "0" and ops.has_tiles())
+    return functools.partial(ops.prompt_attention, tiles=ops.has_tiles())
 
 
 def reads(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

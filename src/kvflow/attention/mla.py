@@ -10,6 +10,8 @@ absorbed into the query and the output, every head attends over those vectors di
 so attention here is multi-query attention whose keys are the whole cached vector and whose
 values are its first kv_lora_rank numbers; per-head K and V are never expanded for the context.
 The caller (the model's MLA layer) absorbs W_UK into the query and applies W_UV to the result.
+Heads never mix here, so under tensor parallelism a rank passes its own heads' queries and gets
+its heads' outputs, against the whole latent cache every rank keeps.
 
 `mla_reference` is the oracle (one request at a time, float32); `mla_batched` gathers every
 decode's latents at once and attends with two batched matmuls.

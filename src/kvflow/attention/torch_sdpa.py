@@ -72,14 +72,14 @@ class TorchSDPABackend:
     name = "torch_sdpa"
 
     def __init__(self, batch_invariant: bool = False) -> None:
-        self.kernel = cpu_paged.load_kernel()  # None: no compiler here, or switched off
-        self.prompt_kernel = cpu_prompt.load()  # None: no AVX-512 BF16 or no compiler here, or switched off
+        self.kernel = cpu_paged.load_kernel()  # None: no compiler here
+        self.prompt_kernel = cpu_prompt.load()  # None: no AVX-512 BF16 or no compiler here
         # Batch-invariant (model.layers.batch_invariant): every request, whatever its query
         # count, through the kernel, whose query rows never depend on each other.
         self.batch_invariant = batch_invariant
         if batch_invariant and self.kernel is None:
             raise RuntimeError("batch_invariant needs the CPU paged-attention kernel, which could not be built here "
-                               f"(a C++ compiler is required; is {cpu_paged.DISABLE_ENV}=0 set?)")
+                               "(a C++ compiler is required)")
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.head_dim, layer.writes_kv)  # layers may differ in all

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from kvflow import settings
 from kvflow.config import EngineArgs
 from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.bench.gpu_compile import add_gpu_compile_parser
     from kvflow.bench.latency import add_latency_parser
     from kvflow.bench.lora import add_lora_bench_parser
+    from kvflow.bench.memory import add_memory_parser
     from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
     from kvflow.entrypoints.kv_store import add_kv_store_parser
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lora_bench_parser(bench_sub)
     add_gpu_compile_parser(bench_sub)
     add_disagg_parser(bench_sub)
+    add_memory_parser(bench_sub)
     add_plan_parser(sub)
     add_quantize_parser(sub)
     add_router_parser(sub)
@@ -109,7 +111,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port; the URL is printed)")
-    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
+    g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $KVFLOW_API_KEY)")
     g.add_argument("--disable-metrics-auth", action="store_true",
                    help="serve /metrics without the API key, e.g. to a Prometheus scraper on a private network "
@@ -129,8 +131,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="the format tool calls are read from when tool_choice is auto")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served by name (needs --enable-lora): name=path, or JSON {\"name\", \"path\"}")
-    g.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
-                   default=os.environ.get("KVFLOW_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+    g.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=None,
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which let clients make the "
                         "server read adapters from its disk (default: $KVFLOW_ALLOW_RUNTIME_LORA_UPDATING)")
     ServerLimits.add_cli_args(parser)
@@ -179,6 +180,13 @@ def run_serve(args: argparse.Namespace) -> int:
     # Without --max-num-batched-tokens the budget follows the machine's speed once the engine is
     # warm; a budget given is kept as it is.
     args.fit_token_budget = isinstance(args.max_num_batched_tokens, ServeDefault)
+    # Flags not given take the user's settings (kvflow/settings.py), read here, inside main's error
+    # handling: a variable it cannot read is a one-line error naming it.
+    user = settings.get()
+    if args.api_key is None:
+        args.api_key = user.api_key
+    if args.allow_runtime_lora_updating is None:
+        args.allow_runtime_lora_updating = user.allow_runtime_lora_updating
     return run_server(args)
 
 

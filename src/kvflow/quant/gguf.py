@@ -20,6 +20,8 @@ from torch import nn
 from kvflow.quant.base import QuantizationConfig, QuantMethod
 from kvflow.quant.gguf_blocks import BLOCK_SIZES, Affine, GGUFBlocks, decode
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
+from kvflow.quant.kernel_plan import KernelPlan
+from kvflow.quant.layouts import Layouts, merged
 from kvflow.quant.packed_cache import PackedWeightsCache
 from kvflow.quant.packed_linear import DenseWeight
 
@@ -30,17 +32,19 @@ class GGUFConfig(QuantizationConfig):
     def __init__(self, cache_dir: str | None = None) -> None:
         # Where the checkpoint's parse is cached (`gguf_cache`): the packed planes go beside it.
         self.cache_dir = cache_dir
-        self.packed: dict[torch.dtype, PackedWeightsCache] = {}
+        self.packed: dict[tuple[torch.dtype, str], PackedWeightsCache] = {}
 
     def get_quant_method(self, kind: str, prefix: str) -> QuantMethod:
         return GGUFMethod(self)
 
-    def packed_cache(self, dtype: torch.dtype) -> PackedWeightsCache | None:
+    def packed_cache(self, dtype: torch.dtype, weight_layouts: str) -> PackedWeightsCache | None:
+        """The stored parts for `dtype` in `weight_layouts` (a compact load stores no dense copy)."""
         if self.cache_dir is None:
             return None
-        if dtype not in self.packed:
-            self.packed[dtype] = PackedWeightsCache(Path(self.cache_dir), dtype, (sys.modules[__name__],))
-        return self.packed[dtype]
+        key = (dtype, weight_layouts)
+        if key not in self.packed:
+            self.packed[key] = PackedWeightsCache(Path(self.cache_dir), dtype, (sys.modules[__name__],), weight_layouts)
+        return self.packed[key]
 
 
 class GGUFMethod(QuantMethod):
@@ -70,10 +74,11 @@ class GGUFMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         on_cpu = layer.weight.device.type == "cpu"
-        cache = self.config.packed_cache(layer.gguf_dtype) if on_cpu else None  # GPUs decode to dense
+        layouts = layer.kernels.weight_layouts
+        cache = self.config.packed_cache(layer.gguf_dtype, layouts) if on_cpu else None  # GPUs decode to dense
         states = None if cache is None else cache.get(layer.prefix)
         if states is not None:
-            layer.gguf_parts = nn.ModuleList(_part_from_state(state) for state in states)
+            layer.gguf_parts = nn.ModuleList(_part_from_state(state, layouts == "fast") for state in states)
         else:
             layer.gguf_parts = self._parts(layer, on_cpu)
             if cache is not None:
@@ -105,7 +110,8 @@ class GGUFMethod(QuantMethod):
             return DenseWeight(torch.cat(dense).to(device=device, dtype=dtype))
         bits = max(f.bits for f in forms)
         u, scale, minimum = (torch.cat([getattr(f, name) for f in forms]) for name in ("u", "scale", "min"))
-        return Int4Planes(planes_from_affine(u, scale, minimum, bits), forms[0].group, dtype, layer.prefix)
+        return Int4Planes(planes_from_affine(u, scale, minimum, bits), forms[0].group, dtype, layer.prefix,
+                          dense_copy=layer.kernels.weight_layouts == "fast")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         parts = layer.gguf_parts
@@ -115,6 +121,17 @@ class GGUFMethod(QuantMethod):
     def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         parts = layer.gguf_parts
         return parts[0].silu_and_mul(x) if len(parts) == 1 else None
+
+    def kernel_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> KernelPlan:
+        parts = layer.gguf_parts  # several parts: their outputs concatenated, by `apply`
+        return parts[0].kernel_plan(rows, dtype) if len(parts) == 1 else super().kernel_plan(layer, rows, dtype)
+
+    def silu_and_mul_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> KernelPlan | None:
+        parts = layer.gguf_parts
+        return parts[0].silu_and_mul_plan(rows, dtype) if len(parts) == 1 else None
+
+    def layouts(self, layer: nn.Module) -> Layouts:
+        return merged(*(part.layouts() for part in layer.gguf_parts))
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return layer.gguf_parts[0].rows(ids)
@@ -128,10 +145,10 @@ def _part_state(part: nn.Module) -> dict:
     return {"kind": "dense", "weight": part.weight}
 
 
-def _part_from_state(state: dict) -> nn.Module:
+def _part_from_state(state: dict, dense_copy: bool) -> nn.Module:
     if state["kind"] == "int4":
         return Int4Planes.from_packed(state["packed"], state["scale_zero"], state["group"], state["out_features"],
-                                      state.get("dense"), state.get("gemv"))
+                                      state.get("dense"), state.get("gemv"), dense_copy)
     return DenseWeight(state["weight"])
 
 

@@ -24,9 +24,10 @@ class Int4Method(OnlineQuantMethod):
         u, scale, minimum = int4_per_group(weight, self.config.group_size, name)
         return {"qweight": pack_nibbles(u), "scales": scale, "mins": minimum}
 
-    def runtime(self, stored, dtype, name):
+    def runtime(self, stored, dtype, name, dense_copy=True):
         u = unpack_nibbles(stored["qweight"])
-        return Int4Planes(planes_from_affine(u, stored["scales"], stored["mins"], 4), self.config.group_size, dtype, name)
+        return Int4Planes(planes_from_affine(u, stored["scales"], stored["mins"], 4), self.config.group_size, dtype, name,
+                          dense_copy)
 
 
 class Int4Config(OnlineQuantConfig):

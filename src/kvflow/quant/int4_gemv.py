@@ -12,7 +12,8 @@ the default model for no speed on this CPU, whose limit is memory, not arithmeti
 as w = s·(u − c) + z per group of 32, with the planes' own bfloat16 s and z (c = 8 for 4-bit
 codes, 128 for 8-bit). For an 8-bit layer (the default model's Q8_0 head) it reads 1.125 bytes
 per weight where two planes read 1.25. Used for bfloat16 calls of up to `MAX_ROWS` rows where the
-CPU has AVX-512 BF16; `KVFLOW_INT4_GEMV=0` switches it off (A/B measurements).
+CPU has AVX-512 BF16 (batch-1 decode 1.14x over aten's int4 kernel when it came:
+docs/performance.md, "2026-11-26, an Intel Xeon VM").
 
 One row (batch-1 decode) takes a faster path where the CPU has AVX-512 VNNI: each group's 32
 activations become two int8 levels, x ≈ a·q1 + (a/254)·q2 (a = max|x| / 127), off by at most
@@ -21,7 +22,7 @@ exact integer dot products (`vpdpbusd`, a third of `vdpbf16ps`'s cost for twice 
 The zeros' term takes the levels' own sums, so the result is the dequantized weights' product
 with the levels' x. On the default model: perplexity +0.04–0.06% against the bf16 products (the
 two exact kernels, ours and aten's, differ by up to 0.09%; one int8 level, llama.cpp's way, cost
-+2.2%). `KVFLOW_INT4_GEMV_INT8_LEVELS=0` keeps bfloat16 products there too.
++2.2%). A call can still ask for bfloat16 products (`path`), as the tests and benchmarks do.
 
 A row's whole blocks of 16 groups are stored lane by lane (`_blocks_lane_by_lane`): one integer
 dot product then takes 4 bytes of each of 16 groups, and each of its lanes sums one group, so the
@@ -33,16 +34,14 @@ memory, was the limit: batch-1 decode 1.18× for the layers' blocks, more with t
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
 
 from kvflow import cpu_extension
+from kvflow.quant.kernel_plan import GemvPlan
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_gemv_cpu.cpp"
-DISABLE_ENV = "KVFLOW_INT4_GEMV"
-INT8_LEVELS_ENV = "KVFLOW_INT4_GEMV_INT8_LEVELS"
 GROUP = 32
 # The most rows a call takes here (the kernel takes up to 8). Its time grows with the rows, the
 # dense copy's barely: the default GGUF's 120 layers, ms at 1, 4, 6, 8 rows: 3.9, 9.9, 15.1, 19.0
@@ -52,10 +51,6 @@ MAX_ROWS = 6
 # How the kernel computes (csrc/int4_gemv_cpu.cpp): its scalar loop, bfloat16 products, or two int8
 # levels of the activations for one row of 4-bit codes (bfloat16 products for other calls).
 SCALAR, BF16_PRODUCTS, INT8_LEVELS = 0, 1, 2
-
-
-def enabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
 def load() -> bool:
@@ -69,9 +64,8 @@ def fast() -> bool:
 
 
 def default_path() -> int:
-    """INT8_LEVELS where the build has AVX-512 VNNI and the environment does not refuse it, else
-    BF16_PRODUCTS; read when the weights are laid out (an engine built under the switch keeps it)."""
-    return INT8_LEVELS if os.environ.get(INT8_LEVELS_ENV, "1") != "0" and _has_int8_levels() else BF16_PRODUCTS
+    """INT8_LEVELS where the build has AVX-512 VNNI, else BF16_PRODUCTS."""
+    return INT8_LEVELS if _has_int8_levels() else BF16_PRODUCTS
 
 
 @functools.cache
@@ -148,6 +142,10 @@ class Int4Gemv:
         torch.ops.kvflow_int4_gemv.int4_gemv(out, x.contiguous(), self.weight, self.scale_zero, self.bits,
                                              self.path if path is None else path)
         return out
+
+    def plan(self) -> GemvPlan:
+        """Its products as a kernel plan (quant/kernel_plan.py): the same op on the same tensors."""
+        return GemvPlan(self.weight, self.scale_zero, self.bits, self.path, self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` [T] of W as [T, K] float32 or bfloat16 (an embedding lookup): one C++ call,

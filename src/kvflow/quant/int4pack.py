@@ -14,28 +14,30 @@ SmolLM2 gate_up 3072×576, one plane: M=1 0.09 / 0.40, M=8 0.48 / 0.30, M=128 5.
 gate_up 4096×640, two planes: M=1 0.37 / 0.45, M=8 1.2 / 0.53, M=128 16.5 / 3.2. So each layer
 also holds its weights dequantized once, in the packed bf16 form, for calls of more than
 `KERNEL_MAX_ROWS` rows (decode batches, prefill): 2 bytes per weight of memory for W1's speed.
-With `KVFLOW_INT4_DENSE=0` it does not, and above `KERNEL_MAX_ROWS_NO_COPY` rows each call
-dequantizes (the old low-memory path: at M=128 that costs far more than the product).
+Without it (`dense_copy=False`: `--cpu-weight-layouts compact`), above `KERNEL_MAX_ROWS_NO_COPY`
+rows each call dequantizes (at M=128 that costs far more than the product).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.disk_cache import drop_mapped_pages
 from kvflow.quant import int4_gemv
-from kvflow.quant.packed_linear import PackedWeight, gated_silu_and_mul, linear, prepack
+from kvflow.quant.base import WeightsModule
+from kvflow.quant.kernel_plan import KernelPlan
+from kvflow.quant.layouts import DENSE, GEMV, PLANES, Layouts, merged
+from kvflow.quant.packed_linear import PackedWeight, gated_pair, linear, prepack, product_plan
 
 KERNEL_MAX_ROWS = 4  # above: the dense copy
 # The kernel is vectorised for bf16 only: in float32 or float16 it took 2.6 ms at M = 1 and 10 ms
 # at M = 4 for SmolLM2's gate_up (bf16: 0.06 / 0.10 ms; one thread), so those dtypes always take
 # the dense copy when there is one.
 KERNEL_MAX_ROWS_NO_COPY = 64  # without a dense copy, above: dequantize for the call
-DENSE_COPY_ENV = "KVFLOW_INT4_DENSE"  # =0: no dense copy (less memory; for A/B measurements)
 GROUP_SIZES = (32, 64, 128, 256)
 _ROW_BLOCK = 64  # the kernel packs rows in blocks of 64 (AVX-512); rows are padded to a multiple
 _DEQUANTIZE_ROWS = 64 * _ROW_BLOCK
@@ -65,11 +67,12 @@ def planes_from_affine(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     return planes
 
 
-class Int4Planes(nn.Module):
-    """W [N, K] held as P packed 4-bit planes with per-group scales and zeros."""
+class Int4Planes(WeightsModule):
+    """W [N, K] held as P packed 4-bit planes with per-group scales and zeros; with `dense_copy`,
+    also dequantized once for products of many rows (the module's comment)."""
 
     def __init__(self, planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], group: int,
-                 dtype: torch.dtype, name: str) -> None:
+                 dtype: torch.dtype, name: str, dense_copy: bool = True) -> None:
         super().__init__()
         n, k = planes[0][0].shape
         if group not in GROUP_SIZES:
@@ -83,20 +86,21 @@ class Int4Planes(nn.Module):
             packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             sz = torch.stack([F.pad(scale.float(), (0, 0, 0, pad)), F.pad(zero.float(), (0, 0, 0, pad))], -1)
             scale_zero.append(sz.transpose(0, 1).contiguous().to(dtype))  # [K / group, N, 2]
-        self._hold(torch.stack(packed), torch.stack(scale_zero), group, n)
+        self._hold(torch.stack(packed), torch.stack(scale_zero), group, n, dense_copy)
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
-                    dense: torch.Tensor | None = None, gemv: dict | None = None) -> Int4Planes:
+                    dense: torch.Tensor | None = None, gemv: dict | None = None,
+                    dense_copy: bool = True) -> Int4Planes:
         """The module again from its own buffers and, if given, its `dequantize()` and its GEMV form's
         state (as `packed_cache` stored them: rebuilding them at every start would cost seconds)."""
         planes = cls.__new__(cls)
         nn.Module.__init__(planes)
-        planes._hold(packed, scale_zero, group, out_features, dense, gemv)
+        planes._hold(packed, scale_zero, group, out_features, dense_copy, dense, gemv)
         return planes
 
     def _hold(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
-              dense: torch.Tensor | None = None, gemv: dict | None = None) -> None:
+              dense_copy: bool, dense: torch.Tensor | None = None, gemv: dict | None = None) -> None:
         self.out_features, self.in_features, self.group = out_features, scale_zero.shape[1] * group, group
         self.register_buffer("packed", packed)  # [P, N padded, K / 2] uint8
         self.register_buffer("scale_zero", scale_zero)  # [P, K / group, N padded, 2]
@@ -104,16 +108,18 @@ class Int4Planes(nn.Module):
         self._unbind_planes()
         # An attribute, not a buffer: derived from the planes, so out of state_dict.
         self.dense = None
-        # The cache's dequantized weights (a view of its memory-mapped file) where they came from it:
-        # a GatedPair is then packed from them in ~0.4 ms a layer, where dequantize() takes ~40.
-        self._dense_source = dense
+        self.gated = None  # the dense copy's [gate; up] halves, once silu_and_mul asks (packed_linear.GatedPair)
         self.kernel_at_any_rows = False  # batch-invariant mode: one kernel, whatever the row count
-        if os.environ.get(DENSE_COPY_ENV, "1") != "0":
+        if dense_copy:
             self.dense = prepack(dense if dense is not None else self.dequantize())
+            if dense is not None and isinstance(self.dense, PackedWeight):
+                # The cache's dequantized weights (a view of its memory-mapped file) were read only to
+                # be packed: 300 MiB of the default model's resident set until the kernel reclaims them.
+                drop_mapped_pages(dense.data_ptr(), dense.numel() * dense.element_size())
         # The same weights for kvflow's GEMV (few bfloat16 rows), where the CPU has AVX-512 BF16:
         # an attribute too (derived from the planes; packed_cache keeps it beside them).
         self.gemv = None
-        if int4_gemv.enabled() and _layout_known() and int4_gemv.fast():
+        if _layout_known() and int4_gemv.fast():
             k = self.in_features
             self.gemv = (int4_gemv.Int4Gemv.from_state(gemv) if gemv is not None else int4_gemv.Int4Gemv.from_planes(
                 [_unpack(p, k)[:out_features] for p in self.packed], self.scale_zero, group))
@@ -146,13 +152,36 @@ class Int4Planes(nn.Module):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of this [gate; up] weight in one pass (`packed_linear.GatedPair`, built
-        from the dense copy's weights on first use) where `forward` would take the dense copy; None
-        elsewhere (few rows: the GEMV; batch-invariant: the int4 kernel), and the caller runs
-        `forward` and the activation."""
-        if self.packed_for(x.numel() // self.in_features, x.dtype) is None:
+        from the dense copy's weights on first use) where `forward` would take the dense copy and
+        the pair takes the rows; None elsewhere (few rows: the GEMV; batch-invariant: the int4
+        kernel; past the panels' rows without AMX), and the caller runs `forward` and the activation."""
+        pair = self._gated_pair(x.numel() // self.in_features, x.dtype)
+        return None if pair is None else pair(x)
+
+    def _gated_pair(self, rows: int, dtype: torch.dtype):
+        """The gated pair where `silu_and_mul` runs one for these rows (laid out when first asked,
+        from the packed dense copy, unpacked: a reorder, well under a millisecond a layer, where
+        the dequantization it came from took ~40), else None."""
+        if self.packed_for(rows, dtype) is None:
             return None
-        return gated_silu_and_mul(
-            self, x, lambda: self._dense_source if self._dense_source is not None else self.dequantize())
+        return gated_pair(self, rows, (self.out_features, self.in_features), lambda: self.dense.main.to_dense())
+
+    def kernel_plan(self, rows: int, dtype: torch.dtype) -> KernelPlan:
+        """What `forward` runs for `rows` rows of `dtype` (quant/kernel_plan.py): the GEMV, the dense
+        copy's panels, or itself."""
+        if dtype == torch.bfloat16 and rows <= int4_gemv.MAX_ROWS and self.gemv is not None:
+            return self.gemv.plan()
+        return product_plan(self.packed_for(rows, dtype), rows, self.forward)
+
+    def silu_and_mul_plan(self, rows: int, dtype: torch.dtype) -> KernelPlan | None:
+        pair = self._gated_pair(rows, dtype)
+        return None if pair is None else pair.plan(rows)
+
+    def layouts(self) -> Layouts:
+        dense = self.dense.layouts(DENSE) if isinstance(self.dense, PackedWeight) else {DENSE: [self.dense]}
+        return merged({PLANES: [self.packed, self.scale_zero]}, dense,
+                      {GEMV: [self.gemv.weight, self.gemv.scale_zero]} if self.gemv is not None else {},
+                      self.gated.layouts() if self.gated is not None else {})
 
     def packed_for(self, rows: int, dtype: torch.dtype) -> PackedWeight | None:
         """The packed dense copy a bf16 product of `rows` rows of `dtype` multiplies (`forward` and
@@ -178,7 +207,7 @@ class Int4Planes(nn.Module):
         """Every bfloat16 call through aten's int4 kernel, which computes each row on its own
         whatever the row count (tests/engine/test_batch_invariant.py holds it to that), so a row's
         result never depends on the batch; the dense copy is then dropped."""
-        self.kernel_at_any_rows, self.dense, self.gemv, self.gated, self._dense_source = True, None, None, None, None
+        self.kernel_at_any_rows, self.dense, self.gemv, self.gated = True, None, None, None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [N, K] in `dtype` (the scales' dtype by default), computed in float32 and rounded once."""

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvflow.quant import int4_gemv, int8_rows
+from kvflow.quant.base import WeightsModule
 from kvflow.quant.formats import int8_per_channel
+from kvflow.quant.kernel_plan import CallPlan, KernelPlan
+from kvflow.quant.layouts import GEMV, WEIGHTS, Layouts
 from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
 
 KERNEL_MAX_ROWS = 32
 
 
-class Int8Channel(nn.Module):
+class Int8Channel(WeightsModule):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
         self.register_buffer("q", q)
@@ -42,6 +44,14 @@ class Int8Channel(nn.Module):
             y = F.linear(x2, self.dequantize(x2.dtype))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def kernel_plan(self, rows: int, dtype: torch.dtype) -> KernelPlan:
+        if self.gemv is not None and dtype == torch.bfloat16 and 0 < rows <= int4_gemv.MAX_ROWS:
+            return self.gemv.plan()
+        return CallPlan(self.forward)
+
+    def layouts(self) -> Layouts:
+        return {WEIGHTS: [self.q, self.scale], GEMV: [self.gemv.weight, self.gemv.scale_zero] if self.gemv else []}
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return (self.q.to(self.scale.dtype) * self.scale[:, None]).to(dtype or self.scale.dtype)
 
@@ -54,7 +64,7 @@ def _gemv_form(q: torch.Tensor, scale: torch.Tensor) -> int4_gemv.Int4Gemv | Non
     w = s·(u − 128) + 0, exactly), or None where that kernel does not run here."""
     n, k = q.shape
     if (q.dtype != torch.int8 or scale.dtype != torch.bfloat16 or q.device.type != "cpu" or k % int4_gemv.GROUP
-            or not int4_gemv.enabled() or not int4_gemv.fast()):
+            or not int4_gemv.fast()):
         return None
     s = scale[:, None].expand(n, k // int4_gemv.GROUP)
     return int4_gemv.Int4Gemv(q.to(torch.int32) + 128, torch.stack([s, torch.zeros_like(s)], -1), 8)
@@ -67,7 +77,7 @@ class Int8Method(OnlineQuantMethod):
         q, scale = int8_per_channel(weight, name)
         return {"weight": q, "weight_scale": scale}
 
-    def runtime(self, stored, dtype, name):
+    def runtime(self, stored, dtype, name, dense_copy=True):
         return Int8Channel(stored["weight"], stored["weight_scale"], dtype)
 
 

@@ -14,7 +14,7 @@ the batch it runs in, and the integer sums are exact, so the codes and sums are 
 torch path (`W8A8Channel.torch_forward`) and only float rounding differs.
 
 Where the library cannot be built or oneDNN is missing, `available()` is False and the torch
-path runs; `KVFLOW_W8A8_ONEDNN=0` forces it (A/B measurements).
+path runs (`W8A8Channel.torch_forward`, which the tests hold this one to).
 
 The library also dequantizes int8 weight-only rows in one pass, for int8's dense product at many
 rows (`dequantized_product`).
@@ -22,7 +22,6 @@ rows (`dequantized_product`).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -30,7 +29,6 @@ import torch
 from kvflow import cpu_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_rows_cpu.cpp"
-DISABLE_ENV = "KVFLOW_W8A8_ONEDNN"
 ZERO_POINT = 128  # the codes are unsigned: VNNI multiplies unsigned activations by signed weights
 DEQUANTIZE_ROWS = 4096  # int8 weight-only: rows dequantized per tile (4.7 MB at K = 576 in bfloat16)
 
@@ -42,8 +40,8 @@ def load() -> bool:
 
 
 def available() -> bool:
-    """The C++ rounding and oneDNN's int8 GEMM can run here (and the environment does not refuse)."""
-    return os.environ.get(DISABLE_ENV, "1") != "0" and torch.backends.mkldnn.is_available() and load()
+    """The C++ rounding and oneDNN's int8 GEMM can run here."""
+    return torch.backends.mkldnn.is_available() and load()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,11 +21,11 @@ class Mxfp4Method(OnlineQuantMethod):
         codes, scales = mxfp4_per_block(weight, name)
         return {"weight_packed": pack_nibbles(codes), "weight_scale": scales}
 
-    def runtime(self, stored, dtype, name):
+    def runtime(self, stored, dtype, name, dense_copy=True):
         doubled = (2 * e2m1_decode(unpack_nibbles(stored["weight_packed"]))).to(torch.int16)  # −12 … 12
         half_scale = e8m0_decode(stored["weight_scale"]) / 2
         u = (doubled + 16).to(torch.uint8)
-        return Int4Planes(planes_from_affine(u, half_scale, -16 * half_scale, 5), MX_BLOCK, dtype, name)
+        return Int4Planes(planes_from_affine(u, half_scale, -16 * half_scale, 5), MX_BLOCK, dtype, name, dense_copy)
 
 
 class Mxfp4Config(OnlineQuantConfig):

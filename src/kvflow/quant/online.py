@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from kvflow.quant.base import QuantizationConfig, QuantMethod, set_weight_attrs
+from kvflow.quant.kernel_plan import KernelPlan
+from kvflow.quant.layouts import Layouts, merged
 from kvflow.quant.unquantized import UnquantizedMethod
 
 
@@ -31,8 +33,10 @@ class OnlineQuantMethod(QuantMethod):
         """A float weight [N, K] → the stored tensors (rows = output channels)."""
 
     @abstractmethod
-    def runtime(self, stored: dict[str, torch.Tensor], dtype: torch.dtype, name: str) -> nn.Module:
-        """The module that multiplies (and gathers rows) from the stored tensors."""
+    def runtime(self, stored: dict[str, torch.Tensor], dtype: torch.dtype, name: str,
+                dense_copy: bool = True) -> nn.Module:
+        """The module that multiplies (and gathers rows) from the stored tensors (a `WeightsModule`);
+        `dense_copy`: it may keep bf16 layouts beside them (`KernelConfig.weight_layouts`)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -65,7 +69,8 @@ class OnlineQuantMethod(QuantMethod):
                 del layer._parameters[name]
         for name, tensor in stored.items():
             layer.register_buffer(name, tensor)
-        layer.quant_runtime = self.runtime(stored, layer.quant_dtype, layer.prefix)
+        layer.quant_runtime = self.runtime(stored, layer.quant_dtype, layer.prefix,
+                                           dense_copy=layer.kernels.weight_layouts == "fast")
 
     def stored_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """name → (tensor, its output-channel dim, values packed per element along it)."""
@@ -76,8 +81,20 @@ class OnlineQuantMethod(QuantMethod):
         return y if bias is None else y + bias
 
     def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        fused = getattr(getattr(layer, "quant_runtime", None), "silu_and_mul", None)  # int4 planes have one
-        return fused(x) if fused is not None else None
+        runtime = getattr(layer, "quant_runtime", None)  # AWQ and w8a8 have none until they are calibrated
+        return None if runtime is None else runtime.silu_and_mul(x)
+
+    def kernel_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> KernelPlan:
+        runtime = getattr(layer, "quant_runtime", None)
+        return super().kernel_plan(layer, rows, dtype) if runtime is None else runtime.kernel_plan(rows, dtype)
+
+    def silu_and_mul_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> KernelPlan | None:
+        runtime = getattr(layer, "quant_runtime", None)
+        return None if runtime is None else runtime.silu_and_mul_plan(rows, dtype)
+
+    def layouts(self, layer: nn.Module) -> Layouts:
+        runtime = getattr(layer, "quant_runtime", None)
+        return super().layouts(layer) if runtime is None else merged(super().layouts(layer), runtime.layouts())
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return layer.quant_runtime.rows(ids)

@@ -9,7 +9,8 @@ loads memory-map it. A layer is looked up by its prefix (`model.layers.3.mlp.gat
 
 Each change of the packing code names a new file (~470 MB for SmolLM2's bf16 form), so a save
 deletes the older codes' files for the same dtype, torch and layout beyond the newest `KEEP`: they
-had grown to 37 GB over two days of development here.
+had grown to 37 GB over two days of development here. The weight layouts a load keeps
+(`--cpu-weight-layouts`) name their own file: a compact load stores no dense copy.
 """
 
 from __future__ import annotations
@@ -40,13 +41,17 @@ def _read_ahead(path: Path) -> None:
 
 class PackedWeightsCache:
     """Per layer prefix, a list of parts' states (dicts of tensors and ints) for the file that
-    `checkpoint_dir` caches, packed to `dtype` by `packing_modules`."""
+    `checkpoint_dir` caches, packed to `dtype` by `packing_modules`, with the layouts
+    `weight_layouts` keeps (`KernelConfig.weight_layouts`: a compact load stores no dense copy)."""
 
-    def __init__(self, checkpoint_dir: Path, dtype: torch.dtype, packing_modules: tuple) -> None:
+    def __init__(self, checkpoint_dir: Path, dtype: torch.dtype, packing_modules: tuple,
+                 weight_layouts: str = "fast") -> None:
         layout = "avx512" if int4pack._layout_known() else "other"
         code = code_fingerprint(*packing_modules, gguf_blocks, int4pack, int4_gemv)
         dtype_name = str(dtype).removeprefix("torch.")
-        self.path = checkpoint_dir / f"packed-{dtype_name}-torch{torch.__version__}-{layout}-{code}.pt"
+        # The files of one dtype, torch and layout, whatever their code and weight layouts: `_prune`'s.
+        self.family = f"packed-{dtype_name}-torch{torch.__version__}-{layout}-"
+        self.path = checkpoint_dir / f"{self.family}{weight_layouts}-{code}.pt"
         self.stored: dict | None = None
         if self.path.is_file():
             _read_ahead(self.path)
@@ -82,7 +87,7 @@ class PackedWeightsCache:
     def _prune(self) -> None:
         """Delete the older codes' files beside this one beyond the newest KEEP (a process still
         mapping one keeps its pages: unlinking does not unmap)."""
-        family = self.path.name.rsplit("-", 1)[0] + "-"
-        for old in beyond_newest((p for p in self.path.parent.glob(f"{family}*.pt") if p != self.path), KEEP - 1):
+        others = (p for p in self.path.parent.glob(f"{self.family}*.pt") if p != self.path)
+        for old in beyond_newest(others, KEEP - 1):
             with contextlib.suppress(OSError):
                 old.unlink()

@@ -16,15 +16,13 @@ on its batch. Against oneDNN's products the sums differ in order only (1 bf16 ul
 10,000; tests/quant/test_panel_linear.py).
 
 Built once per machine like the other kernels (kvflow/cpu_extension.py); where it cannot be built
-or the CPU has no AVX-512 BF16, `available()` is False and oneDNN runs. `KVFLOW_PANEL_LINEAR=0`
-asks for oneDNN, `KVFLOW_PANEL_LINEAR_TILES=0` for dot products where there are tiles (A/B
-measurements).
+or the CPU has no AVX-512 BF16, `available()` is False and oneDNN runs. A call may ask for dot
+products where there are tiles (`tiles=False`), as the tests and benchmarks do.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -32,8 +30,6 @@ import torch
 from kvflow import cpu_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear_cpu.cpp"
-DISABLE_ENV = "KVFLOW_PANEL_LINEAR"
-TILES_ENV = "KVFLOW_PANEL_LINEAR_TILES"
 MAX_ROWS = 512
 # Products with wide outputs (an LM head: 49,152 columns) only up to 32 rows: SmolLM2's head read
 # from memory at 16 rows took 2.4 ms on tiles against oneDNN's 2.9, at 64 rows 3.9 against 3.8, at
@@ -41,24 +37,17 @@ MAX_ROWS = 512
 WIDE_COLUMNS, WIDE_MAX_ROWS = 4096, 32
 
 
-def available() -> bool:
-    """The kernel is built here (KVFLOW_PANEL_LINEAR=0: False, read at every call)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
-    return _loaded()
-
-
 @functools.cache  # once per process: asked before every product
-def _loaded() -> bool:
+def available() -> bool:
+    """The kernel is built here and runs on this CPU (AVX-512 BF16)."""
     return (cpu_extension.load_library("kvflow_panel_linear", SOURCE, "the panel linear kernel",
                                        extra_cflags=cpu_extension.WIDE_VECTORS)
             and torch.ops.kvflow_panel_linear.available())
 
 
 def has_tiles() -> bool:
-    """Products go to AMX tiles: the CPU has them and KVFLOW_PANEL_LINEAR_TILES is not 0 (asked at
-    every product: the environment is read only where there are tiles)."""
-    return _loaded() and _tiles_permitted() and os.environ.get(TILES_ENV, "1") != "0"
+    """Products go to AMX tiles: the kernel runs here and the CPU has them."""
+    return available() and _tiles_permitted()
 
 
 @functools.cache

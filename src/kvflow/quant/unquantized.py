@@ -7,7 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.quant.base import QuantMethod, set_weight_attrs
-from kvflow.quant.packed_linear import PackedWeight, gated_silu_and_mul, packed_linear, should_pack
+from kvflow.quant.kernel_plan import KernelPlan
+from kvflow.quant.layouts import WEIGHTS, Layouts, merged
+from kvflow.quant.packed_linear import PackedWeight, gated_pair, packed_linear, product_plan, should_pack
 
 
 class UnquantizedMethod(QuantMethod):
@@ -32,7 +34,23 @@ class UnquantizedMethod(QuantMethod):
     def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         if getattr(layer, "packed_weight", None) is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             return None
-        return gated_silu_and_mul(layer, x, lambda: layer.weight)
+        pair = gated_pair(layer, x.numel() // x.shape[-1], layer.weight.shape, lambda: layer.weight)
+        return None if pair is None else pair(x)
+
+    def kernel_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> KernelPlan:
+        packed = getattr(layer, "packed_weight", None) if dtype == torch.bfloat16 else None
+        return product_plan(packed, rows, lambda x: self.apply(layer, x))
+
+    def silu_and_mul_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> KernelPlan | None:
+        if getattr(layer, "packed_weight", None) is None or dtype != torch.bfloat16:
+            return None
+        pair = gated_pair(layer, rows, layer.weight.shape, lambda: layer.weight)
+        return None if pair is None else pair.plan(rows)
+
+    def layouts(self, layer: nn.Module) -> Layouts:
+        packed, gated = getattr(layer, "packed_weight", None), getattr(layer, "gated", None)
+        return merged({WEIGHTS: [layer.weight]}, packed.layouts() if packed is not None else {},
+                      gated.layouts() if gated is not None else {})
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)

@@ -14,9 +14,9 @@ rows (50 ms a step against bfloat16's 4–6 ms), which cost W1 half its throughp
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kvflow.quant import int8_rows
+from kvflow.quant.base import WeightsModule
 from kvflow.quant.calibration import ALPHAS, InputStats
 from kvflow.quant.formats import int8_per_channel
 from kvflow.quant.int8 import Int8Method
@@ -34,7 +34,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x * (1 / x_scale)).round_().clamp_(-127, 127).to(torch.int8), x_scale
 
 
-class W8A8Channel(nn.Module):
+class W8A8Channel(WeightsModule):
     """A linear layer's runtime: q [N, K] int8 with a float32 scale per output channel, times
     activations rounded to int8 per row. oneDNN's packed GEMM where it runs (int8_rows), else
     `torch._int_mm`."""
@@ -67,7 +67,7 @@ class W8A8Channel(nn.Module):
 
 
 class W8A8Method(CalibratedMethod, Int8Method):
-    def runtime(self, stored, dtype, name):
+    def runtime(self, stored, dtype, name, dense_copy=True):
         return W8A8Channel(stored["weight"], stored["weight_scale"])
 
     def search_scale(self, weight: torch.Tensor, inputs: InputStats, name: str) -> tuple[torch.Tensor, float]:

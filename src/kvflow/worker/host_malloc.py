@@ -12,16 +12,14 @@ to 1 GiB of freed top: what a step frees, the next step reuses. The process's re
 stays at its peak, as it would under vLLM's or any caching allocator.
 
 Process-wide, like torch's thread count: set once by a CPU worker (worker.Worker). Where the C
-library is not glibc nothing changes. KVFLOW_KEEP_FREED_MEMORY=0 leaves malloc as it is (A/B).
+library is not glibc nothing changes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
-DISABLE_ENV = "KVFLOW_KEEP_FREED_MEMORY"
 MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 TRIM_THRESHOLD = 2**30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
@@ -29,9 +27,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 
 def keep_freed_memory() -> bool:
     """Ask glibc to keep freed blocks for reuse (see the module's comment); False where it cannot
-    (not glibc) or is told not to (KVFLOW_KEEP_FREED_MEMORY=0)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
+    (not glibc)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

@@ -23,7 +23,6 @@ import ctypes
 import functools
 import math
 import mmap
-import os
 import threading
 import time
 import weakref
@@ -138,8 +137,7 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
     memory = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if os.environ.get(HUGE_PAGES_ENV, "1") != "0":
-        memory.madvise(mmap.MADV_HUGEPAGE)
+    memory.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps `memory` alive
     start = -whole.data_ptr() % _HUGE_PAGE  # huge pages need 2 MiB-aligned addresses
     return whole[start:start + nbytes].view(dtype).view(shape)
@@ -226,7 +224,7 @@ class PagePopulator:
         self._wake = threading.Condition()
         self.thread: threading.Thread | None = None
         libc = _libc()
-        if libc is None or not self.pools or os.environ.get(POPULATE_ENV, "1") == "0":
+        if libc is None or not self.pools:
             return
         weakref.finalize(self, _wake_all, self._wake)  # a thread waiting for a target learns it never comes
         self.thread = threading.Thread(
@@ -307,8 +305,6 @@ def _libc():
         return None
 
 
-HUGE_PAGES_ENV = "KVFLOW_KV_HUGE_PAGES"  # =0: 4 KiB pages (A/B)
-POPULATE_ENV = "KVFLOW_KV_POPULATE"  # =0: pages fault on first write (A/B)
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14
 _HUGE_PAGE = 2 << 20
 POPULATE_CHUNK = _HUGE_PAGE  # the most one madvise call maps, holding the mmap lock: one huge page's fault

@@ -43,11 +43,38 @@ def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint:
 
 def rank_arch(arch: ArchConfig, tp: TensorParallel) -> ArchConfig:
     """The architecture as rank `tp.rank` sees it: its share of the attention heads (so its KV
-    layout holds only its KV heads). Raises if the model cannot be split `tp.size` ways."""
+    layout holds only its KV heads; latent attention's cache is every head's, so an MLA rank keeps
+    the whole latent of every token and its layout is the full model's). Raises, naming what does
+    not split and the sizes that would, if the model cannot be split `tp.size` ways."""
     if tp.size == 1:
         return arch
-    if arch.mla is not None or arch.moe is not None:
-        raise ValueError(f"tensor_parallel_size={tp.size}: {arch.architecture} cannot run tensor-parallel yet "
-                         "(latent attention and mixtures of experts are not sharded); use tensor_parallel_size=1")
+    unsplit = _unsplit_parts(arch, tp.size)
+    if unsplit:
+        works = [n for n in range(1, arch.num_heads + 1) if not _unsplit_parts(arch, n)]
+        raise ValueError(f"tensor_parallel_size={tp.size} does not split {arch.architecture}'s {' and '.join(unsplit)} "
+                         f"evenly over ranks; sizes that would work: {', '.join(map(str, works))}")
+    if arch.mla is not None:
+        return dataclasses.replace(arch, num_heads=arch.num_heads // tp.size)
     heads = split_heads(arch.num_heads, arch.num_kv_heads, tp, arch.architecture)
     return dataclasses.replace(arch, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
+
+
+def _unsplit_parts(arch: ArchConfig, size: int) -> list[str]:
+    """What of `arch` does not split evenly over `size` ranks: attention heads (MLA splits its query
+    heads only), the dense MLPs' and the experts' intermediate channels (experts split by channels,
+    not by expert: see `kvflow.model.layers.moe`)."""
+    parts = []
+    if arch.mla is not None:
+        if arch.num_heads % size:
+            parts.append(f"{arch.num_heads} attention heads")
+    else:
+        try:
+            split_heads(arch.num_heads, arch.num_kv_heads, TensorParallel(0, size))
+        except ValueError:
+            parts.append(f"{arch.num_heads} attention heads and {arch.num_kv_heads} KV heads")
+    if (arch.moe is None or arch.moe.dense_layers) and arch.intermediate_size % size:
+        parts.append(f"MLP intermediate size (intermediate_size {arch.intermediate_size})")
+    if arch.moe is not None and arch.moe.expert_intermediate_size % size:
+        field = "moe_intermediate_size" if arch.hf.get("moe_intermediate_size") else "intermediate_size"
+        parts.append(f"experts' intermediate size ({field} {arch.moe.expert_intermediate_size})")
+    return parts

@@ -31,6 +31,7 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
+from kvflow.cpu_extension import kernel_scope
 from kvflow.distributed.parallel_state import SINGLE, TensorParallel
 from kvflow.kv_store import open_kv_block_store
 from kvflow.lora.manager import LoRAManager
@@ -78,7 +79,9 @@ class Worker:
             host_malloc.keep_freed_memory()  # each step's activations on pages the last step freed
 
     def load_model(self, checkpoint: Checkpoint) -> torch.nn.Module:
-        self.model = load_model(self.config, self.arch, self.quant_config, checkpoint, self.tp)
+        # Built and processed in the engine's kernel choices: its layers keep them (cpu_extension).
+        with kernel_scope(self.config.kernels):
+            self.model = load_model(self.config, self.arch, self.quant_config, checkpoint, self.tp)
         return self.model
 
     def determine_num_kv_blocks(self) -> tuple[int, int]:
@@ -144,14 +147,16 @@ class Worker:
     def _fast_step(self, kv_caches: list[torch.Tensor]) -> DecodeGraphs | CpuDecodeLoop | None:
         """Decode steps replayed from captured CUDA graphs, or run by the CPU decode step; None:
         through the modules. A mixture of experts sizes its per-expert matmuls from the routing, on
-        the host: not capturable. LoRA's per-step slots are not captured yet."""
+        the host: not capturable. LoRA's per-step slots are not captured yet. The CPU step calls the
+        fused kernels itself: not with `custom_ops="none"`, nor with `enforce_eager`."""
         cfg = self.config
         if cfg.use_cuda_graphs and self.arch.moe is None:
             graphs = DecodeGraphs(self.model, kv_caches, cfg.cache.block_size, cfg.scheduler.max_num_seqs,
                                   cfg.model.max_model_len, self.device, len(self.local_arch.kv_layout.groups))
             graphs.capture()
             return graphs
-        if self.device.type == "cpu" and self.lora is None:
+        kernels = cfg.kernels
+        if self.device.type == "cpu" and self.lora is None and kernels.decode_step and kernels.custom_ops:
             return CpuDecodeLoop.build(self.model, kv_caches)
         return None
 

@@ -23,10 +23,13 @@ padded to a tile, and prefill attention in the decode kernel (docs/performance.m
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from kvflow.quant.int4pack import Int4Planes
+from kvflow.quant.kernel_plan import CallPlan
 
 ROW_TILE = 16
 
@@ -48,6 +51,12 @@ class RowTiledMethod:
 
     def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> None:
         return None  # the fused pass would see every row at once: apply's tiles instead
+
+    def kernel_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> CallPlan:
+        return CallPlan(functools.partial(self.apply, layer))  # the tiles, never the method's own plan
+
+    def silu_and_mul_plan(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> None:
+        return None
 
     def __getattr__(self, name: str):
         return getattr(self.method, name)

@@ -17,8 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.cpu_extension import current_kernels
 from kvflow.distributed.parallel_state import TensorParallel, current_tensor_parallel, split_heads
 from kvflow.quant.base import QuantizationConfig, QuantMethod, copy_checked, set_weight_attrs
+from kvflow.quant.kernel_plan import CallPlan, KernelPlan
+from kvflow.quant.layouts import Layouts
 from kvflow.quant.unquantized import UnquantizedMethod
 
 
@@ -45,6 +48,7 @@ class LinearBase(nn.Module):
         if self.tp_split == "output":
             output_sizes = [_divide(s, self.tp_size, prefix) for s in output_sizes]
         self.input_size, self.output_sizes = input_size, list(output_sizes)  # this rank's
+        self.kernels = current_kernels()  # which layouts its method keeps (cpu_extension.kernel_scope)
         self.quant_method = quant_method_for(quant_config, self.quant_kind, prefix)
         self.quant_method.create_weights(self, input_size, self.output_sizes, torch.get_default_dtype())
         if bias:
@@ -57,6 +61,17 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def kernel_plan(self, rows: int, dtype: torch.dtype) -> KernelPlan:
+        """What this layer's call runs for x of `rows` rows of `dtype`: the product its quant method
+        publishes (quant/kernel_plan.py), or, with a bias, hooks or ranks to reduce over, itself."""
+        if self.bias is not None or self._forward_pre_hooks or self._forward_hooks or self.tp_size > 1:
+            return CallPlan(self)
+        return self.quant_method.kernel_plan(self, rows, dtype)
+
+    def layouts(self) -> Layouts:
+        """Every resident copy of its weights, by layout (quant/layouts.py)."""
+        return self.quant_method.layouts(self)
 
     def shard_index(self, shard_id) -> int:
         if shard_id not in self.shard_ids:
@@ -128,9 +143,17 @@ class MergedColumnParallelLinear(LinearBase):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of a gate/up layer in one pass where its method has one for x, else None
         (`QuantMethod.silu_and_mul`)."""
-        if len(self.output_sizes) != 2 or self.bias is not None or self._forward_pre_hooks or self._forward_hooks:
-            return None  # hooks (calibration's) must see the layer's call
+        if not self._fusable():
+            return None
         return self.quant_method.silu_and_mul(self, x)
+
+    def silu_and_mul_plan(self, rows: int, dtype: torch.dtype) -> KernelPlan | None:
+        """What `silu_and_mul` runs for x of `rows` rows of `dtype`, or None where it returns None."""
+        return self.quant_method.silu_and_mul_plan(self, rows, dtype) if self._fusable() else None
+
+    def _fusable(self) -> bool:
+        # hooks (calibration's) must see the layer's call
+        return len(self.output_sizes) == 2 and self.bias is None and not (self._forward_pre_hooks or self._forward_hooks)
 
 
 class QKVParallelLinear(LinearBase):
@@ -158,16 +181,22 @@ class QKVParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Each rank holds a slice of the input channels; the ranks' partial outputs sum to y."""
+    """Each rank holds a slice of the input channels; the ranks' partial outputs sum to y.
+    `reduce_results=False` returns this rank's partial sum, for a caller that adds several such
+    layers' outputs and reduces them once (a mixture of experts); such a layer has no bias."""
 
     tp_split = "input"
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "", **tp) -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", reduce_results: bool = True,
+                 **tp) -> None:
+        if bias and not reduce_results:
+            raise ValueError(f"{prefix}: a bias must be added once, after the reduce: reduce_results=False takes none")
         super().__init__(input_size, [output_size], bias, quant_config, prefix, **tp)
+        self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp_size == 1 or not self.reduce_results:
             return super().forward(x)
         y = self.tp.all_reduce(self.quant_method.apply(self, x))
         return y if self.bias is None else y + self.bias

@@ -9,7 +9,19 @@ best experts inside them; V3 picks with a per-expert bias that does not enter th
 Execution is grouped by expert: the (token, choice) pairs are sorted by expert, each active expert
 runs one matmul pair over all of its tokens, and the weighted outputs are summed back per token.
 The only Python loop is over experts that received tokens. Each expert is an ordinary `GatedMLP`
-on the linear seam, so quantization and tensor parallelism apply to experts as to any MLP.
+on the linear seam, so quantization applies to experts as to any MLP.
+
+Tensor parallelism splits every expert like a dense MLP (gate/up by output channels, down by
+input channels) and keeps the router whole on every rank: the ranks hold the same hidden states,
+so they route alike and run the same experts in the same order. The experts' down projections
+return partial sums (`reduce_results=False`); weighting and adding them is linear, so the layer
+adds the routed and the shared experts' partials and all-reduces once: one collective per layer
+whatever the routing, where each expert reducing its own would cost one per active expert.
+Expert parallelism (each rank owning E/N whole experts) is not done: with the tokens replicated it
+would need no dispatch either, but it needs its own engine argument and per-rank expert loading,
+and a rank whose experts are popular would set every step's pace; it pays where experts are many
+and narrow (DeepSeek-V3's 256 of 2048 channels, whose slices make thin matmuls), while few wide
+experts (Mixtral's 8 of 14336) split by channels as well as dense MLPs do.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.distributed.parallel_state import current_tensor_parallel
 from kvflow.model.arch_config import MoEConfig
 from kvflow.model.layers.linear import ReplicatedLinear
 from kvflow.model.layers.mlp import GatedMLP
@@ -61,24 +74,26 @@ class SparseMoE(nn.Module):
                  activation: str = "silu") -> None:
         super().__init__()
         self.moe = moe
+        self.tp = current_tensor_parallel()
         # The router stays in float: its scores decide which weights run at all.
         self.gate = ReplicatedLinear(hidden_size, moe.num_experts, False, None, f"{prefix}.gate")
         if moe.topk_method == "noaux_tc":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, moe.expert_intermediate_size, quant_config, f"{prefix}.experts.{e}", activation)
+            GatedMLP(hidden_size, moe.expert_intermediate_size, quant_config, f"{prefix}.experts.{e}", activation,
+                     reduce_results=False)
             for e in range(moe.num_experts))
         self.shared_experts = None
         if moe.num_shared_experts:
             self.shared_experts = GatedMLP(hidden_size, moe.expert_intermediate_size * moe.num_shared_experts,
-                                           quant_config, f"{prefix}.shared_experts", activation)
+                                           quant_config, f"{prefix}.shared_experts", activation, reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.moe, getattr(self.gate, "e_score_correction_bias", None))
         out = grouped_experts(x, weights, ids, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)  # this rank's partial sums of every expert it ran, reduced once
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:

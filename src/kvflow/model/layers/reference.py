@@ -35,6 +35,7 @@ class Rope:
     positions: torch.Tensor  # [T]
     cos_table: torch.Tensor  # [max_positions, head_dim / 2] float32
     sin_table: torch.Tensor
+    custom_ops: bool = True  # False: the torch code rotates, never a kernel (the model's `custom_ops`)
 
     @cached_property
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from kvflow.cpu_extension import current_kernels
 from kvflow.model.layers.reference import Rope, torch_rotary
 from kvflow.model.layers.triton_ops import kernels_for
 
@@ -40,9 +41,10 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim / 2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.custom_ops = current_kernels().custom_ops
 
     def forward(self, positions: torch.Tensor) -> Rope:
-        return Rope(positions, self.cos, self.sin)
+        return Rope(positions, self.cos, self.sin, self.custom_ops)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, rope: Rope) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -50,7 +52,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, rope: Rope) -> tuple[t
     k is None for a layer that reads another layer's keys."""
     if k is None:
         return torch_rotary(q, rope), None
-    kernels = kernels_for(q)
+    kernels = kernels_for(q) if rope.custom_ops else None
     if kernels is not None:
         return kernels.rotary(q, k, rope.positions, rope.cos_table, rope.sin_table)
     return torch_rotary(q, rope), torch_rotary(k, rope)

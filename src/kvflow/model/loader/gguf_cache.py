@@ -31,8 +31,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from kvflow import settings
 from kvflow.disk_cache import beyond_newest, file_digest
-from kvflow.model.packaged_models import kvflow_cache_dir
 from kvflow.model.tokenizer import Tokenizer
 
 
@@ -62,7 +62,7 @@ def file_digest_remembered(path: Path) -> str:
     written again has a new modification time, so it is hashed again."""
     stat = path.stat()
     identity = [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns]
-    memo_path, key = kvflow_cache_dir() / "gguf" / "digests.json", str(path.resolve())
+    memo_path, key = settings.get().cache_dir / "gguf" / "digests.json", str(path.resolve())
     try:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
@@ -90,7 +90,7 @@ _ENTRY_NAME = re.compile(r"[0-9a-f]{64}-[0-9a-f]{12}")  # <sha256>-<code fingerp
 
 
 def entry_dir(digest: str, fingerprint: str) -> Path:
-    return kvflow_cache_dir() / "gguf" / f"{digest}-{fingerprint}"
+    return settings.get().cache_dir / "gguf" / f"{digest}-{fingerprint}"
 
 
 def read_index(entry: Path, path: Path, with_tokenizer: bool) -> GGUFIndex | None:

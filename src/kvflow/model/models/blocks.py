@@ -2,7 +2,9 @@
 
 - `RopeAttention`: q/k/v as one projection, optional q/k RMSNorm, RoPE, paged attention, output
   projection. Its KV spec (full, sliding window, shared with an earlier layer) comes from the
-  architecture config, its place in the KV pool from the config's KV layout.
+  architecture config, its place in the KV pool from the config's KV layout. Under tensor
+  parallelism a rank keeps its heads; a norm over a whole projection of all heads (OLMoE's) keeps
+  its heads' channels and all-reduces the sum of squares (`HeadSplitRMSNorm`).
 - `DecoderLayer`: the pre-norm residual block x + attn(norm(x)), then + mlp(norm(.)). The residual
   stream is carried beside each layer's output instead of added to it at the end of the layer: the
   next RMSNorm adds it as it normalises (one pass instead of two), and so does the final norm.
@@ -21,7 +23,7 @@ from torch import nn
 
 from kvflow.attention.backend import AttentionBackend
 from kvflow.attention.metadata import AttentionLayerSpec
-from kvflow.distributed.parallel_state import current_tensor_parallel, split_heads
+from kvflow.distributed.parallel_state import HeadSplit, TensorParallel, current_tensor_parallel, split_heads
 from kvflow.kv_cache_spec import SharedKVSpec
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.attention import Attention
@@ -31,7 +33,7 @@ from kvflow.model.layers.norm import RMSNorm
 from kvflow.model.layers.reference import Rope
 from kvflow.model.layers.rotary import apply_rotary
 from kvflow.model.loader.weights import load_named_weights
-from kvflow.quant.base import QuantizationConfig
+from kvflow.quant.base import QuantizationConfig, copy_checked, set_weight_attrs
 
 # HF checkpoints store these projections apart; we run them as one matmul each.
 STACKED_PARAMS = {
@@ -49,9 +51,51 @@ def attention_layer_spec(cfg: ArchConfig, layer_idx: int, scale: float) -> Atten
                               kv_group=group, writes_kv=not shares)
 
 
+class HeadSplitRMSNorm(RMSNorm):
+    """An RMSNorm over a whole projection of `total_heads` heads of which this rank holds `heads`,
+    from head `first_head` on: the weight keeps those heads' channels, and the mean square is the
+    ranks' sums of squares all-reduced. Every rank holds as many channels and every head is held
+    by as many ranks (KV heads replicated when fewer than ranks), so the sum over ranks is the
+    whole projection's times ranks × channels held / channels in all."""
+
+    def __init__(self, head_dim: int, heads: int, first_head: int, total_heads: int, eps: float,
+                 tp: TensorParallel) -> None:
+        super().__init__(heads * head_dim, eps)
+        self.tp, self.full_size, self.first = tp, total_heads * head_dim, first_head * head_dim
+        set_weight_attrs(self.weight, weight_loader=self.load_heads)
+
+    def load_heads(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if tuple(loaded.shape) != (self.full_size,):
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected ({self.full_size},)")
+        copy_checked(param.data, loaded.narrow(0, self.first, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.float()
+        mean_square = self.tp.all_reduce(x.pow(2).sum(-1, keepdim=True)) / (x.shape[-1] * self.tp.size)
+        return self.weight * (x * torch.rsqrt(mean_square + self.eps)).to(dtype)
+
+
+def qk_norms(cfg: ArchConfig, qk_norm: str, heads: HeadSplit, has_k: bool,
+             norm: type[RMSNorm]) -> tuple[nn.Module, nn.Module | None]:
+    """The (q, k) norms of `qk_norm` "per_head" or "whole" for this rank's `heads`; no k norm in
+    a layer that reads another layer's KV."""
+    d, eps, tp = cfg.head_dim, cfg.rms_norm_eps, current_tensor_parallel()
+    if qk_norm == "per_head":
+        return norm(d, eps), norm(d, eps) if has_k else None
+    if tp.size == 1:
+        return norm(cfg.num_heads * d, eps), norm(cfg.num_kv_heads * d, eps) if has_k else None
+    if norm is not RMSNorm:
+        raise ValueError(f"{cfg.architecture}: a whole-projection q/k norm splits over tensor-parallel ranks only as "
+                         f"an RMSNorm, not a {norm.__name__}; use tensor_parallel_size=1")
+    q_norm = HeadSplitRMSNorm(d, heads.num_heads, tp.rank * heads.num_heads, cfg.num_heads, eps, tp)
+    k_norm = HeadSplitRMSNorm(d, heads.num_kv_heads, heads.first_kv_head, cfg.num_kv_heads, eps, tp) if has_k else None
+    return q_norm, k_norm
+
+
 class RopeAttention(nn.Module):
     """`qk_norm`: None, "per_head" (an RMSNorm over each head of q and k: Qwen3, Gemma 3) or
-    "whole" (over all of q and all of k: OLMoE). `norm` builds those norms."""
+    "whole" (over all of q and all of k: OLMoE). `norm` builds those norms (whole ones split over
+    tensor-parallel ranks are `HeadSplitRMSNorm`s)."""
 
     def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend,
                  quant_config: QuantizationConfig | None, prefix: str, *, scale: float | None = None,
@@ -66,9 +110,7 @@ class RopeAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, quant_config, f"{prefix}.o_proj")
         self.qk_norm = qk_norm
         if qk_norm is not None:
-            whole = qk_norm == "whole"
-            self.q_norm = norm(cfg.num_heads * d if whole else d, cfg.rms_norm_eps)
-            self.k_norm = norm(cfg.num_kv_heads * d if whole else d, cfg.rms_norm_eps) if kv_heads else None
+            self.q_norm, self.k_norm = qk_norms(cfg, qk_norm, self.qkv_proj.heads, bool(kv_heads), norm)
         self.attn = Attention(spec, backend)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache, meta) -> torch.Tensor:

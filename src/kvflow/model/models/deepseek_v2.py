@@ -16,6 +16,13 @@ only steers the choice (`kvflow.model.layers.moe.route`).
 
 The checkpoint's RoPE dimensions come in interleaved pairs (x0, x1), (x2, x3), ...; they are
 de-interleaved before the rotate-half RoPE, which rotates the same pairs.
+
+Tensor parallelism splits MLA by heads: q_proj / q_b_proj and kv_b_proj keep the rank's heads'
+rows (their outputs are head-major), o_proj their input channels, so a rank absorbs and attends
+for its heads only and o_proj's all-reduce sums the heads. The latent path is shared by every head
+and so kept whole on every rank (q_a_proj, kv_a_proj_with_mqa and their norms): each rank writes
+and reads the whole [c, k_pe] of every token, as at one rank, and its KV pool is the full
+model's. The experts split as any mixture does (`kvflow.model.layers.moe`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import nn
 
 from kvflow.attention.backend import AttentionBackend
 from kvflow.attention.mla import mla_attention
+from kvflow.distributed.parallel_state import current_tensor_parallel, split_heads
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.embedding import VocabParallelEmbedding
 from kvflow.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -50,7 +58,9 @@ class DeepseekV2MLAttention(nn.Module):
                  quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         m, heads, hidden, bias = cfg.mla, cfg.num_heads, cfg.hidden_size, cfg.attention_bias
-        self.mla, self.num_heads, self.backend = m, heads, backend
+        # This rank's query heads; the projections below are sized for all of them and keep its rows.
+        self.num_heads = split_heads(heads, 0, current_tensor_parallel(), prefix).num_heads
+        self.mla, self.backend = m, backend
         self.kv_group = cfg.kv_layout.places[layer_idx][0]
         qk_head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
         self.scale = qk_head_dim**-0.5
@@ -69,8 +79,8 @@ class DeepseekV2MLAttention(nn.Module):
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, rank], W_UV [H, v, rank]) from kv_b_proj, read through its quant method
-        (the layer applied to the identity is W^T), once."""
+        """(W_UK [H, nope, rank], W_UV [H, v, rank]) of this rank's H heads from kv_b_proj, read
+        through its quant method (the layer applied to the identity is W^T), once."""
         if self._absorbed is None:
             m = self.mla
             eye = torch.eye(m.kv_lora_rank, dtype=self.kv_a_layernorm.weight.dtype, device=self.kv_a_layernorm.weight.device)

@@ -1,6 +1,6 @@
 // A decode step of a Llama-family model as one C++ call (worker/cpu_decode.py builds it; see there
-// for which models it takes): its projections all on kvflow's few-row int4/int8 GEMV
-// (`llama_step`), or all on the panel kernel's bf16 products (`llama_step_panels`).
+// for which models it takes): each projection on the kernel its layer's plan names for the step's
+// row count, kvflow's few-row int4/int8 GEMV or the panel kernel's bf16 products.
 //
 // It calls the same operators as cpu_decode.py's Python loop, in the same order, on the same
 // kinds of buffers, so its numbers are that loop's bit for bit. What it saves is the Python
@@ -63,22 +63,71 @@ const c10::TypedOperatorHandle<Panels>& panels_op() {
   return found;
 }
 
-// The step's buffers and the layers' loop, whatever computes the four products. `Products` has
-// qkv(out, in, t, l), o(out, in, t, l), gated(act, in, t, l) (SiLU(in W_gateᵀ) · in W_upᵀ) and
-// down(out, in, t, l) for layer l's tensors t; kTensors a layer, its norms at kInputNorm and
-// kPostNorm, its key and value caches last.
-template <typename Products>
-void run_layers(Tensor& out, Tensor& hidden, const Tensor& positions, const Tensor& cos, const Tensor& sin,
+// How a product runs (worker/cpu_decode.py's GEMV, PANELS, GATED_PANELS, from the layer's kernel
+// plan): kvflow's GEMV on (codes, scale_zero) with a code width and path; the panel kernel on
+// panels; or, for gate_up only, the panel kernel's SiLU(gate)·up on gated panels.
+enum ProductKind : int64_t { kGemv = 0, kPanels = 1, kGatedPanels = 2 };
+
+// Per layer: input norm, post norm, key cache, value cache, then (weight, scale_zero) of qkv, o,
+// gate_up and down (scale_zero unused on panels); per product three ints: kind, bits, path.
+constexpr int64_t kTensorsPerLayer = 12, kProducts = 4, kIntsPerProduct = 3;
+constexpr int64_t kInputNorm = 0, kPostNorm = 1, kKeyCache = 2, kValueCache = 3;
+enum Product : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
+struct Products {
+  const Tensor* tensors;  // the layer's
+  const int64_t* ints;    // the layer's
+  bool tiles;             // panels on AMX tiles
+
+  // y = x Wᵀ of product p (never gated).
+  void plain(Tensor& y, const Tensor& x, int64_t p) const {
+    const Tensor& weight = tensors[4 + 2 * p];
+    const int64_t* spec = ints + p * kIntsPerProduct;
+    if (spec[0] == kGemv)
+      gemv_op().call(y, x, weight, tensors[5 + 2 * p], spec[1], spec[2]);
+    else
+      panels_op().call(y, x, weight, c10::nullopt, false, tiles);
+  }
+  // act = SiLU(x W_gateᵀ) · (x W_upᵀ): in one product on gated panels, else gate_up's product into
+  // `gate_up` and the activation kernel.
+  void gated(Tensor& act, const Tensor& x, Tensor& gate_up) const {
+    if (ints[kGateUp * kIntsPerProduct] == kGatedPanels) {
+      panels_op().call(act, x, tensors[4 + 2 * kGateUp], c10::nullopt, true, tiles);
+      return;
+    }
+    plain(gate_up, x, kGateUp);
+    ops().silu_and_mul.call(act, gate_up);
+  }
+};
+
+void check_products(at::TensorList layer_tensors, at::IntArrayRef product_ints) {
+  TORCH_CHECK(layer_tensors.size() % kTensorsPerLayer == 0, "llama_step: ", kTensorsPerLayer, " tensors per layer");
+  const int64_t layers = static_cast<int64_t>(layer_tensors.size()) / kTensorsPerLayer;
+  TORCH_CHECK(static_cast<int64_t>(product_ints.size()) == layers * kProducts * kIntsPerProduct, "llama_step: ",
+              kProducts * kIntsPerProduct, " ints per layer (kind, bits, path of each product)");
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t p = 0; p < kProducts; ++p) {
+      const int64_t kind = product_ints[(l * kProducts + p) * kIntsPerProduct];
+      TORCH_CHECK(kind == kGemv || kind == kPanels || (kind == kGatedPanels && p == kGateUp),
+                  "llama_step: layer ", l, " product ", p, " has no kind ", kind);
+    }
+  }
+}
+
+// hidden [rows, width]: the step's embeddings (the first layer's residual stream, updated in
+// place); out [rows, width]: the final norm's output. act_width: the MLP's intermediate width;
+// attention_tiles: paged attention's scores may run on AMX tiles (cpu_paged.use_tiles);
+// product_tiles: the panels multiply on AMX tiles.
+void llama_step(Tensor& out, Tensor& hidden, const Tensor& positions, const Tensor& cos, const Tensor& sin,
                 const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
                 const Tensor& query_start_loc, const Tensor& requests, at::TensorList layer_tensors,
-                const Tensor& final_norm, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
-                int64_t act_width, bool attention_tiles, const Products& products) {
-  constexpr int64_t per_layer = Products::kTensors;
-  TORCH_CHECK(layer_tensors.size() % per_layer == 0, "llama_step: ", per_layer, " tensors per layer");
+                at::IntArrayRef product_ints, const Tensor& final_norm, double eps, int64_t heads, int64_t kv_heads,
+                int64_t head_dim, double scale, int64_t act_width, bool attention_tiles, bool product_tiles) {
+  check_products(layer_tensors, product_ints);
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && out.sizes() == hidden.sizes(),
               "llama_step: hidden and out are contiguous [rows, width]");
   const Ops& op = ops();
-  const int64_t layers = static_cast<int64_t>(layer_tensors.size()) / per_layer;
+  const int64_t layers = static_cast<int64_t>(layer_tensors.size()) / kTensorsPerLayer;
   const int64_t rows = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const auto like = hidden.options();
   Tensor normed = at::empty_like(hidden);
@@ -90,15 +139,15 @@ void run_layers(Tensor& out, Tensor& hidden, const Tensor& positions, const Tens
   Tensor attended_rows = attended.view({rows, q_size});
   Tensor projected = at::empty_like(hidden);  // o's output, then down's
   Tensor act = at::empty({rows, act_width}, like);
+  Tensor gate_up = at::empty({rows, 2 * act_width}, like);
   const c10::optional<Tensor> residual(hidden);
   for (int64_t l = 0; l < layers; ++l) {
-    const Tensor* t = layer_tensors.data() + l * per_layer;
-    const Tensor& input_norm = t[Products::kInputNorm];
-    const Tensor& post_norm = t[Products::kPostNorm];
-    Tensor key_cache = t[per_layer - 2], value_cache = t[per_layer - 1];
+    const Tensor* t = layer_tensors.data() + l * kTensorsPerLayer;
+    const Products products{t, product_ints.data() + l * kProducts * kIntsPerProduct, product_tiles};
+    Tensor key_cache = t[kKeyCache], value_cache = t[kValueCache];
     // The first layer's input is the embeddings themselves, which are its residual stream.
-    op.rms_norm.call(normed, l == 0 ? hidden : projected, l == 0 ? c10::nullopt : residual, input_norm, eps);
-    products.qkv(qkv, normed, t, l);
+    op.rms_norm.call(normed, l == 0 ? hidden : projected, l == 0 ? c10::nullopt : residual, t[kInputNorm], eps);
+    products.plain(qkv, normed, kQkv);
     op.rotary.call(q, k, positions, cos, sin);
     if (key_cache.scalar_type() == at::kChar || key_cache.scalar_type() == at::kFloat8_e4m3fn)
       op.write_kv_quantized.call(key_cache, value_cache, k, v, slot_mapping, c10::nullopt, c10::nullopt);
@@ -106,71 +155,12 @@ void run_layers(Tensor& out, Tensor& hidden, const Tensor& positions, const Tens
       op.write_kv.call(key_cache, value_cache, k, v, slot_mapping);
     op.attend.call(attended, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, 0, scale,
                    attention_tiles);
-    products.o(projected, attended_rows, t, l);
-    op.rms_norm.call(normed, projected, residual, post_norm, eps);
-    products.gated(act, normed, t, l);
-    products.down(projected, act, t, l);
+    products.plain(projected, attended_rows, kO);
+    op.rms_norm.call(normed, projected, residual, t[kPostNorm], eps);
+    products.gated(act, normed, gate_up);
+    products.plain(projected, act, kDown);
   }
   op.rms_norm.call(out, projected, residual, final_norm, eps);
-}
-
-// kvflow's GEMV: per layer input norm, qkv (codes, scale_zero), o (codes, scale_zero), post norm,
-// gate_up (codes, scale_zero), down (codes, scale_zero), key cache, value cache; the code widths
-// of qkv, o, gate_up and down in `bits`. gate_up's product goes to a buffer, then SiLU·up.
-struct GemvProducts {
-  static constexpr int64_t kTensors = 12, kBits = 4, kInputNorm = 0, kPostNorm = 5;
-  const int64_t* bits;
-  int64_t path;
-  Tensor gate_up;
-  void qkv(Tensor& y, const Tensor& x, const Tensor* t, int64_t l) const { gemv_op().call(y, x, t[1], t[2], bits[l * kBits], path); }
-  void o(Tensor& y, const Tensor& x, const Tensor* t, int64_t l) const { gemv_op().call(y, x, t[3], t[4], bits[l * kBits + 1], path); }
-  void gated(Tensor& act, const Tensor& x, const Tensor* t, int64_t l) const {
-    gemv_op().call(gate_up, x, t[6], t[7], bits[l * kBits + 2], path);
-    ops().silu_and_mul.call(act, gate_up);
-  }
-  void down(Tensor& y, const Tensor& x, const Tensor* t, int64_t l) const { gemv_op().call(y, x, t[8], t[9], bits[l * kBits + 3], path); }
-};
-
-// The panel kernel (quant/panel_linear.py): per layer input norm, qkv panels, o panels, post norm,
-// gate_up's gated panels, down panels, key cache, value cache. `tiles`: on AMX tiles.
-struct PanelProducts {
-  static constexpr int64_t kTensors = 8, kInputNorm = 0, kPostNorm = 3;
-  bool tiles;
-  void qkv(Tensor& y, const Tensor& x, const Tensor* t, int64_t) const { panels_op().call(y, x, t[1], c10::nullopt, false, tiles); }
-  void o(Tensor& y, const Tensor& x, const Tensor* t, int64_t) const { panels_op().call(y, x, t[2], c10::nullopt, false, tiles); }
-  void gated(Tensor& act, const Tensor& x, const Tensor* t, int64_t) const { panels_op().call(act, x, t[4], c10::nullopt, true, tiles); }
-  void down(Tensor& y, const Tensor& x, const Tensor* t, int64_t) const { panels_op().call(y, x, t[5], c10::nullopt, false, tiles); }
-};
-
-// hidden [rows, width]: the step's embeddings (the first layer's residual stream, updated in
-// place); out [rows, width]: the final norm's output. The sizes: q, k and v widths of the fused
-// projection, the gate_up output's width; gemv_path: how the GEMVs compute (quant/int4_gemv.py:
-// SCALAR, BF16_PRODUCTS, INT8_LEVELS); attention_tiles: paged attention's scores may run on AMX
-// tiles (cpu_paged.use_tiles).
-void llama_step(Tensor& out, Tensor& hidden, const Tensor& positions, const Tensor& cos, const Tensor& sin,
-                const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
-                const Tensor& query_start_loc, const Tensor& requests, at::TensorList layer_tensors,
-                at::IntArrayRef layer_bits, const Tensor& final_norm, double eps, int64_t heads, int64_t kv_heads,
-                int64_t head_dim, double scale, int64_t gate_up_width, int64_t gemv_path, bool attention_tiles) {
-  TORCH_CHECK(static_cast<int64_t>(layer_bits.size()) * GemvProducts::kTensors ==
-                  static_cast<int64_t>(layer_tensors.size()) * GemvProducts::kBits,
-              "llama_step: ", GemvProducts::kTensors, " tensors and ", GemvProducts::kBits, " code widths per layer");
-  const GemvProducts products{layer_bits.data(), gemv_path, at::empty({hidden.size(0), gate_up_width}, hidden.options())};
-  run_layers(out, hidden, positions, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc, requests,
-             layer_tensors, final_norm, eps, heads, kv_heads, head_dim, scale, gate_up_width / 2, attention_tiles,
-             products);
-}
-
-// The same step with every product on the panel kernel's bf16 panels (PanelProducts); act_width:
-// the MLP's intermediate width; product_tiles: the panels multiply on AMX tiles.
-void llama_step_panels(Tensor& out, Tensor& hidden, const Tensor& positions, const Tensor& cos, const Tensor& sin,
-                       const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
-                       const Tensor& query_start_loc, const Tensor& requests, at::TensorList layer_tensors,
-                       const Tensor& final_norm, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       double scale, int64_t act_width, bool attention_tiles, bool product_tiles) {
-  run_layers(out, hidden, positions, cos, sin, slot_mapping, block_tables, seq_lens, query_start_loc, requests,
-             layer_tensors, final_norm, eps, heads, kv_heads, head_dim, scale, act_width, attention_tiles,
-             PanelProducts{product_tiles});
 }
 
 }  // namespace
@@ -178,15 +168,10 @@ void llama_step_panels(Tensor& out, Tensor& hidden, const Tensor& positions, con
 TORCH_LIBRARY(kvflow_cpu_decode, m) {
   m.def("llama_step(Tensor(a!) out, Tensor(b!) hidden, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor requests, Tensor[] layer_tensors, "
-        "int[] layer_bits, Tensor final_norm, float eps, int heads, int kv_heads, int head_dim, float scale, "
-        "int gate_up_width, int gemv_path, bool attention_tiles) -> ()");
-  m.def("llama_step_panels(Tensor(a!) out, Tensor(b!) hidden, Tensor positions, Tensor cos, Tensor sin, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor requests, "
-        "Tensor[] layer_tensors, Tensor final_norm, float eps, int heads, int kv_heads, int head_dim, float scale, "
+        "int[] product_ints, Tensor final_norm, float eps, int heads, int kv_heads, int head_dim, float scale, "
         "int act_width, bool attention_tiles, bool product_tiles) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow_cpu_decode, CPU, m) {
   m.impl("llama_step", &llama_step);
-  m.impl("llama_step_panels", &llama_step_panels);
 }

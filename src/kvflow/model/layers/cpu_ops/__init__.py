@@ -11,15 +11,14 @@ Two of them work in place, as vLLM's CPU kernels do: RoPE rotates q and k where 
 of the qkv projection's output, which nothing else reads), and the residual add overwrites the
 residual stream (the decoder loop's own tensor, dead once the sum is taken).
 
-The library is built once per machine (kvflow/cpu_extension.py); where it cannot be, or with
-KVFLOW_CPU_FUSED_OPS=0 (for A/B measurements), the torch code runs.
+The library is built once per machine (kvflow/cpu_extension.py); where it cannot be, or in a
+model built with `custom_ops="none"` (config.KernelConfig), the torch code runs.
 Inputs the kernels do not take (other dtypes, mixed dtypes, a strided last dimension) take the
 torch code too.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -29,13 +28,7 @@ from kvflow import cpu_extension
 from kvflow.model.layers.reference import Rope, torch_rms_norm, torch_rotary
 
 SOURCE = Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp"
-DISABLE_ENV = "KVFLOW_CPU_FUSED_OPS"
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def enabled() -> bool:
-    """False with KVFLOW_CPU_FUSED_OPS=0 (read at every call, so that an A/B can flip it)."""
-    return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
 def load() -> tuple | None:

@@ -8,7 +8,8 @@ code does, so both paths compute the same numbers.
 
 triton is an optional (GPU) dependency, so it is imported only when a CUDA tensor asks for it.
 CPU tensors in float32 or bfloat16 get the C++ kernels of `cpu_ops` (the same seam, the same
-contract), where that library loads and KVFLOW_CPU_FUSED_OPS is not 0; otherwise the torch code.
+contract), where that library loads; otherwise the torch code. A layer built with
+`custom_ops="none"` never asks (config.KernelConfig).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def kernels_for(x: Tensor) -> Kernels | None:
     C++ ones on CPU (where they build); None: use the torch code."""
     if x.is_cuda:
         return _load()
-    if x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and cpu_ops.enabled():
+    if x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES:
         return _load_cpu()
     return None
 
