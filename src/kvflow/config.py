@@ -77,10 +77,11 @@ class ParallelConfig:
     node_rank: int = 0  # this process's rank when the ranks are started by hand (one per node)
     distributed_timeout_s: float = 60.0  # a rank silent this long has failed
     data_parallel_size: int = 1  # engine replicas behind one server (kvflow.engine.dp_async_llm)
+    pipeline_parallel_size: int = 1  # the layers split into stages, a rank each (kvflow.distributed.pipeline)
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class EngineArgs:
     structured_outputs_backend: str = "auto"  # guidance (llguidance; what auto means) or xgrammar
     structured_outputs_compile_timeout: float = 10.0  # seconds
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages of consecutive layers, one rank each, batches in flight through them
     distributed_init_method: str | None = None
     node_rank: int = 0
     distributed_timeout_s: float = 60.0
@@ -172,6 +174,11 @@ class EngineArgs:
     # than its own kernel is fast at (prefill, batched decode); "compact": only its codes (less
     # memory, slower prompts and batches). CPU_WEIGHT_LAYOUTS; docs/performance.md measures both.
     cpu_weight_layouts: str = "fast"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine: tensor-parallel ranks in each of the pipeline's stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -222,7 +229,10 @@ class EngineArgs:
         )
         _require(self.group_size is None or self.group_size in (32, 64, 128), "group_size", "32, 64 or 128")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1")
-        _require(0 <= self.node_rank < self.tensor_parallel_size, "node_rank", "in [0, tensor_parallel_size)")
+        _require(isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size >= 1,
+                 "pipeline_parallel_size", "an integer >= 1")
+        _require(0 <= self.node_rank < self.world_size, "node_rank",
+                 "in [0, tensor_parallel_size x pipeline_parallel_size)")
         _require(self.distributed_timeout_s > 0, "distributed_timeout_s", "> 0")
         _require(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
                  "data_parallel_size", "an integer >= 1")
@@ -241,6 +251,8 @@ class EngineArgs:
                              "backend yet; use kv_cache_dtype=auto or attention_backend=torch_sdpa")
         if self.batch_invariant:
             _check_batch_invariant(self, device, backend)
+        if self.pipeline_parallel_size > 1:
+            _check_pipeline_parallel(self)
         return EngineConfig(
             model=ModelConfig(
                 model=self.model or "",
@@ -274,7 +286,7 @@ class EngineArgs:
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
             if self.enable_lora else None,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_init_method, self.node_rank,
-                                    self.distributed_timeout_s, self.data_parallel_size),
+                                    self.distributed_timeout_s, self.data_parallel_size, self.pipeline_parallel_size),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             kv_transfer=kv_transfer,
             batch_invariant=self.batch_invariant,
@@ -338,6 +350,8 @@ class EngineArgs:
                        help="seconds a JSON schema, regex or grammar may take to compile before it is refused")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="split every layer over N ranks (processes), joined by gloo on CPU, NCCL on GPU")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+                       help="split the layers into N stages, one rank (process) each, with a batch per stage in flight")
         g.add_argument("--distributed-init-method", default=None,
                        help="tcp://host:port where the ranks meet (rank 0 listens); default: ranks on this machine")
         g.add_argument("--node-rank", type=int, default=d.node_rank,
@@ -386,6 +400,21 @@ def _check_batch_invariant(args: EngineArgs, device: str, backend: str) -> None:
                                  ("tensor_parallel_size", args.tensor_parallel_size, 1)):
         if value != allowed:
             raise ValueError(f"batch_invariant needs {name}={allowed} for now; got {value!r}")
+
+
+def _check_pipeline_parallel(args: EngineArgs) -> None:
+    """What pipeline parallel composes with today; the rest is refused, each with its reason."""
+    reasons = {
+        "speculative_config": (args.speculative_config is not None, "the drafter runs beside the last stage's sampler "
+                               "and is not split over stages yet"),
+        "enable_lora": (args.enable_lora, "adapters are not split over stages yet"),
+        "kv_transfer_config": (args.kv_transfer_config is not None, "the connector saves and loads every layer's KV "
+                               "on one rank; a stage holds only its layers'"),
+        "data_parallel_size": (args.data_parallel_size > 1, "replicas of a pipeline are not built yet"),
+    }
+    for name, (asked, why) in reasons.items():
+        if asked:
+            raise ValueError(f"pipeline_parallel_size={args.pipeline_parallel_size} with {name}: {why}")
 
 
 def _require(ok: bool, name: str, allowed: str) -> None:

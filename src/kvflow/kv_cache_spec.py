@@ -144,9 +144,16 @@ class KVLayout:
     def sliding_windows(self) -> tuple[int | None, ...]:
         return tuple(g.spec.sliding_window for g in self.groups)
 
-    def block_bytes(self, block_size: int, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
-        """Memory of one block: one slot's worth of KV in each of the group_size tensors."""
-        return int(self.group_size * token_bytes(self.groups[0].spec, dtype_bytes, kv_cache_dtype) * block_size)
+    def block_bytes(self, block_size: int, dtype_bytes: int, kv_cache_dtype: str = "auto",
+                    layers: range | None = None) -> int:
+        """Memory of one block: one slot's worth of KV in each of the group_size tensors (in those
+        of `layers`' slots only, for a pipeline stage that holds those layers)."""
+        num_slots = self.group_size if layers is None else len(self.slots(layers))
+        return int(num_slots * token_bytes(self.groups[0].spec, dtype_bytes, kv_cache_dtype) * block_size)
+
+    def slots(self, layers: range) -> list[int]:
+        """The pool tensors `layers` keep their KV in (a layer sharing another's KV, its target's)."""
+        return sorted({self.places[i][1] for i in layers})
 
 
 def kv_layout(specs: list[KVCacheSpec]) -> KVLayout:

@@ -22,6 +22,13 @@ hashed, so only accepted tokens ever reach the prefix cache; the accepted tokens
 by one, each checked for a stop. A sliding-window group needs no margin for that rollback: it
 gives blocks back only below the window of `num_computed_tokens` as it stood when the step was
 scheduled, and a rollback never goes below that (the chunk's own tokens stay computed).
+
+A step's requests are in flight from `schedule()` until its batch lands (`update_from_output`,
+or `batch_landed` for a batch that failed). With pipeline parallel several batches are in flight
+at once: a request in flight is neither scheduled again (its next tokens are not known yet) nor
+preempted, and one that ends meanwhile (an abort) keeps its blocks until its batch lands, since
+later pipeline stages may still write its KV. A synchronous engine lands each batch before the next schedule, so nothing
+there ever sees a request in flight.
 """
 
 from __future__ import annotations
@@ -68,6 +75,8 @@ class Scheduler:
         self.waiting = WaitingQueue(self._order)
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
+        self.in_flight: set[str] = set()  # requests in a batch that has not landed
+        self._free_when_landed: dict[str, Request] = {}  # ended while in flight: their blocks wait
         self._arrivals = itertools.count()
         self.num_preemptions_total = 0
 
@@ -130,8 +139,8 @@ class Scheduler:
             budget = self._budget_left(out)
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING or request.request_id in self.in_flight:
+                continue  # preempted earlier in this loop, or its last batch has not landed
             num_new = min(request.num_uncomputed_tokens, budget, request.max_chunk_tokens)
             if request.request_id in held and num_new == request.num_uncomputed_tokens:
                 num_new -= 1  # up to the token that would sample
@@ -151,7 +160,23 @@ class Scheduler:
         out.block_copies = self.kv_cache.take_block_copies()
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out.chunks, self.requests)
+        self.in_flight.update(c.request_id for c in out.chunks)
         return out
+
+    def give_back(self, out: SchedulerOutput) -> None:
+        """A batch the engine does not run (nothing in it, batches in flight): the requests it
+        reports finished go with the next."""
+        self._finished_since_last_step |= out.finished_request_ids
+        self.in_flight.difference_update(c.request_id for c in out.chunks)
+
+    def batch_landed(self, out: SchedulerOutput) -> None:
+        """`out`'s batch came back (or failed): its requests may be scheduled again, and those that
+        ended meanwhile give their blocks back."""
+        for chunk in out.chunks:
+            self.in_flight.discard(chunk.request_id)
+            ended = self._free_when_landed.pop(chunk.request_id, None)
+            if ended is not None:
+                self.kv_cache.free(ended)
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.num_batched_tokens
@@ -240,7 +265,7 @@ class Scheduler:
         # Loaded tokens spend no budget, but their blocks are allocated with the chunk's.
         num_new = min(request.num_tokens - num_cached - num_external, self._budget_left(out), request.max_chunk_tokens)
         while not self.kv_cache.allocate_slots(request, num_cached, num_external + num_new, cached):
-            victim = max(self.running, key=self._order, default=None)
+            victim = self._victim()
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
                 return 0
             self._preempt(victim, out)
@@ -250,11 +275,17 @@ class Scheduler:
         """Allocate blocks for `request`, preempting the last running requests in order as needed.
         False if `request` itself had to be preempted."""
         while not self.kv_cache.allocate_slots(request, request.num_computed_tokens, num_new):
-            victim = max(self.running, key=self._order)
+            victim = self._victim()
+            if victim is None:  # every other running request is in flight: this one waits
+                return False
             self._preempt(victim, out)
             if victim is request:
                 return False
         return True
+
+    def _victim(self) -> Request | None:
+        """The last running request in order that is not in flight (it may be preempted)."""
+        return max((r for r in self.running if r.request_id not in self.in_flight), key=self._order, default=None)
 
     def _proposals_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The proposals a decode verifies this step: what the budget, max_tokens (k proposals
@@ -336,6 +367,7 @@ class Scheduler:
         """Advance computed tokens (less the rejected proposals), append the sampled tokens up to
         the first that stops the request, finish it if one did, and keep the new proposals.
         Returns each request that produced tokens this step with how many it kept."""
+        self.batch_landed(out)
         produced = []
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
@@ -394,7 +426,10 @@ class Scheduler:
         request.spec_token_ids = []
         if self.speculation is not None:
             self.speculation.forget(request.request_id)
-        self.kv_cache.free(request)
+        if request.request_id in self.in_flight:
+            self._free_when_landed[request.request_id] = request
+        else:
+            self.kv_cache.free(request)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(request)
         if request.host_blocks:

@@ -118,6 +118,17 @@ def create_groups(init: DistributedInit, device: torch.device, store=None) -> Pr
     return ProcessGroups(init, store, group, cpu)
 
 
+def create_subgroup(groups: ProcessGroups, device: torch.device, name: str, first: int, size: int):
+    """A device group of ranks first..first+size-1 (this rank among them), e.g. one pipeline stage's
+    tensor-parallel ranks; every member calls this, other ranks do not."""
+    init = groups.init
+    store = dist.PrefixStore(f"{name}/", groups.store)
+    if device.type == "cuda":
+        from torch.distributed import ProcessGroupNCCL
+        return ProcessGroupNCCL(store, init.rank - first, size)
+    return dist.ProcessGroupGloo(store, init.rank - first, size, timedelta(seconds=init.timeout_s))
+
+
 def broadcast_object(group, obj, rank: int, src: int = 0, timeout: timedelta | None = None):
     """`obj` from rank `src` to every rank (pickled; a length, then the bytes). `timeout`: how long
     to wait for the others (the group's own timeout when None)."""

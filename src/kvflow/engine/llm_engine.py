@@ -11,12 +11,15 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future
 
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_connector import KVStoreConnector
 from kvflow.core.request import Request, RequestStatus
+from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
@@ -89,6 +92,7 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}  # user request id → engine request ids
         self._ids = itertools.count()
         self._running_at_step: set[str] = set()
+        self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()  # pipeline parallel: batches not back yet
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._kv_transfer_bytes_total, self._kv_transfer_seconds_total = 0, 0.0
@@ -101,9 +105,9 @@ class LLMEngine:
         name, problem = self.quant_config.name, None
         if self.tokenizer is None:
             problem = f"quantization='{name}' calibrates on text and needs the model's tokenizer"
-        elif self.config.parallel.tensor_parallel_size > 1:  # the hooks and folds would see rank 0's slices only
+        elif self.config.parallel.world_size > 1:  # the hooks and folds would see rank 0's slices or layers only
             problem = (f"quantization='{name}' calibrates in one process: write the checkpoint with `kvflow "
-                       f"quantize MODEL OUT --method {name}`, then load OUT with tensor_parallel_size > 1")
+                       f"quantize MODEL OUT --method {name}`, then load OUT with tensor or pipeline parallel")
         if problem is None:
             return
         if not self.quant_config.rounds_uncalibrated:
@@ -330,7 +334,8 @@ class LLMEngine:
         return frozenset(r.lora_int_id for r in self.scheduler.requests.values()) - {0}
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests not finished, or batches not back (an aborted request's blocks wait for its batch)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds (e.g. between benchmark runs)."""
@@ -338,7 +343,18 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule a batch and run it. With pipeline parallel, up to one batch per
+        stage is in flight: schedule another while there is room, and return what the oldest
+        brought back once it must be waited for (or is already back)."""
         self._running_at_step = {r.request_id for r in self.scheduler.running}  # for abort_failed_step
+        if self.model_executor.max_concurrent_batches == 1:
+            sched, broken = self._schedule_batch()
+            return self._retire(broken + self._land(sched, self._execute(sched)))
+        return self._retire(self._step_pipelined())
+
+    def _schedule_batch(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """The next batch with its grammar masks and adapters, and the outputs of the requests
+        whose grammar broke (ended before it)."""
         settled = self._settle_grammars()
         broken = self._end_broken_grammars(settled.failed)
         try:
@@ -350,7 +366,42 @@ class LLMEngine:
             self._attach_grammar_masks(sched, settled)
         if self.config.lora is not None:
             sched.adapters_in_use = self._adapters_in_use()
-        runner_out = self.model_executor.execute_model(sched)
+        return sched, broken
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.model_executor.execute_model(sched)
+        except BaseException:
+            self.scheduler.batch_landed(sched)  # its requests are ended next (abort_failed_step)
+            raise
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        outputs, scheduled = [], False
+        depth = self.model_executor.max_concurrent_batches
+        if len(self._in_flight) < depth:
+            sched, outputs = self._schedule_batch()
+            if sched.chunks or sched.swap_out or sched.swap_in or sched.block_copies or not self._in_flight:
+                self._in_flight.append((sched, self.model_executor.submit(sched)))
+                scheduled = bool(sched.chunks)
+            else:  # nothing new to run beside the batches in flight: what finished goes with the next
+                self.scheduler.give_back(sched)
+        if self._in_flight and (len(self._in_flight) == depth or not scheduled or self._in_flight[0][1].done()):
+            sched, future = self._in_flight.popleft()
+            outputs += self._land(sched, self._wait(sched, future))
+        return outputs
+
+    def _wait(self, sched: SchedulerOutput, future: Future) -> ModelRunnerOutput:
+        try:
+            return future.result()
+        except BaseException:  # the pipeline is broken: every batch in it lands, its requests end next
+            self.scheduler.batch_landed(sched)
+            while self._in_flight:
+                self.scheduler.batch_landed(self._in_flight.popleft()[0])
+            raise
+
+    def _land(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        """A batch came back: its tokens into the requests, the requests' outputs out."""
+        self.scheduler.batch_landed(sched)  # first: a failed load's recompute sees its requests landed
         if self.step_budget is not None:
             budget = self.step_budget.observe(sched.num_batched_tokens, runner_out.target_seconds)
             if budget is not None:
@@ -371,7 +422,9 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(produced, runner_out)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._advance_grammars(produced)
-        outputs = broken + outputs
+        return outputs
+
+    def _retire(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)

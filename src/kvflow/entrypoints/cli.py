@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 def _runs_a_worker_rank(args: argparse.Namespace) -> bool:
     """Under torchrun (or --node-rank > 0) every rank runs the same command; rank 0 runs it, the
     others become its tensor-parallel workers."""
-    if getattr(args, "tensor_parallel_size", 1) == 1:
+    if getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) == 1:
         return False
     from kvflow.worker.worker_process import external_rank, run_external_rank
 

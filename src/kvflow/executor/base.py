@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
@@ -23,6 +24,20 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine may keep in flight at once (one per pipeline stage)."""
+        return 1
+
+    def submit(self, sched: SchedulerOutput) -> Future:
+        """Start a batch; its output (or error) arrives in the future. Here it runs at once."""
+        future = Future()
+        try:
+            future.set_result(self.execute_model(sched))
+        except BaseException as e:
+            future.set_exception(e)
+        return future
 
     def calibrate(self, run_prompts: Callable[[list[list[int]]], None], windows: list[list[int]]) -> dict[str, float]:
         """Calibrate the model's quantization on `windows`, which `run_prompts` runs through the

@@ -15,10 +15,13 @@ ends the requests it carried with an error, and every later step raises at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import weakref
 
 import torch
@@ -28,6 +31,7 @@ from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.device_faults import WorkerDiedError
 from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.distributed.pipeline import WHOLE, check_stages
 from kvflow.distributed.process_groups import (
     DistributedInit,
     broadcast_object,
@@ -43,7 +47,7 @@ from kvflow.model.loader import Checkpoint
 from kvflow.worker.rank_model import rank_arch
 from kvflow.worker.step_message import StepEncoder
 from kvflow.worker.worker import Worker
-from kvflow.worker.worker_process import run_worker_process, start_worker
+from kvflow.worker.worker_process import pipeline_stage, run_worker_process, start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +56,9 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint) -> None:
         par = config.parallel
         _refuse_while_bootstrapping(par.world_size)
-        rank_arch(arch, TensorParallel(0, par.world_size))  # a model that cannot split fails before any rank starts
+        # A model that cannot split fails before any rank starts.
+        rank_arch(arch, TensorParallel(0, par.tensor_parallel_size))
+        check_stages(arch.kv_cache_specs(), par.pipeline_parallel_size, arch.architecture)
         init, spawn = _rank_zero_init(par)
         self._threads = torch.get_num_threads()
         # The cores this engine was given (a data-parallel replica has its share), split among its ranks.
@@ -73,7 +79,7 @@ class MultiprocExecutor(Executor):
             raise
         self.encoder = StepEncoder()
         # An engine dropped without shutdown() (a script that just ends) still stops its ranks cleanly.
-        self._finalizer = weakref.finalize(self, _stop_ranks, self.groups, self._processes, True, self._threads)
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._send_stop, self._processes, True, self._threads)
 
     def _start(self, config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint,
                init: DistributedInit, store, num_threads: int) -> None:
@@ -85,7 +91,13 @@ class MultiprocExecutor(Executor):
             self.groups = create_groups(init, torch.device(config.device), store)
         except RuntimeError as e:  # a rank that joined did not connect: gone, or silent past the timeout
             raise self._watch.lost(e) from e
-        self.driver_worker = Worker(config, arch, quant_config, TensorParallel(0, init.world_size, self.groups.device_group))
+        if config.parallel.pipeline_parallel_size > 1:
+            self.stage, tp = pipeline_stage(config, self.groups)
+        else:
+            self.stage, tp = WHOLE, TensorParallel(0, init.world_size, self.groups.device_group)
+        self.driver_worker = Worker(config, arch, quant_config, tp, self.stage)
+        self._send_stop = (functools.partial(broadcast_object, self.groups.cpu_group, None, 0) if self.stage.link is None
+                           else functools.partial(_stop_pipeline, self.stage.link))
         try:
             self.num_kv_blocks, self.num_host_blocks = start_worker(self.driver_worker, self.groups, checkpoint,
                                                                     self._watch.wait)
@@ -94,11 +106,37 @@ class MultiprocExecutor(Executor):
                 raise
             raise self._watch.lost(e) from e
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.stage.size
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.stage.size > 1:
+            return self.submit(sched).result()
         self.check_health()
-        try:
+        with self._collectives():
             broadcast_object(self.groups.cpu_group, self.encoder.encode(sched), 0)
             return self.driver_worker.execute_model(sched)
+
+    def submit(self, sched: SchedulerOutput):
+        """Pipeline parallel: pass the step to stage 1 and run stage 0's layers on it; the output
+        comes back from the last stage (`result()` of what this returns) while later batches start."""
+        if self.stage.size == 1:
+            return super().submit(sched)
+        self.check_health()
+        link = self.stage.link
+        with self._collectives():
+            link.send_step(pickle.dumps(self.encoder.encode(sched), protocol=pickle.HIGHEST_PROTOCOL))
+            output = link.expect_output()
+            self.driver_worker.execute_model(sched)
+        return _GuardedOutput(output, self)
+
+    @contextlib.contextmanager
+    def _collectives(self):
+        """A collective or point-to-point call that failed because a peer is gone or silent
+        becomes a WorkerDiedError naming the rank, and fails every later step."""
+        try:
+            yield
         except RuntimeError as e:
             if isinstance(e, WorkerDiedError) or not _is_collective_error(e):
                 raise
@@ -122,16 +160,35 @@ class MultiprocExecutor(Executor):
     def _stop(self, clean: bool) -> None:
         if self._finalizer is not None:
             self._finalizer.detach()
-        _stop_ranks(getattr(self, "groups", None), self._processes, clean, self._threads)
+        _stop_ranks(getattr(self, "_send_stop", None), self._processes, clean, self._threads)
 
 
-def _stop_ranks(groups, processes: list[mp.Process], clean: bool, threads: int) -> None:
+class _GuardedOutput:
+    """A pipelined batch's output, its wait failing as the executor's steps fail (`_collectives`)."""
+
+    def __init__(self, output, executor: MultiprocExecutor) -> None:
+        self._output, self._executor = output, executor
+
+    def done(self) -> bool:
+        return self._output.done()
+
+    def result(self) -> ModelRunnerOutput:
+        with self._executor._collectives():
+            return self._output.result()
+
+
+def _stop_pipeline(link) -> None:
+    link.send_step(None)
+    link.flush()
+
+
+def _stop_ranks(send_stop, processes: list[mp.Process], clean: bool, threads: int) -> None:
     """Send the stop message (`clean`: every rank is alive and between steps), wait a little,
     kill what is left. Also run at interpreter exit for an engine nobody shut down."""
-    if groups is not None and clean:
+    if send_stop is not None and clean:
         try:
             if all(p.is_alive() for p in processes):
-                broadcast_object(groups.cpu_group, None, 0)
+                send_stop()
         except RuntimeError as e:
             logger.warning("stopping workers: %s", e)
     for p in processes:
@@ -151,7 +208,8 @@ def _rank_zero_init(par) -> tuple[DistributedInit, bool]:
     if init is None:
         return DistributedInit("127.0.0.1", 0, par.world_size, 0, par.distributed_timeout_s), True
     if init.world_size != par.world_size:
-        raise ValueError(f"tensor_parallel_size={par.world_size}, but {init.world_size} ranks were started")
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size={par.world_size}, but {init.world_size} ranks "
+                         "were started")
     if init.rank != 0:
         raise ValueError(f"rank {init.rank} does not run the engine: run the same `kvflow` command there "
                          "(ranks other than 0 become workers)")

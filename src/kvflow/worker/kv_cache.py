@@ -20,6 +20,7 @@ Either way dimension 1 is the block, which is all block copies and swaps need to
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import mmap
@@ -75,11 +76,11 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_useful_blocks: int,
 
 
 def pool_blocks(cache: CacheConfig, layout: KVLayout, dtype_bytes: int, max_model_len: int, max_num_seqs: int,
-                available_bytes: int | None = None) -> tuple[int, int]:
-    """(device blocks, host blocks for swapping) of a pool laid out by `layout`: the budget, capped
-    by what max_num_seqs requests of max_model_len tokens could hold in every group and by
-    `available_bytes` (`num_kv_blocks`)."""
-    block_bytes = layout.block_bytes(cache.block_size, dtype_bytes, cache.cache_dtype)
+                available_bytes: int | None = None, layers: range | None = None) -> tuple[int, int]:
+    """(device blocks, host blocks for swapping) of a pool laid out by `layout` (for `layers` only,
+    on a pipeline stage): the budget, capped by what max_num_seqs requests of max_model_len tokens
+    could hold in every group and by `available_bytes` (`num_kv_blocks`)."""
+    block_bytes = layout.block_bytes(cache.block_size, dtype_bytes, cache.cache_dtype, layers)
     useful = -(-max_model_len // cache.block_size) * max_num_seqs * len(layout.groups)
     return (num_kv_blocks(cache, block_bytes, useful, available_bytes),
             int(cache.swap_space_gb * 1024**3) // block_bytes)
@@ -99,8 +100,9 @@ def available_memory_bytes(device: torch.device) -> int | None:
 
 def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype, device,
                        kv_cache_dtype: str = "auto", populate: bool = True,
-                       idle: IdleGate | None = None) -> list[torch.Tensor]:
+                       idle: IdleGate | None = None, layers: range | None = None) -> list[torch.Tensor | None]:
     """One cache per layer (views of the G pool tensors; sharing layers get their target's).
+    `layers`: a pipeline stage's; only their pool tensors are allocated, other layers get None.
     `dtype`: the model's, which "auto" keeps; fp8/int8 store codes of that dtype plus scales.
     `populate`: map every page in on a background thread (`populate_in_background`), waiting on
     `idle` (the worker's gate) where one is given. The worker passes False and starts its own
@@ -108,14 +110,15 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     codes = kv_quant.storage_dtype(kv_cache_dtype)
     quantized = codes is not None
     first = layout.groups[0].spec
-    pool = [zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device)
-            for _ in range(layout.group_size)]
+    held = range(layout.group_size) if layers is None else layout.slots(layers)
+    pool = {slot: zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device)
+            for slot in held}
     # One thread for every layer's pool: a thread each (30 for SmolLM2) made the start wait ~75 ms
     # per thread.start() while the earlier ones held both cores (3.2 s of a 5.5 s start).
     if populate:
-        populate_in_background(pool, idle)
+        populate_in_background(list(pool.values()), idle)
     return [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
-            for group, slot in layout.places]
+            if layers is None or i in layers else None for i, (group, slot) in enumerate(layout.places)]
 
 
 def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -209,39 +212,65 @@ class PagePopulator:
       that uses little of its pool maps little of it. Without `ahead_blocks`, the whole pool.
     - with `idle` (an IdleGate), each call waits until the worker is idle.
 
-    The thread holds the pools only during a call: once the populator is gone (its worker with
-    it), the thread ends and the pools are freed; `keep_alive` keeps them until the whole pool is
-    mapped instead (a caller that drops the populator). A failed call (Linux < 5.14 has no
-    MADV_POPULATE_WRITE) ends it: the rest of the pages fault on first write."""
+    The thread never holds the populator nor its pools (`keep_alive` aside): it shares only a
+    `_PopulateState` with it. Whoever drops the populator frees the pools, after its finalizer has
+    waited for a call in progress and told the thread to stop. So a tensor is never freed on the
+    thread, where at interpreter exit freeing one aborts the process (a daemon thread taking the
+    GIL then is ended by pthread_exit, whose unwinding cannot pass torch's destructors).
+    `keep_alive` holds the populator until the whole pool is mapped instead (a caller that drops
+    it). A failed call (Linux < 5.14 has no MADV_POPULATE_WRITE) ends it: the rest of the pages
+    fault on first write."""
 
     def __init__(self, pools: list[torch.Tensor], ahead_blocks: int | None = None, idle: IdleGate | None = None,
                  keep_alive: bool = False) -> None:
         self.pools = [pool for pool in pools if pool.device.type == "cpu" and pool.data_ptr() % mmap.PAGESIZE == 0]
         self.num_blocks = max((pool.shape[1] for pool in self.pools), default=0)
         self.ahead_blocks = ahead_blocks
-        # Blocks below `target` are to be mapped; it only grows.
-        self.target = self.num_blocks if ahead_blocks is None else min(ahead_blocks, self.num_blocks)
-        self._wake = threading.Condition()
+        self._state = _PopulateState(self.num_blocks if ahead_blocks is None else min(ahead_blocks, self.num_blocks))
         self.thread: threading.Thread | None = None
         libc = _libc()
         if libc is None or not self.pools:
             return
-        weakref.finalize(self, _wake_all, self._wake)  # a thread waiting for a target learns it never comes
+        weakref.finalize(self, _stop_populating, self._state)
         self.thread = threading.Thread(
             target=_populate, name="kv-pool-populate", daemon=True,
-            args=(weakref.ref(self), self._wake, _pieces_in_block_order(self.pools), libc.madvise, idle,
-                  self if keep_alive else None))
+            args=(self._state, _pieces_in_block_order(self.pools), libc.madvise, idle, self if keep_alive else None))
         self.thread.start()
+
+    @property
+    def target(self) -> int:
+        """Blocks below it are to be mapped; it only grows."""
+        return self._state.target
 
     def reach(self, block: int) -> None:
         """A step holds `block`: map the pages up to `ahead_blocks` past it. Called from the
         worker's thread only (the target only grows)."""
         target = min(block + 1 + (self.ahead_blocks or 0), self.num_blocks)
-        if target <= self.target:  # most steps: no lock taken
+        state = self._state
+        if target <= state.target:  # most steps: no lock taken
             return
-        with self._wake:
-            self.target = target
-            self._wake.notify()
+        with state.wake:
+            state.target = target
+            state.wake.notify()
+
+
+@dataclasses.dataclass
+class _PopulateState:
+    """What a populator and its thread share: the target, the thread's wake-up, and the stop the
+    populator's finalizer gives (under `calling`, which the thread holds during each call, so the
+    pools outlive a call in progress)."""
+
+    target: int
+    wake: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+    calling: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    stopped: bool = False
+
+
+def _stop_populating(state: _PopulateState) -> None:
+    with state.calling:
+        state.stopped = True
+    with state.wake:
+        state.wake.notify_all()
 
 
 def _pieces_in_block_order(pools: list[torch.Tensor]) -> list[tuple[int, int, int]]:
@@ -262,37 +291,26 @@ def _pieces_in_block_order(pools: list[torch.Tensor]) -> list[tuple[int, int, in
     return sorted(pieces)
 
 
-def _populate(owner: weakref.ref, wake: threading.Condition, pieces: list[tuple[int, int, int]], madvise,
-              idle: IdleGate | None, keep_alive: PagePopulator | None) -> None:
+def _populate(state: _PopulateState, pieces: list[tuple[int, int, int]], madvise, idle: IdleGate | None,
+              keep_alive: PagePopulator | None) -> None:
     """The populate thread: each piece once its first block is below the target (and the worker is
-    idle, with `idle`). `keep_alive`: the populator, held to the end; else only during a call."""
+    idle, with `idle`), until the populator stops it. `keep_alive`: the populator, held to the end."""
     for first_block, address, nbytes in pieces:
-        if not _wait_for_target(owner, wake, first_block):
+        if not _wait_for_target(state, first_block):
             return
         if idle is not None:
             idle.wait()
-        populator = owner()  # holds the pools mapped during the call
-        if populator is None or madvise(ctypes.c_void_p(address), nbytes, _MADV_POPULATE_WRITE) != 0:
-            return
-        del populator
+        with state.calling:
+            if state.stopped or madvise(ctypes.c_void_p(address), nbytes, _MADV_POPULATE_WRITE) != 0:
+                return
 
 
-def _wait_for_target(owner: weakref.ref, wake: threading.Condition, block: int) -> bool:
-    """Wait until the populator's target passes `block`; False once the populator is gone."""
-    with wake:
-        while True:
-            populator = owner()
-            if populator is None or block < populator.target:
-                return populator is not None
-            del populator  # not held while waiting, so that a populator no one else holds is freed
-            if owner() is None:  # freed by that very `del`: its wake-up came before this wait
-                return False
-            wake.wait()
-
-
-def _wake_all(wake: threading.Condition) -> None:
-    with wake:
-        wake.notify_all()
+def _wait_for_target(state: _PopulateState, block: int) -> bool:
+    """Wait until the target passes `block`; False once the populator is gone."""
+    with state.wake:
+        while not state.stopped and block >= state.target:
+            state.wake.wait()
+        return not state.stopped
 
 
 @functools.cache
@@ -310,9 +328,11 @@ _HUGE_PAGE = 2 << 20
 POPULATE_CHUNK = _HUGE_PAGE  # the most one madvise call maps, holding the mmap lock: one huge page's fault
 
 
-def unique_caches(kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The distinct pool tensors behind per-layer caches (a block copy touches each once)."""
+def unique_caches(kv_caches: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The distinct pool tensors behind per-layer caches (a block copy touches each once); a
+    pipeline stage has none for other stages' layers."""
     seen: dict[int, torch.Tensor] = {}
     for cache in kv_caches:
-        seen.setdefault(cache.untyped_storage().data_ptr(), cache)
+        if cache is not None:
+            seen.setdefault(cache.untyped_storage().data_ptr(), cache)
     return list(seen.values())

@@ -19,6 +19,7 @@ from torch import nn
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput, StepGrammar
+from kvflow.distributed.pipeline import WHOLE, PipelineStage
 from kvflow.lora.manager import LoRAManager
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvflow.worker.cpu_decode import CpuDecodeLoop
@@ -49,11 +50,14 @@ class ModelRunner:
                  host_kv_caches: list[torch.Tensor] | None = None,
                  decode_graphs: DecodeGraphs | CpuDecodeLoop | None = None, *, lora: LoRAManager | None = None,
                  kv_connector: KVStoreConnectorWorker | None = None,
-                 build_speculator: Callable[[ModelRunner], Speculator] | None = None) -> None:
+                 build_speculator: Callable[[ModelRunner], Speculator] | None = None,
+                 stage: PipelineStage = WHOLE) -> None:
         """`lora`: the adapters' slots (the model's linear layers already wrapped); `kv_connector`: KV
         moving between engines; `build_speculator`: the runner builds its drafter with it, since the
-        drafter shares the runner's sampler and flat-batch builder (and, for layer skip, its model)."""
+        drafter shares the runner's sampler and flat-batch builder (and, for layer skip, its model);
+        `stage`: the pipeline stage this runner runs (only the last samples)."""
         self.model = model
+        self.stage = stage
         self.lora = lora
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches  # swap space, same layout, in host memory
@@ -86,6 +90,8 @@ class ModelRunner:
         batch = self.prepare(sched.chunks)
         verifying = any(c.num_spec_tokens for c in batch.sample_chunks)
         hidden = self._forward(batch)
+        if not self.stage.is_last:  # the next stage carries the batch on; the last one's output is the step's
+            return out
         if transfers is not None and transfers.saves:  # the forward pass wrote the prompts' last KV
             self.kv_connector.save_kv(transfers, out.kv_transfer, skip=out.kv_load_failed)
         if batch.sample_rows:
@@ -123,11 +129,26 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.drop(list(out.kv_load_failed))
 
-    def _forward(self, batch: FlatBatch) -> torch.Tensor:
+    def _forward(self, batch: FlatBatch) -> torch.Tensor | None:
+        if self.stage.size > 1:
+            return self._forward_stage(batch)
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_replay(batch.attn[0].query_lens_cpu):
             return graphs.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+
+    def _forward_stage(self, batch: FlatBatch) -> torch.Tensor | None:
+        """This pipeline stage's layers, from the previous stage's activations (but on the first),
+        on to the next stage's (but from the last, which returns the hidden states to sample from)."""
+        stage, decoder = self.stage, self.model.model
+        carried = None
+        if not stage.is_first:
+            carried = stage.link.recv_activations(batch.input_ids.shape[0], self.model.config.hidden_size, self.device)
+        result = decoder.forward_stage(stage, batch.input_ids, batch.positions, self.kv_caches, batch.attn, carried)
+        if stage.is_last:
+            return result
+        stage.link.send_activations(*result)
+        return None
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:

@@ -11,6 +11,7 @@ import torch
 from kvflow.attention.backend import get_attention_backend
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import SINGLE, TensorParallel, split_heads, tensor_parallel_scope
+from kvflow.distributed.pipeline import WHOLE, PipelineStage, pipeline_scope
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.batch_invariant import make_batch_invariant
 from kvflow.model.loader import Checkpoint
@@ -20,17 +21,19 @@ from kvflow.model.registry import build_model
 
 
 def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint,
-               tp: TensorParallel = SINGLE) -> torch.nn.Module:
-    """A model of `arch` built for rank `tp.rank` (its slices of every layer), with the
-    checkpoint's weights (dummy ones for load_format="dummy"), ready to run."""
+               tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> torch.nn.Module:
+    """A model of `arch` built for rank `tp.rank` (its slices of every layer) of pipeline stage
+    `stage` (its layers only), with the checkpoint's weights (dummy ones for load_format="dummy"),
+    ready to run."""
     # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
     static_len = config.model.max_model_len if config.use_cuda_graphs else None
-    with tensor_parallel_scope(tp):
+    with tensor_parallel_scope(tp), pipeline_scope(stage):
         if config.batch_invariant and (arch.moe is not None or arch.mla is not None):
             raise ValueError(f"batch_invariant: {arch.architecture} is not covered yet (expert routing and latent "
                              "attention are batched by their own kernels); use a dense-attention model")
         model = build_model(arch, get_attention_backend(config.attention_backend, static_len, config.batch_invariant),
                             config.model.dtype, config.device, quant_config)
+    model.keep_stage(stage)
     if config.model.load_format == "dummy":
         init_dummy_weights(model, config.model.seed)
     else:

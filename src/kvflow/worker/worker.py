@@ -24,6 +24,7 @@ The worker knows nothing of requests' text or of scheduling; it receives `Schedu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,7 @@ from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.cpu_extension import kernel_scope
 from kvflow.distributed.parallel_state import SINGLE, TensorParallel
+from kvflow.distributed.pipeline import WHOLE, PipelineStage, stage_layers
 from kvflow.kv_store import open_kv_block_store
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
@@ -58,11 +60,17 @@ from kvflow.worker.speculation import build_speculator
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, arch: ArchConfig, quant_config, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, quant_config, tp: TensorParallel = SINGLE,
+                 stage: PipelineStage = WHOLE) -> None:
+        """`stage`: the pipeline stage this rank runs (its `layers` left None: this worker works
+        them out from the model's layer count)."""
         self.config = config
         self.arch = arch
         self.quant_config = quant_config
         self.tp = tp
+        if stage.size > 1 and stage.layers is None:
+            stage = dataclasses.replace(stage, layers=stage_layers(arch.num_layers, stage.index, stage.size))
+        self.stage = stage
         self.device = torch.device(config.device)
         self.model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
@@ -81,7 +89,7 @@ class Worker:
     def load_model(self, checkpoint: Checkpoint) -> torch.nn.Module:
         # Built and processed in the engine's kernel choices: its layers keep them (cpu_extension).
         with kernel_scope(self.config.kernels):
-            self.model = load_model(self.config, self.arch, self.quant_config, checkpoint, self.tp)
+            self.model = load_model(self.config, self.arch, self.quant_config, checkpoint, self.tp, self.stage)
         return self.model
 
     def determine_num_kv_blocks(self) -> tuple[int, int]:
@@ -89,7 +97,7 @@ class Worker:
         capped by the memory measured free now that the model is loaded."""
         cfg = self.config
         return pool_blocks(cfg.cache, self.local_arch.kv_layout, cfg.model.dtype.itemsize, cfg.model.max_model_len,
-                           cfg.scheduler.max_num_seqs, available_memory_bytes(self.device))
+                           cfg.scheduler.max_num_seqs, available_memory_bytes(self.device), self.stage.layers)
 
     @property
     def needs_calibration(self) -> bool:
@@ -100,10 +108,11 @@ class Worker:
         """The KV tensors and swap space; then the runner, whole, or bare until `calibrate`."""
         cache, dtype = self.config.cache, self.config.model.dtype
         layout = self.local_arch.kv_layout
+        layers = self.stage.layers
         kv_caches = allocate_kv_caches(layout, num_blocks, cache.block_size, dtype, self.device, cache.cache_dtype,
-                                       populate=False)
+                                       populate=False, layers=layers)
         host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype,
-                                          populate=False) if num_host_blocks else None)
+                                          populate=False, layers=layers) if num_host_blocks else None)
         self.start_populate(kv_caches, host_caches)
         self._pools = (kv_caches, host_caches, num_blocks)
         if self.needs_calibration:
@@ -124,7 +133,7 @@ class Worker:
     def _bare_runner(self) -> ModelRunner:
         kv_caches, host_caches, _ = self._pools
         return ModelRunner(self.model, kv_caches, self.config.cache.block_size, self.device, self.config.model.seed,
-                           host_caches)
+                           host_caches, stage=self.stage)
 
     def _build_runner(self) -> ModelRunner:
         """The runner and what a step runs beside the model, in the order each needs the others:
@@ -142,14 +151,17 @@ class Worker:
             lambda runner: build_speculator(cfg, self.arch, runner, num_blocks))
         return ModelRunner(self.model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, host_caches,
                            self._fast_step(kv_caches), lora=self.lora, kv_connector=connector,
-                           build_speculator=speculator)
+                           build_speculator=speculator, stage=self.stage)
 
     def _fast_step(self, kv_caches: list[torch.Tensor]) -> DecodeGraphs | CpuDecodeLoop | None:
         """Decode steps replayed from captured CUDA graphs, or run by the CPU decode step; None:
         through the modules. A mixture of experts sizes its per-expert matmuls from the routing, on
         the host: not capturable. LoRA's per-step slots are not captured yet. The CPU step calls the
-        fused kernels itself: not with `custom_ops="none"`, nor with `enforce_eager`."""
+        fused kernels itself: not with `custom_ops="none"`, nor with `enforce_eager`. A pipeline
+        stage runs part of the model: through its modules."""
         cfg = self.config
+        if self.stage.size > 1:
+            return None
         if cfg.use_cuda_graphs and self.arch.moe is None:
             graphs = DecodeGraphs(self.model, kv_caches, cfg.cache.block_size, cfg.scheduler.max_num_seqs,
                                   cfg.model.max_model_len, self.device, len(self.local_arch.kv_layout.groups))

@@ -1,4 +1,5 @@
-"""A rank other than 0: a worker in its own process, executing the steps rank 0 broadcasts.
+"""A rank other than 0: a worker in its own process, executing the steps rank 0 broadcasts (or, a
+pipeline stage, the steps the previous stage passes on: kvflow.distributed.pipeline).
 
 It follows the same life as rank 0's worker (join the others, load, agree on the KV pool size,
 allocate), then loops: receive a `StepMessage`, rebuild the `SchedulerOutput`, run it (its collectives meet rank
@@ -11,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pickle
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.distributed.pipeline import PipelineLink, PipelineStage
 from kvflow.distributed.process_groups import (
     IDLE_FOREVER,
     DistributedInit,
@@ -25,6 +29,7 @@ from kvflow.distributed.process_groups import (
     broadcast_object,
     create_groups,
     create_store,
+    create_subgroup,
     die_with_parent,
     rank_device,
     report_failure,
@@ -94,6 +99,11 @@ def _serve(config: EngineConfig, init: DistributedInit, store) -> None:
                                  native_gguf=config.model.quantization is None)
     arch = ArchConfig.from_hf(checkpoint.hf_config)
     quant_config = get_quantization_config(config.model.quantization, config.model.group_size, checkpoint.quant_config)
+    if config.parallel.pipeline_parallel_size > 1:
+        stage, tp = pipeline_stage(config, groups)
+        worker = Worker(config, arch, quant_config, tp, stage)
+        start_worker(worker, groups, checkpoint)
+        return _serve_stage(worker, stage)
     worker = Worker(config, arch, quant_config, TensorParallel(init.rank, init.world_size, groups.device_group))
     start_worker(worker, groups, checkpoint)
     decoder = StepDecoder()
@@ -108,13 +118,49 @@ def _serve(config: EngineConfig, init: DistributedInit, store) -> None:
         worker.execute_model(decoder.decode(msg))
 
 
+def pipeline_stage(config: EngineConfig, groups: ProcessGroups) -> tuple[PipelineStage, TensorParallel]:
+    """This rank's pipeline stage (rank // tensor_parallel_size), linked to its neighbours, and its
+    tensor-parallel group within the stage (a group of its own per stage)."""
+    init, par = groups.init, config.parallel
+    tp_size, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    link = PipelineLink.for_rank(init.rank, tp_size, pp, groups.cpu_group, groups.device_group, config.model.dtype,
+                                 timedelta(seconds=init.timeout_s))
+    index, tp_rank = divmod(init.rank, tp_size)
+    tp = TensorParallel()
+    if tp_size > 1:
+        group = create_subgroup(groups, torch.device(config.device), f"stage{index}", index * tp_size, tp_size)
+        tp = TensorParallel(tp_rank, tp_size, group)
+    return PipelineStage(index, pp, link=link), tp
+
+
+def _serve_stage(worker: Worker, stage: PipelineStage) -> None:
+    """A pipeline rank other than 0: take each step from the rank before it, pass it on, run this
+    stage's layers on it (which takes and passes on the activations); the last stage's first rank
+    sends the step's output to rank 0. A stop, or losing the rank before it, ends it."""
+    link, decoder = stage.link, StepDecoder()
+    while True:
+        try:  # the next step may be hours away (an idle server): no timeout
+            payload = link.recv_step(IDLE_FOREVER)
+        except RuntimeError as e:
+            logger.error("pipeline stage %d: lost the previous stage (%s); exiting", stage.index, e)
+            return
+        link.send_step(payload)
+        if payload is None:
+            if link.output_to is None:  # the next ranks get the stop (outputs may have no reader now)
+                link.flush()
+            return
+        out = worker.execute_model(decoder.decode(pickle.loads(payload)))
+        if link.output_to is not None:
+            link.send_output(out)
+
+
 def external_rank(args: EngineArgs) -> DistributedInit | None:
     """Where this process joins as a rank other than 0, when it was started as one (by torchrun,
     or by hand with --distributed-init-method and --node-rank); None when it runs the engine."""
-    if args.tensor_parallel_size == 1:
+    if args.world_size == 1:
         return None
     if args.distributed_init_method:
-        init = DistributedInit.parse(args.distributed_init_method, args.tensor_parallel_size, args.node_rank,
+        init = DistributedInit.parse(args.distributed_init_method, args.world_size, args.node_rank,
                                      args.distributed_timeout_s)
     else:
         init = DistributedInit.from_torchrun(args.distributed_timeout_s)

@@ -9,6 +9,8 @@
   stream is carried beside each layer's output instead of added to it at the end of the layer: the
   next RMSNorm adds it as it normalises (one pass instead of two), and so does the final norm.
 - `CausalLM`: the decoder under an LM head (or the tied embedding), and checkpoint loading.
+- `make_layers`: a family's layer list, built for the pipeline stage in scope (the layers of other
+  stages are `AbsentLayer`s, without weights); `DecoderModel.forward_stage` runs a stage's part.
 
 Every projection is a layer of the linear seam, so quantization and tensor parallelism apply to
 every family built from these blocks.
@@ -16,7 +18,7 @@ every family built from these blocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -24,6 +26,7 @@ from torch import nn
 from kvflow.attention.backend import AttentionBackend
 from kvflow.attention.metadata import AttentionLayerSpec
 from kvflow.distributed.parallel_state import HeadSplit, TensorParallel, current_tensor_parallel, split_heads
+from kvflow.distributed.pipeline import PipelineStage, current_pipeline_stage
 from kvflow.kv_cache_spec import SharedKVSpec
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.attention import Attention
@@ -148,9 +151,24 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class AbsentLayer(nn.Module):
+    """A part of the model another pipeline stage holds: no weights, never run."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this part of the model lives on another pipeline stage")
+
+
+def make_layers(num_layers: int, build: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """Layers 0..num_layers-1, built (`build(i)`) only where the pipeline stage in scope holds them:
+    a stage allocates its own layers' weights, never the whole model's."""
+    stage = current_pipeline_stage()
+    return nn.ModuleList(build(i) if stage.holds(i) else AbsentLayer() for i in range(num_layers))
+
+
 class DecoderModel(nn.Module):
     """embed_tokens → layers → norm, with one RoPE table lookup shared by all layers; a family
-    sets the four parts."""
+    sets the four parts (and, where its embedding or RoPE differ, `embed` / `rope_tables` /
+    `layer_rope`)."""
 
     embed_tokens: nn.Module
     rotary: nn.Module
@@ -162,6 +180,31 @@ class DecoderModel(nn.Module):
         rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        normed, _ = self.norm(hidden, residual)
+        return normed
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rope_tables(self, positions: torch.Tensor):
+        return self.rotary(positions)
+
+    def layer_rope(self, layer: nn.Module, tables):
+        return tables
+
+    def forward_stage(self, stage: PipelineStage, input_ids, positions, kv_caches: list[torch.Tensor | None], meta,
+                      carried: tuple[torch.Tensor, torch.Tensor] | None):
+        """Pipeline stage `stage`'s part of `forward`: from the tokens (first stage) or from the
+        previous stage's (hidden, residual) `carried`, through its layers; the last stage returns
+        the normed hidden states, the others (hidden, residual) for the next. The same operations
+        on the same numbers as `forward`, so the stages together compute its result bit for bit."""
+        hidden, residual = (self.embed(input_ids), None) if stage.is_first else carried
+        tables = self.rope_tables(positions)
+        for i in stage.layers:
+            layer = self.layers[i]
+            hidden, residual = layer(self.layer_rope(layer, tables), hidden, residual, kv_caches[i], meta)
+        if not stage.is_last:
+            return hidden, residual
         normed, _ = self.norm(hidden, residual)
         return normed
 
@@ -195,4 +238,19 @@ class CausalLM(nn.Module):
                    if isinstance(s, SharedKVSpec) for p in "kv"}
         if sharing:
             weights = ((n, w) for n, w in weights if n[:n.rindex(".") + 1] not in sharing)
+        absent = tuple(f"{name}." for name, module in self.named_modules() if isinstance(module, AbsentLayer))
+        if absent:  # another pipeline stage's layers
+            weights = ((n, w) for n, w in weights if not n.startswith(absent))
         load_named_weights(self, weights, self.stacked_params)
+
+    def keep_stage(self, stage: PipelineStage) -> None:
+        """Drop what pipeline stage `stage` does not run: the embedding past the first stage (but
+        where the last stage's head is that embedding), the final norm and the head before the last."""
+        if stage.size == 1:
+            return
+        tied = self.lm_head is self.model.embed_tokens
+        if not stage.is_first and not (tied and stage.is_last):
+            self.model.embed_tokens = AbsentLayer()
+        if not stage.is_last:
+            self.model.norm = AbsentLayer()
+            self.lm_head = AbsentLayer()

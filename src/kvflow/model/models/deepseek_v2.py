@@ -43,7 +43,7 @@ from kvflow.model.layers.moe import SparseMoE
 from kvflow.model.layers.norm import RMSNorm
 from kvflow.model.layers.reference import Rope, torch_rotary
 from kvflow.model.layers.rotary import RotaryEmbedding
-from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel
+from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, make_layers
 from kvflow.quant.base import QuantizationConfig
 
 LATENT_NORM_EPS = 1e-6  # the latent norms use their class default, not the config's rms_norm_eps
@@ -122,10 +122,9 @@ class DeepseekV2Model(DecoderModel):
             raise ValueError("a DeepSeek-V2/V3 config needs kv_lora_rank (MLA) and routed experts")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, f"{prefix}.embed_tokens")
         self.rotary = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, DeepseekV2MLAttention(cfg, i, backend, quant_config, f"{prefix}.layers.{i}.self_attn"),
-                         deepseek_mlp(cfg, i, quant_config, f"{prefix}.layers.{i}.mlp"))
-            for i in range(cfg.num_layers))
+        self.layers = make_layers(cfg.num_layers, lambda i: DecoderLayer(
+            cfg, DeepseekV2MLAttention(cfg, i, backend, quant_config, f"{prefix}.layers.{i}.self_attn"),
+            deepseek_mlp(cfg, i, quant_config, f"{prefix}.layers.{i}.mlp")))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -23,7 +23,7 @@ from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.layers.norm import RMSNorm
 from kvflow.model.layers.reference import Rope
 from kvflow.model.layers.rotary import RotaryEmbedding
-from kvflow.model.models.blocks import CausalLM, RopeAttention
+from kvflow.model.models.blocks import CausalLM, DecoderModel, RopeAttention, make_layers
 from kvflow.quant.base import QuantizationConfig, copy_checked
 
 
@@ -65,7 +65,7 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderModel):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None,
                  prefix: str = "model") -> None:
         super().__init__()
@@ -75,8 +75,8 @@ class Gemma3Model(nn.Module):
         self.embed_scale = cfg.hidden_size**0.5
         self.global_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.local_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, _local_rope_theta(cfg), None)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, backend, quant_config, f"{prefix}.layers.{i}")
-                                    for i in range(cfg.num_layers))
+        self.layers = make_layers(cfg.num_layers, lambda i: Gemma3DecoderLayer(cfg, i, backend, quant_config,
+                                                                               f"{prefix}.layers.{i}"))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
@@ -87,6 +87,16 @@ class Gemma3Model(nn.Module):
             hidden, residual = layer(local if layer.is_local else global_, hidden, residual, kv_cache, meta)
         normed, _ = self.norm(hidden, residual)
         return normed
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def rope_tables(self, positions: torch.Tensor):
+        return self.local_rotary(positions), self.global_rotary(positions)
+
+    def layer_rope(self, layer: nn.Module, tables):
+        return tables[0] if layer.is_local else tables[1]
 
 
 class Gemma3ForCausalLM(CausalLM):

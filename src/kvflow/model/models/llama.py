@@ -22,7 +22,7 @@ from kvflow.model.layers.embedding import VocabParallelEmbedding
 from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.layers.norm import RMSNorm
 from kvflow.model.layers.rotary import RotaryEmbedding
-from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, RopeAttention
+from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, RopeAttention, make_layers
 from kvflow.quant.base import QuantizationConfig
 
 # (config, layer index, quant config, prefix) → the layer's feed-forward block
@@ -42,11 +42,9 @@ class LlamaModel(DecoderModel):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, f"{prefix}.embed_tokens")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg,
-                         RopeAttention(cfg, i, backend, quant_config, f"{prefix}.layers.{i}.self_attn", qk_norm=qk_norm),
-                         mlp(cfg, i, quant_config, f"{prefix}.layers.{i}.mlp"))
-            for i in range(cfg.num_layers))
+        self.layers = make_layers(cfg.num_layers, lambda i: DecoderLayer(
+            cfg, RopeAttention(cfg, i, backend, quant_config, f"{prefix}.layers.{i}.self_attn", qk_norm=qk_norm),
+            mlp(cfg, i, quant_config, f"{prefix}.layers.{i}.mlp")))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
