@@ -60,6 +60,9 @@ class SchedulerConfig:
 class StructuredOutputsConfig:
     backend: str = "guidance"  # the grammar library: "guidance" (llguidance) | "xgrammar"
     compile_timeout_s: float = 10.0  # a grammar that takes longer is refused (a 400 from the server)
+    # JSON schemas as written: an object schema that names its keys but says nothing of others
+    # allows others (JSON Schema's rule), where by default it forbids them (vLLM's default).
+    lenient_schemas: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class EngineArgs:
     kv_populate: str = "background"
     structured_outputs_backend: str = "auto"  # guidance (llguidance; what auto means) or xgrammar
     structured_outputs_compile_timeout: float = 10.0  # seconds
+    structured_outputs_lenient_schemas: bool = False  # keys a JSON schema does not declare stay allowed
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages of consecutive layers, one rank each, batches in flight through them
     distributed_init_method: str | None = None
@@ -282,6 +286,7 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig(
                 "guidance" if self.structured_outputs_backend == "auto" else self.structured_outputs_backend,
                 self.structured_outputs_compile_timeout,
+                self.structured_outputs_lenient_schemas,
             ),
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
             if self.enable_lora else None,
@@ -346,6 +351,9 @@ class EngineArgs:
                             "(on first write)")
         g.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
                        choices=["auto", "guidance", "xgrammar"], help="grammar library (auto: guidance, i.e. llguidance)")
+        g.add_argument("--structured-outputs-lenient-schemas", action="store_true",
+                       help="compile JSON schemas as written: an object that names its properties may still add "
+                            "others unless it says additionalProperties: false (default: it may not, as vLLM's)")
         g.add_argument("--structured-outputs-compile-timeout", type=float, default=d.structured_outputs_compile_timeout,
                        help="seconds a JSON schema, regex or grammar may take to compile before it is refused")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,

@@ -155,7 +155,7 @@ class LLMEngine:
         cfg = self.config.structured_outputs
         return StructuredOutputManager(cfg.backend, self.tokenizer.backend, self.arch.vocab_size,
                                        sorted(self.eos_token_ids), cfg.compile_timeout_s,
-                                       max_jobs=self.config.scheduler.max_num_seqs)
+                                       max_jobs=self.config.scheduler.max_num_seqs, strict_schemas=not cfg.lenient_schemas)
 
     def _compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of a request's structured_outputs (cached); ValueError if it is

@@ -15,6 +15,7 @@ import torch
 
 from kvflow.structured_output.backend import GrammarBackend, GrammarMatcher
 from kvflow.structured_output.params import GrammarSpec
+from kvflow.structured_output.strict_schema import closed_schema_text
 
 # JSON as json.dumps writes it: one line, ", " and ": ". A small model left free to choose its
 # whitespace tends to spend its token budget on it.
@@ -90,7 +91,8 @@ class LLGuidanceMatcher(GrammarMatcher):
 class LLGuidanceBackend(GrammarBackend):
     name = "guidance"
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], strict_schemas: bool = True) -> None:
+        self.strict_schemas = strict_schemas  # undeclared keys forbidden (strict_schema.py)
         self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -101,6 +103,8 @@ class LLGuidanceBackend(GrammarBackend):
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
 
     def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        if spec.kind == "json" and self.strict_schemas:
+            spec = GrammarSpec(spec.kind, closed_schema_text(spec.text))
         grammar = _grammar_text(spec)
         # The compiled grammar is a matcher at the start; each request gets a deep copy.
         prototype = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)

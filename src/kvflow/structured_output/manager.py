@@ -85,13 +85,15 @@ class _Request:
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer, vocab_size: int, eos_token_ids: list[int],
-                 compile_timeout_s: float, max_jobs: int = 256) -> None:
+                 compile_timeout_s: float, max_jobs: int = 256, strict_schemas: bool = True) -> None:
         """`tokenizer`: the model's `tokenizers.Tokenizer`; `vocab_size`: the logits' width;
-        `max_jobs`: mask jobs that may run at once (one per running request)."""
+        `max_jobs`: mask jobs that may run at once (one per running request); `strict_schemas`: JSON
+        schemas forbid the keys they do not declare (strict_schema.py)."""
         check_backend(backend)
         eos = sorted(eos_token_ids)
         self.eos_token_ids = frozenset(eos)
-        self.compiler = GrammarCompiler(lambda: make_backend(backend, tokenizer, vocab_size, eos), compile_timeout_s)
+        self.compiler = GrammarCompiler(lambda: make_backend(backend, tokenizer, vocab_size, eos, strict_schemas),
+                                        compile_timeout_s)
         self.timeout_s = compile_timeout_s
         self.width = bitmask_width(vocab_size)
         self._requests: dict[str, _Request] = {}

@@ -57,7 +57,8 @@ class XGrammarMatcher(GrammarMatcher):
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], strict_schemas: bool = True) -> None:
+        self.strict_schemas = strict_schemas  # xgrammar's strict_mode: undeclared keys forbidden
         info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
                                                   vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
         self.vocab_size = vocab_size
@@ -74,7 +75,8 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind in ("json", "json_object"):
             # One line, ", " and ": ", as the guidance backend writes JSON.
             schema = spec.text if spec.kind == "json" else '{"type": "object"}'
-            return self.compiler.compile_json_schema(schema, any_whitespace=False)
+            return self.compiler.compile_json_schema(schema, any_whitespace=False,
+                                                     strict_mode=self.strict_schemas or spec.kind == "json_object")
         if spec.kind == "regex":
             return self.compiler.compile_regex(spec.text)
         if spec.kind == "choice":

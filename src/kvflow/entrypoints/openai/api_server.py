@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from pydantic import BaseModel, ValidationError
 
+import kvflow
 from kvflow.config import EngineArgs
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.engine_thread import build_on_fresh_thread
@@ -49,6 +51,7 @@ from kvflow.entrypoints.openai.serving_models import (
     UnloadLoRAAdapterRequest,
     parse_lora_modules,
 )
+from kvflow.entrypoints.openai.serving_tokens import DetokenizeRequest, TokenizeRequest, TokenServing
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
 from kvflow.lora.request import LoRARequest
 from kvflow.model.chat_template import compile_chat_template
@@ -118,8 +121,31 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return await _answer(request, CompletionRequest, completions.create, limits)
 
     app.include_router(v1)
+    _add_vllm_utility_routes(app, TokenServing(tokenizer), key_check, limits)
+    app.state.served_routes = sorted({r.path for router in (app, v1) for r in router.routes if hasattr(r, "methods")})
     app.router.on_shutdown.append(tokenizer.shutdown)
     return app
+
+
+def _add_vllm_utility_routes(app: FastAPI, tokens: TokenServing, key_check: list, limits: ServerLimits) -> None:
+    """vLLM's routes beside the OpenAI API: /tokenize and /detokenize (behind the API key, as they
+    run the tokenizer), /version and /ping (open, like /health)."""
+
+    @app.post("/tokenize", dependencies=key_check)
+    async def tokenize(request: Request) -> Response:
+        return await _answer(request, TokenizeRequest, tokens.tokenize, limits)
+
+    @app.post("/detokenize", dependencies=key_check)
+    async def detokenize(request: Request) -> Response:
+        return await _answer(request, DetokenizeRequest, tokens.detokenize, limits)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return Response(json.dumps({"version": kvflow.__version__}), media_type="application/json")
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200)
 
 
 async def _answer(request: Request, body_type: type[Body], create: Callable[[Body], Awaitable[BaseModel | Response]],

@@ -83,9 +83,30 @@ def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: Exception) -> JSONResponse:
         return from_exception(exc).response()
 
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return APIError(404, _not_a_route(request), code="not_found").response()
         return APIError(exc.status_code, str(exc.detail)).response()
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, api_error)  # the last resort: a 500 with no trace
+
+
+# Routes clients try that this server does not have, and what to say of each.
+_NOT_SERVED = {
+    "/v1/embeddings": "this server has no embedding model: kvflow serves generative models (chat and completions)",
+    "/v1/rerank": "this server has no reranking model: kvflow serves generative models (chat and completions)",
+    "/v1/score": "this server has no scoring model: kvflow serves generative models (chat and completions)",
+    "/v1/responses": "kvflow does not serve the Responses API yet: use /v1/chat/completions",
+    "/v1/messages": "kvflow does not serve the Anthropic Messages API yet: use /v1/chat/completions",
+}
+
+
+def _not_a_route(request: Request) -> str:
+    """A 404's message: the route asked for, why it is not here where we know, and what is (the
+    app's `state.served_routes`, which api_server.build_app lists)."""
+    path = request.url.path.rstrip("/")[:200] or "/"
+    served = getattr(request.app.state, "served_routes", ())
+    reason = _NOT_SERVED.get(path, "no such route")
+    return f"{request.method} {path}: {reason}. This server serves {', '.join(served)}"

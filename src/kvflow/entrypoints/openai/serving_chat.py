@@ -29,7 +29,7 @@ from kvflow.entrypoints.openai.responses import (
 from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, finish_reason, sse
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
 from kvflow.entrypoints.openai.tool_calls import messages_for_template
-from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS, ChoiceOutput, choice_output, whole_calls
+from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS, ChoiceOutput, NamedFunctionOutput, choice_output, whole_calls
 
 if TYPE_CHECKING:
     from kvflow.entrypoints.openai.serving_models import ServingModels
@@ -140,5 +140,8 @@ def _delta(content: str, calls: list[DeltaToolCall]) -> Delta:
 
 
 def _finish_reason(reason: str | None, output: ChoiceOutput) -> str | None:
-    """OpenAI's reason for a completion that ended by calling tools."""
-    return "tool_calls" if reason == "stop" and output.num_calls else reason
+    """OpenAI's reason for a completion that ended by calling tools; a call the request named
+    (`tool_choice: {"type": "function", ...}`) is the answer asked for: "stop", as OpenAI and
+    vLLM say."""
+    named = isinstance(output, NamedFunctionOutput)
+    return "tool_calls" if reason == "stop" and output.num_calls and not named else reason

@@ -29,10 +29,18 @@ class PromptTokenizer:
         self.max_prompt_bytes = None if longest is None else max_model_len * longest
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvflow-tokenize")
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self._require()
         self.check_bytes(text)
-        return await self._run(tokenizer.encode, text)
+        return await self._run(tokenizer.encode, text, add_special_tokens)
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of `ids`; ValueError naming the first id the vocabulary does not have."""
+        tokenizer = self._require()
+        bad = next((i for i in ids if not 0 <= i < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"tokens: {bad} is not a token id of this model (0 to {tokenizer.vocab_size - 1})")
+        return await self._run(tokenizer.decode, ids)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
                           tools: list[dict] | None = None) -> list[int]:
