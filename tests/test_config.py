@@ -63,3 +63,34 @@ def test_a_max_model_len_past_the_models_context_is_refused_by_name():
     assert EngineArgs().create_config(512).model.max_model_len == 512  # unset: the model's context
     with pytest.raises(ValueError, match=r"max_model_len must be <= the model's context of 512 positions \(got 1024\)"):
         EngineArgs(max_model_len=1024).create_config(512)
+
+
+def _from_cli(argv: list[str]) -> EngineArgs:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    return EngineArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_vllms_flags_mean_what_they_mean_there():
+    args = _from_cli(["--swap-space", "2", "--no-enable-chunked-prefill", "--trust-remote-code",
+                      "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "256", "--device", "cpu"])
+    cfg = args.create_config(4096)
+    assert args.swap_space_gb == 2 and args.trust_remote_code
+    assert cfg.cache.gpu_memory_utilization == 0.5
+    assert cfg.scheduler.max_num_batched_tokens == cfg.model.max_model_len  # a prompt is never split
+    chunked = _from_cli(["--max-num-batched-tokens", "256", "--device", "cpu"]).create_config(4096)
+    assert chunked.scheduler.max_num_batched_tokens == 256
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        EngineArgs(gpu_memory_utilization=1.5, device="cpu").create_config(4096)
+
+
+def test_gpu_memory_utilization_budgets_a_fraction_of_memory_less_what_the_process_holds():
+    from kvflow.worker.kv_cache import _meminfo_bytes, utilization_budget_gb
+
+    cpu = torch.device("cpu")
+    step = utilization_budget_gb(0.6, cpu) - utilization_budget_gb(0.5, cpu)
+    assert step == pytest.approx(0.1 * _meminfo_bytes("MemTotal") / 1024**3, rel=0.02)
+    with pytest.raises(ValueError, match="no room is left for the KV cache"):
+        utilization_budget_gb(1e-6, cpu)

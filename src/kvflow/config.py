@@ -46,6 +46,9 @@ class CacheConfig:
     swap_space_gb: float = 0.0  # host memory for preempted requests' KV (preemption_mode="swap")
     cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (= "fp8_e4m3") | "int8" (kvflow.attention.kv_quant)
     populate: str = "background"  # when the pool's pages are mapped in: KV_POPULATE_MODES (worker/kv_cache.py)
+    # vLLM's: the fraction of the device's memory (the host's on CPU) this engine may hold, the KV
+    # pool taking what the loaded model and the activations' headroom leave; replaces kv_cache_memory_gb.
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,9 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory_gb: float = 2.0
+    gpu_memory_utilization: float | None = None  # vLLM's: a fraction of device memory instead of a KV budget
+    enable_chunked_prefill: bool = True  # vLLM's; False: a prompt is never split (the budget grows to max_model_len)
+    trust_remote_code: bool = False  # vLLM's; kvflow runs no code from model repositories, so it changes nothing
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     # The offline token budget (`kvflow serve` keeps 1,024 for its first tokens' latency): W1 ran
@@ -218,6 +224,8 @@ class EngineArgs:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")
+        _require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+                 "gpu_memory_utilization", "in (0, 1]")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1")
         _require(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs or priority")
@@ -272,10 +280,11 @@ class EngineArgs:
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
                 self.swap_space_gb if self.preemption_mode == "swap" else 0.0, self.kv_cache_dtype,
-                self.kv_populate,
+                self.kv_populate, self.gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
-                self.max_num_batched_tokens, self.max_num_seqs, self.scheduling_policy, self.preemption_mode
+                self.max_num_batched_tokens if self.enable_chunked_prefill else max(self.max_num_batched_tokens, max_len),
+                self.max_num_seqs, self.scheduling_policy, self.preemption_mode
             ),
             attention_backend=backend,
             device=device,
@@ -309,13 +318,22 @@ class EngineArgs:
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--block-size", type=int, default=d.block_size)
         g.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
+        g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="vLLM's: the fraction of the device's memory (the host's on CPU) the engine may hold; the "
+                            "KV pool gets what the model and 1 GiB of headroom leave (instead of --kv-cache-memory-gb)")
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="split long prompts into chunks of the token budget (on by default, as vLLM's; --no-...: "
+                            "the budget grows to max-model-len, a prompt runs in one step)")
+        g.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM command lines; kvflow never runs code from a model repository")
         g.add_argument("--num-kv-blocks", type=int, default=None)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
         g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
-        g.add_argument("--swap-space-gb", type=float, default=d.swap_space_gb)
+        g.add_argument("--swap-space-gb", "--swap-space", type=float, default=d.swap_space_gb,
+                       help="host memory (GiB) for preempted requests' KV with --preemption-mode swap")
         g.add_argument("--disable-log-stats", action="store_true")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--skip-tokenizer-init", action="store_true")

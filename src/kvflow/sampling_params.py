@@ -43,6 +43,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
+    # token id → a number added to its logit before sampling (OpenAI's logit_bias: -100 bans the
+    # token, +100 all but forces it); the logprobs reported are the model's, before it.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,8 +93,16 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 0), name, "an integer >= 0 (or None)", value)
+        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
+                                            and all(_is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0
+                                                    for t, b in self.logit_bias.items())),
+               "logit_bias", f"a map of at most {MAX_LOGIT_BIAS} token ids >= 0 to numbers in [-100, 100]",
+               self.logit_bias)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "a StructuredOutputsParams (or None)", self.structured_outputs)
+
+
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias (OpenAI takes 300)
 
 
 def _is_int(value: object) -> bool:

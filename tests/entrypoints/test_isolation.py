@@ -101,7 +101,7 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict:
     (C, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, ["tools"]),
     (P, {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, ["`tools`", "/v1/chat/completions"]),
     (P, {"prompt": "x", "guided_regex": 5}, ["guided_regex"]),
-    (P, {"prompt": "x", "logit_bias": {"3": 1}}, ["`logit_bias`"]),
+    (P, {"prompt": "x", "logit_bias": {"three": 1}}, ["logit_bias", "token ids"]),
 ])
 def test_a_bad_request_is_refused_alone_while_a_victim_streams(server, alone, path, body, words):
     llm, live = server

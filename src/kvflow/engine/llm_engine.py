@@ -470,9 +470,10 @@ class LLMEngine:
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the limits of this model and engine."""
         vocab = self.arch.vocab_size
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} must be token ids in [0, {vocab}); got {bad}")
         cap = self.config.model.max_logprobs
         cap = vocab if cap < 0 else min(cap, vocab)
         for name in ("logprobs", "prompt_logprobs"):

@@ -86,6 +86,33 @@ def pool_blocks(cache: CacheConfig, layout: KVLayout, dtype_bytes: int, max_mode
             int(cache.swap_space_gb * 1024**3) // block_bytes)
 
 
+def utilization_budget_gb(fraction: float, device: torch.device) -> float:
+    """The KV budget (GiB) under `gpu_memory_utilization`: `fraction` of the device's memory (the
+    host's, on CPU), less what this process holds already (the loaded model) and the activations'
+    headroom. ValueError when that leaves nothing, saying what took it."""
+    if device.type == "cuda":
+        total, held = torch.cuda.mem_get_info(device)[1], torch.cuda.memory_reserved(device)
+    else:
+        total, held = _meminfo_bytes("MemTotal"), _resident_bytes()
+    budget = fraction * total - held - MEMORY_HEADROOM_BYTES
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={fraction} allows {fraction * total / 1024**3:.2f} GiB, but the "
+                         f"loaded model already holds {held / 1024**3:.2f} GiB and activations need "
+                         f"{MEMORY_HEADROOM_BYTES / 1024**3:.0f} GiB: no room is left for the KV cache")
+    return budget / 1024**3
+
+
+def _meminfo_bytes(field: str) -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields[field].split()[0]) * 1024
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
 def available_memory_bytes(device: torch.device) -> int | None:
     """Memory free for the KV pool now: the GPU's free memory, or the host's MemAvailable."""
     if device.type == "cuda":

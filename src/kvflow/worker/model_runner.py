@@ -257,6 +257,7 @@ class ModelRunner:
             any_penalties=any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
                               for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            logit_bias=[p.logit_bias or {} for p in params] if any(p.logit_bias for p in params) else None,
             **(grammar_fields or {}),
         )
 

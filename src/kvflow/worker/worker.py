@@ -52,6 +52,7 @@ from kvflow.worker.kv_cache import (
     available_memory_bytes,
     pool_blocks,
     unique_caches,
+    utilization_budget_gb,
 )
 from kvflow.worker.kv_connector import KVStoreConnectorWorker
 from kvflow.worker.model_runner import ModelRunner
@@ -96,7 +97,11 @@ class Worker:
         """(device blocks, host blocks for swapping) this rank can hold: the configured budget,
         capped by the memory measured free now that the model is loaded."""
         cfg = self.config
-        return pool_blocks(cfg.cache, self.local_arch.kv_layout, cfg.model.dtype.itemsize, cfg.model.max_model_len,
+        cache = cfg.cache
+        if cache.gpu_memory_utilization is not None and cache.num_kv_blocks is None:
+            cache = dataclasses.replace(cache, kv_cache_memory_gb=utilization_budget_gb(cache.gpu_memory_utilization,
+                                                                                        self.device))
+        return pool_blocks(cache, self.local_arch.kv_layout, cfg.model.dtype.itemsize, cfg.model.max_model_len,
                            cfg.scheduler.max_num_seqs, available_memory_bytes(self.device), self.stage.layers)
 
     @property

@@ -25,6 +25,9 @@ class ServerLimits:
     tokenizer_workers: int = 2  # threads that tokenize and render chat templates
     shutdown_timeout: float = 20.0  # seconds in-flight requests get to finish on SIGTERM / SIGINT
     max_served_loras: int = 256  # LoRA adapters served by name at once (--lora-modules and runtime loads)
+    # Stop strings of one request: each is matched against every new piece of text. OpenAI takes
+    # 4; lm-eval's code tasks send 6.
+    max_stop_sequences: int = 16
     # The engine thread's own bounds (LoadLimits).
     max_waiting_seqs: int = LoadLimits.max_waiting_seqs
     max_admissions_per_step: int = LoadLimits.max_admissions_per_step
@@ -62,6 +65,8 @@ class ServerLimits:
         g.add_argument("--tokenizer-workers", type=int, default=d.tokenizer_workers)
         g.add_argument("--max-served-loras", type=int, default=d.max_served_loras,
                        help="LoRA adapters served by name at once; a runtime load beyond it gets 409")
+        g.add_argument("--max-stop-sequences", type=int, default=d.max_stop_sequences,
+                       help="stop strings one request may give (OpenAI's limit is 4)")
         g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                        help="seconds in-flight requests may still run after SIGTERM; the rest get 503")
         g.add_argument("--max-waiting-seqs", type=int, default=d.max_waiting_seqs,

@@ -17,7 +17,6 @@ from kvflow.entrypoints.openai.structured_request import StructuredOutputFields
 from kvflow.entrypoints.openai.tool_calls import PastToolCall, ToolFields
 from kvflow.sampling_params import StructuredOutputsParams
 
-MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit
 _INT64 = 2**63
 
@@ -28,7 +27,7 @@ MAX_CACHE_SALT_CHARS = 256  # room for a tenant's name or a random token; a key,
 # (null, empty, "none", or vLLM's default in _DEFAULTS) they are accepted. Tools are a chat
 # feature: completions refuse them; vLLM's chat extras are refused on chat (completions
 # implements its own `echo`).
-UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias",
+UNSUPPORTED_FIELDS = ("functions", "function_call",
                       "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
                       "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids", "priority",
                       "guided_whitespace_pattern")
@@ -55,6 +54,7 @@ class OpenAIBody(BaseModel):
 
 class StreamOptions(OpenAIBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk
 
 
 class SamplingFields(OpenAIBody, StructuredOutputFields):
@@ -96,16 +96,37 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's: token id (as a string, JSON's keys) → bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])  # their count: ServerLimits
         if not all(stops):
             raise ValueError("must be non-empty strings")
         return stops
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_numbers(cls, bias: Any) -> Any:
+        # Strict mode takes no int for a float; a bias of 5 is 5.0.
+        if isinstance(bias, dict):
+            return {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in bias.items()}
+        return bias
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids; got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"values must be in [-100, 100]; got {value} for token {key}")
+        return bias
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -123,6 +144,10 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class TextPart(OpenAIBody):
@@ -206,9 +231,9 @@ TokenIds = list[int]
 class CompletionRequest(SamplingFields):
     _unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS + CHAT_ONLY_FIELDS
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0, with echo: score the prompt, generate nothing (vLLM's)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs (vLLM's; OpenAI's is 5)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -231,11 +256,18 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (other than best_of == n)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it scores the prompt, with echo (and logprobs)")
         return self
 
     @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt and its logprobs, no completion."""
+        return self.max_tokens == 0
+
+    @property
     def max_new_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.scores_only else self.max_tokens  # the engine samples a token the answer drops
 
     def prompts(self) -> list[str | TokenIds]:
         """One entry per prompt: the text or the token ids."""

@@ -80,6 +80,9 @@ class Serving:
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        if len(req.stop or ()) > self.limits.max_stop_sequences:
+            raise APIError(400, f"at most {self.limits.max_stop_sequences} stop sequences (--max-stop-sequences); "
+                                f"got {len(req.stop)}", param="stop")
         try:
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature,
@@ -88,7 +91,7 @@ class Serving:
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, output_kind=RequestOutputKind.DELTA,
-                structured_outputs=req.structured_outputs_params(),
+                structured_outputs=req.structured_outputs_params(), logit_bias=req.token_logit_bias(),
             )
         except ValueError as e:
             raise bad_request(e) from None

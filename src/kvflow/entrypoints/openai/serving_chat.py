@@ -113,7 +113,8 @@ class ChatServing(Serving):
                     yield chunk([ChatChunkChoice(
                         index=delta.index, delta=_delta(content, calls),
                         finish_reason=_finish_reason(reason, output),
-                        logprobs=self._logprobs(delta.token_ids, delta.logprobs or [], req))])
+                        logprobs=self._logprobs(delta.token_ids, delta.logprobs or [], req))],
+                        Usage.of(prompt_tokens, completion_tokens) if req.continuous_usage else None)
         if req.include_usage:
             yield chunk([], Usage.of(prompt_tokens, completion_tokens))
 

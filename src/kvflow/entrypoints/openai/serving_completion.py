@@ -80,11 +80,13 @@ class CompletionServing(Serving):
         result = []
         for index, choice in enumerate(choices):
             cursor = _Cursor()
-            text, logprobs = self._piece(firsts[index // req.n], choice.text, choice.token_ids, choice.logprobs, req, cursor)
+            text, ids, positions = ("", [], []) if req.scores_only else (choice.text, choice.token_ids, choice.logprobs)
+            text, logprobs = self._piece(firsts[index // req.n], text, ids, positions, req, cursor)
             result.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason))
         prompt_tokens = sum(len(out.prompt_token_ids) for out in firsts.values())
+        generated = 0 if req.scores_only else sum(len(c.token_ids) for c in choices)
         return Completion(id=request_id, model=req.model or self.model_name, choices=result,
-                          usage=Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)))
+                          usage=Usage.of(prompt_tokens, generated))
 
     async def _events(self, request_id: str, req: CompletionRequest, streams: list[RequestStream]) -> AsyncIterator[str]:
         created = int(time.time())
@@ -94,11 +96,12 @@ class CompletionServing(Serving):
         async with aclosing(merge(streams)) as outputs:
             async for prompt_index, out in outputs:
                 prompt_tokens[prompt_index] = len(out.prompt_token_ids)
-                completion_tokens += sum(len(delta.token_ids) for delta in out.outputs)
+                completion_tokens += 0 if req.scores_only else sum(len(delta.token_ids) for delta in out.outputs)
                 choices = [c for delta in out.outputs if (c := self._delta(out, delta, prompt_index, req, cursors))]
                 if choices:
+                    usage = Usage.of(sum(prompt_tokens.values()), completion_tokens) if req.continuous_usage else None
                     yield sse(Completion(id=request_id, created=created, model=req.model or self.model_name,
-                                         choices=choices))
+                                         choices=choices, usage=usage))
         if req.include_usage:
             usage = Usage.of(sum(prompt_tokens.values()), completion_tokens)
             yield sse(Completion(id=request_id, created=created, model=req.model or self.model_name, choices=[],
@@ -109,9 +112,10 @@ class CompletionServing(Serving):
         """One streamed choice, or None when the step added nothing to send (text held back)."""
         index, reason = prompt_index * req.n + delta.index, finish_reason(delta)
         echo_due = req.echo and not cursors[index].echoed
-        if not (delta.text or reason or echo_due or (req.logprobs is not None and delta.token_ids)):
+        text, ids, positions = ("", [], []) if req.scores_only else (delta.text, delta.token_ids, delta.logprobs or [])
+        if not (text or reason or echo_due or (req.logprobs is not None and ids)):
             return None
-        text, logprobs = self._piece(out, delta.text, delta.token_ids, delta.logprobs or [], req, cursors[index])
+        text, logprobs = self._piece(out, text, ids, positions, req, cursors[index])
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)
 
     def _piece(self, out: RequestOutput, text: str, token_ids: list[int], positions: list[PositionLogprobDict],

@@ -41,6 +41,8 @@ class SamplingBatch:
     # (int32 words, on the logits' device). None when no row has a grammar: nothing is paid.
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: torch.Tensor | None = None
+    # OpenAI's logit_bias, per row ({} for none): added to the logits after the penalties.
+    logit_bias: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Logits in any float dtype: they are widened to float32 only where something adjusts them."""
         if (batch.all_greedy and batch.num_logprobs < 0 and not batch.any_penalties and batch.grammar_bitmask is None
-                and not any(batch.banned_token_ids)):
+                and not any(batch.banned_token_ids) and not any(batch.logit_bias or ())):
             # Nothing to adjust: the argmax of the logits as they are (widening keeps the order),
             # without a float32 copy of them (25 MB for 128 rows of a 49,152-token vocabulary,
             # ~5 ms here: its pages are new at every step).
@@ -76,7 +78,7 @@ class Sampler:
         row wants logprobs."""
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs >= 0 else None
-        logits = apply_penalties(logits, batch)
+        logits = apply_logit_bias(apply_penalties(logits, batch), batch.logit_bias)
         has_grammar = batch.grammar_bitmask is not None
         if has_grammar:
             logits = apply_grammar_bitmask(logits, batch.grammar_bitmask, batch.grammar_rows)
@@ -134,6 +136,18 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # OpenAI's frequency and presence penalties count only generated tokens.
     logits = logits - batch.frequency_penalty[:, None] * counts
     return logits - batch.presence_penalty[:, None] * (counts > 0).float()
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]] | None) -> torch.Tensor:
+    """Each row's bias added to its own tokens' logits (in place), all rows in one scatter."""
+    if not any(biases or ()):
+        return logits
+    rows = [row for row, bias in enumerate(biases) for _ in bias]
+    tokens = [t for bias in biases for t in bias]
+    values = [b for bias in biases for b in bias.values()]
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+    logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+    return logits
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
