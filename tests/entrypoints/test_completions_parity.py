@@ -92,3 +92,23 @@ def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(client):
     assert "".join(p.choices[0].text for p in pieces if p.choices) == STORY
     with pytest.raises(openai.BadRequestError, match="scores the prompt"):
         client.completions.create(model=MODEL, prompt=STORY, max_tokens=0)
+
+
+def test_prompt_logprobs_as_vllm_returns_them(client):
+    """vLLM's extra on completions (per choice) and chat (the response): each prompt position's
+    token with the top N, the first position None; the same numbers as echo's logprobs."""
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=STORY, max_tokens=1, echo=True, logprobs=2,
+                                                      temperature=0, extra_body={"prompt_logprobs": 2}).parse()
+    choice = raw.choices[0].model_dump()
+    entries = choice["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == raw.usage.prompt_tokens
+    echoed = choice["logprobs"]["token_logprobs"][:len(entries)]
+    for entry, logprob in zip(entries[1:], echoed[1:]):
+        assert 2 <= len(entry) <= 3  # the prompt's own token, and the top 2
+        assert logprob in [e["logprob"] for e in entry.values()]
+        assert {e["rank"] for e in entry.values()} >= {1, 2}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0}).model_dump()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) >= 1 for e in chat["prompt_logprobs"][1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs is not supported with stream"):
+        client.completions.create(model=MODEL, prompt=STORY, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})

@@ -28,7 +28,7 @@ MAX_CACHE_SALT_CHARS = 256  # room for a tenant's name or a random token; a key,
 # feature: completions refuse them; vLLM's chat extras are refused on chat (completions
 # implements its own `echo`).
 UNSUPPORTED_FIELDS = ("functions", "function_call",
-                      "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                      "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
                       "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids", "priority",
                       "guided_whitespace_pattern")
 CHAT_ONLY_FIELDS = ("tools", "tool_choice")
@@ -98,6 +98,8 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     include_stop_str_in_output: bool = False
     # OpenAI's: token id (as a string, JSON's keys) → bias in [-100, 100] added to its logit.
     logit_bias: dict[str, float] | None = None
+    # vLLM's: each prompt token's logprob and the top N at its position (not in a stream).
+    prompt_logprobs: int | None = Field(None, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -139,6 +141,8 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     def _consistent(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream (vLLM's rule too)")
         return self
 
     @property

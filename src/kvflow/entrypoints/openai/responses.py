@@ -69,6 +69,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
 
 
 class DeltaFunctionCall(BaseModel):
@@ -116,11 +117,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`: keyed by token id (a string, as JSON keys are)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt position, the first None (no token before it to predict it).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra (non-streamed responses)
 
 
 class Completion(BaseModel):

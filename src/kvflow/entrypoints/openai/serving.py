@@ -23,6 +23,7 @@ from kvflow.engine.outputs import CompletionOutput, PositionLogprobDict, Request
 from kvflow.entrypoints.openai.errors import APIError, bad_request, from_exception
 from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.protocol import SamplingFields
+from kvflow.entrypoints.openai.responses import PromptLogprob, PromptLogprobs
 from kvflow.entrypoints.openai.serving_models import ServingModels
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
 from kvflow.lora.request import LoRARequest
@@ -145,6 +146,16 @@ class Serving:
             prefix = f"prompt {index}: " if len(prompts) > 1 else ""
             raise bad_request(ValueError(prefix + str(error))) from None
         raise error
+
+    def prompt_logprobs(self, out: RequestOutput, asked: int | None) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` of a prompt: at each position its token and the top `asked`."""
+        if asked is None or out.prompt_logprobs is None:
+            return None
+        return [None if position is None else {
+            str(t): PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank,
+                                  decoded_token=lp.decoded_token if lp.decoded_token is not None else self.token_text(t))
+            for t, lp in position.items() if t == token or (lp.rank is not None and lp.rank <= asked)}
+            for token, position in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
     def token_text(self, token_id: int) -> str:
         tokenizer = self.async_llm.tokenizer

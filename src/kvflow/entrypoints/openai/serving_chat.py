@@ -46,7 +46,7 @@ class ChatServing(Serving):
     async def create(self, req: ChatCompletionRequest) -> ChatCompletion | EventStreamResponse:
         lora_request = self.check_model(req.model)
         self.check_fan_out(1, req.n)
-        params = self.sampling_params(req, req.max_new_tokens, req.num_logprobs)
+        params = self.sampling_params(req, req.max_new_tokens, req.num_logprobs, req.prompt_logprobs)
         prompt = await self._render(req)
         self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -70,15 +70,16 @@ class ChatServing(Serving):
 
     async def _collect(self, request_id: str, req: ChatCompletionRequest, stream: RequestStream) -> ChatCompletion:
         choices = [Choice() for _ in range(req.n)]
-        prompt_tokens = 0
+        prompt_tokens, first = 0, None
         async for out in stream:
-            prompt_tokens = len(out.prompt_token_ids)
+            prompt_tokens, first = len(out.prompt_token_ids), first or out
             for delta in out.outputs:
                 choices[delta.index].add(delta)
         return ChatCompletion(
             id=request_id, model=req.model or self.model_name,
             choices=[self._choice(i, c, req) for i, c in enumerate(choices)],
             usage=Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+            prompt_logprobs=None if first is None else self.prompt_logprobs(first, req.prompt_logprobs),
         )
 
     def _choice(self, index: int, choice: Choice, req: ChatCompletionRequest) -> ChatChoice:

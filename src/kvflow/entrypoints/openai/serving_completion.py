@@ -43,7 +43,8 @@ class CompletionServing(Serving):
         lora_request = self.check_model(req.model)
         prompts = req.prompts()
         self.check_fan_out(len(prompts), req.n)
-        prompt_logprobs = req.logprobs if req.echo else None
+        asked = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
+        prompt_logprobs = max(asked) if asked else None
         params = self.sampling_params(req, req.max_new_tokens, req.logprobs, prompt_logprobs)
         prompts = await self._tokenized(prompts)
         self.check_logprobs([len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts], params)
@@ -82,7 +83,9 @@ class CompletionServing(Serving):
             cursor = _Cursor()
             text, ids, positions = ("", [], []) if req.scores_only else (choice.text, choice.token_ids, choice.logprobs)
             text, logprobs = self._piece(firsts[index // req.n], text, ids, positions, req, cursor)
-            result.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason))
+            result.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
+                                           prompt_logprobs=self.prompt_logprobs(firsts[index // req.n],
+                                                                                req.prompt_logprobs)))
         prompt_tokens = sum(len(out.prompt_token_ids) for out in firsts.values())
         generated = 0 if req.scores_only else sum(len(c.token_ids) for c in choices)
         return Completion(id=request_id, model=req.model or self.model_name, choices=result,
