@@ -51,6 +51,7 @@ from kvflow.entrypoints.openai.serving_models import (
     UnloadLoRAAdapterRequest,
     parse_lora_modules,
 )
+from kvflow.entrypoints.openai.serving_responses import ResponsesRequest, ResponsesServing
 from kvflow.entrypoints.openai.serving_tokens import DetokenizeRequest, TokenizeRequest, TokenServing
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
 from kvflow.lora.request import LoRARequest
@@ -88,6 +89,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     models = ServingModels(async_llm, served_model_name, list(lora_modules), limits.max_served_loras)
     chat = ChatServing(async_llm, models, limits, tokenizer, tool_call_parser)
     completions = CompletionServing(async_llm, models, limits, tokenizer)
+    responses = ResponsesServing(chat)
 
     @app.get("/health")
     async def health() -> Response:
@@ -119,6 +121,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     @v1.post("/completions")
     async def create_completions(request: Request) -> Response:
         return await _answer(request, CompletionRequest, completions.create, limits)
+
+    @v1.post("/responses")
+    async def create_response(request: Request) -> Response:
+        return await _answer(request, ResponsesRequest, responses.create, limits)
 
     app.include_router(v1)
     _add_vllm_utility_routes(app, TokenServing(tokenizer), key_check, limits)
@@ -160,8 +166,9 @@ async def _answer(request: Request, body_type: type[Body], create: Callable[[Bod
     return result if isinstance(result, Response) else _json(result)  # a Response: a stream, or a client that left
 
 
-def _json(result: BaseModel) -> Response:
-    return Response(result.model_dump_json(), media_type="application/json")
+def _json(result: BaseModel | dict) -> Response:
+    body = result.model_dump_json() if isinstance(result, BaseModel) else json.dumps(result)
+    return Response(body, media_type="application/json")
 
 
 def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:

@@ -47,7 +47,7 @@ class ChatServing(Serving):
         lora_request = self.check_model(req.model)
         self.check_fan_out(1, req.n)
         params = self.sampling_params(req, req.max_new_tokens, req.num_logprobs, req.prompt_logprobs)
-        prompt = await self._render(req)
+        prompt = await self.render_prompt(req)
         self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         [stream] = await self.start(request_id, [prompt], params, lora_request, req.cache_salt)
@@ -58,7 +58,7 @@ class ChatServing(Serving):
         finally:
             stream.close()
 
-    async def _render(self, req: ChatCompletionRequest) -> list[int]:
+    async def render_prompt(self, req: ChatCompletionRequest) -> list[int]:
         try:
             tools = req.template_tools()
             tokenizer = self.tokenizer.tokenizer
@@ -83,14 +83,14 @@ class ChatServing(Serving):
         )
 
     def _choice(self, index: int, choice: Choice, req: ChatCompletionRequest) -> ChatChoice:
-        output = self._output(req)
+        output = self.choice_output(req)
         content, deltas = output.feed(choice.text, final=True)
         calls = whole_calls(deltas)
         message = AssistantMessage(content=content or (None if calls else ""), tool_calls=calls or None)
         return ChatChoice(index=index, message=message, finish_reason=_finish_reason(choice.finish_reason, output),
                           logprobs=self._logprobs(choice.token_ids, choice.logprobs, req))
 
-    def _output(self, req: ChatCompletionRequest) -> ChoiceOutput:
+    def choice_output(self, req: ChatCompletionRequest) -> ChoiceOutput:
         return choice_output(req.tool_mode, self.tool_call_parser, req.forced_function)
 
     async def _events(self, request_id: str, req: ChatCompletionRequest, stream: RequestStream) -> AsyncIterator[str]:
@@ -102,7 +102,7 @@ class ChatServing(Serving):
 
         for index in range(req.n):  # the role first, as OpenAI sends it
             yield chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
-        outputs = [self._output(req) for _ in range(req.n)]
+        outputs = [self.choice_output(req) for _ in range(req.n)]
         prompt_tokens = completion_tokens = 0
         async for out in stream:
             prompt_tokens = len(out.prompt_token_ids)
