@@ -70,7 +70,7 @@ def test_version_and_ping(url):
 
 @pytest.mark.parametrize("path, says", [
     ("/v1/embeddings", "no embedding model"),
-    ("/v1/messages", "does not serve the Anthropic Messages API yet"),
+    ("/v1/rerank", "no reranking model"),
     ("/v1/nothing", "no such route"),
 ])
 def test_a_missing_route_is_named_with_what_the_server_offers(url, path, says):

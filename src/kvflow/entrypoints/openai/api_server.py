@@ -45,6 +45,7 @@ from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.entrypoints.openai.serving_chat import ChatServing
 from kvflow.entrypoints.openai.serving_completion import CompletionServing
+from kvflow.entrypoints.openai.serving_messages import MessagesRequest, MessagesServing, anthropic_error
 from kvflow.entrypoints.openai.serving_models import (
     LoadLoRAAdapterRequest,
     ServingModels,
@@ -90,6 +91,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     chat = ChatServing(async_llm, models, limits, tokenizer, tool_call_parser)
     completions = CompletionServing(async_llm, models, limits, tokenizer)
     responses = ResponsesServing(chat)
+    messages = MessagesServing(chat)
 
     @app.get("/health")
     async def health() -> Response:
@@ -125,6 +127,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     @v1.post("/responses")
     async def create_response(request: Request) -> Response:
         return await _answer(request, ResponsesRequest, responses.create, limits)
+
+    @v1.post("/messages")
+    async def create_message(request: Request) -> Response:
+        return anthropic_error(await _answer(request, MessagesRequest, messages.create, limits))
 
     app.include_router(v1)
     _add_vllm_utility_routes(app, TokenServing(tokenizer), key_check, limits)
@@ -177,6 +183,8 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
     async def check(request: Request) -> None:
         scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
         given = credentials.lstrip(" ").encode("latin-1")  # the header's own bytes back
+        if "x-api-key" in request.headers:  # Anthropic's clients send the key here
+            scheme, given = "bearer", request.headers["x-api-key"].encode("latin-1")
         # The scheme is case-insensitive (RFC 7235); the key is compared in constant time, so it
         # is not guessable by timing.
         if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):

@@ -98,7 +98,6 @@ _NOT_SERVED = {
     "/v1/embeddings": "this server has no embedding model: kvflow serves generative models (chat and completions)",
     "/v1/rerank": "this server has no reranking model: kvflow serves generative models (chat and completions)",
     "/v1/score": "this server has no scoring model: kvflow serves generative models (chat and completions)",
-    "/v1/messages": "kvflow does not serve the Anthropic Messages API yet: use /v1/chat/completions",
 }
 
 
