@@ -24,15 +24,13 @@ import hashlib
 import logging
 import os
 import platform
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 
 from kvflow import settings
 from kvflow.config import KernelConfig
+from kvflow.scoped import Scoped
 
 logger = logging.getLogger(__name__)
 
@@ -46,22 +44,11 @@ SHARED_HEADERS = Path(__file__).parent / "csrc"
 # elsewhere).
 WIDE_VECTORS = ("-mprefer-vector-width=512",)
 DEFAULT_KERNELS = KernelConfig()  # frozen: every fast kernel, fast layouts
-_IN_SCOPE: ContextVar[KernelConfig] = ContextVar("kvflow_kernels", default=DEFAULT_KERNELS)
-
-
-@contextmanager
-def kernel_scope(config: KernelConfig) -> Iterator[KernelConfig]:
-    """Models built (and their weights processed) inside run the kernels `config` chooses."""
-    token = _IN_SCOPE.set(config)
-    try:
-        yield config
-    finally:
-        _IN_SCOPE.reset(token)
-
-
-def current_kernels() -> KernelConfig:
-    """The kernel choices in scope; outside any scope the defaults: every fast kernel, fast layouts."""
-    return _IN_SCOPE.get()
+# Models built (and their weights processed) inside `kernel_scope(config)` run the kernels it
+# chooses; `current_kernels()` outside any scope: the defaults, every fast kernel, fast layouts.
+_IN_SCOPE = Scoped("kvflow_kernels", DEFAULT_KERNELS)
+kernel_scope = _IN_SCOPE.scope
+current_kernels = _IN_SCOPE.current
 
 
 @functools.cache  # once per process: a failed build is not retried by every engine or layer

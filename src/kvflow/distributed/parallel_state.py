@@ -9,12 +9,11 @@ model built anywhere else is exactly today's model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+
+from kvflow.scoped import Scoped
 
 
 @dataclass(frozen=True)
@@ -43,20 +42,9 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
-_IN_SCOPE: ContextVar[TensorParallel] = ContextVar("kvflow_tensor_parallel", default=SINGLE)
-
-
-@contextmanager
-def tensor_parallel_scope(tp: TensorParallel) -> Iterator[TensorParallel]:
-    token = _IN_SCOPE.set(tp)
-    try:
-        yield tp
-    finally:
-        _IN_SCOPE.reset(token)
-
-
-def current_tensor_parallel() -> TensorParallel:
-    return _IN_SCOPE.get()
+_IN_SCOPE = Scoped("kvflow_tensor_parallel", SINGLE)
+tensor_parallel_scope = _IN_SCOPE.scope
+current_tensor_parallel = _IN_SCOPE.current
 
 
 @dataclass(frozen=True)

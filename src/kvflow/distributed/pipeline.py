@@ -21,13 +21,12 @@ only the stage's layers (the others are placeholders without weights).
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
+
+from kvflow.scoped import Scoped
 
 # Point-to-point tags: each (peer, tag) is a FIFO, so lengths and bodies never cross.
 _STEP_SIZE, _STEP_BODY, _OUT_SIZE, _OUT_BODY, _HIDDEN, _RESIDUAL = range(1, 7)
@@ -81,20 +80,9 @@ class PipelineStage:
 
 
 WHOLE = PipelineStage()
-_IN_SCOPE: ContextVar[PipelineStage] = ContextVar("kvflow_pipeline_stage", default=WHOLE)
-
-
-@contextmanager
-def pipeline_scope(stage: PipelineStage) -> Iterator[PipelineStage]:
-    token = _IN_SCOPE.set(stage)
-    try:
-        yield stage
-    finally:
-        _IN_SCOPE.reset(token)
-
-
-def current_pipeline_stage() -> PipelineStage:
-    return _IN_SCOPE.get()
+_IN_SCOPE = Scoped("kvflow_pipeline_stage", WHOLE)
+pipeline_scope = _IN_SCOPE.scope
+current_pipeline_stage = _IN_SCOPE.current
 
 
 @dataclass
