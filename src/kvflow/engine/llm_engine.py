@@ -32,6 +32,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.tokenizer import Tokenizer
+from kvflow.phases import phase
 from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.spec_decode.adaptive import AdaptiveSpeculation
@@ -56,8 +57,9 @@ class LLMEngine:
             raise ValueError(f"data_parallel_size={args.data_parallel_size}: an LLMEngine (and LLM) is one replica; "
                              "replicas are served by `kvflow serve --data-parallel-size N` (DPAsyncLLM)")
         dummy = args.load_format == "dummy"
-        checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init, load_weights=not dummy,
-                                     native_gguf=args.quantization is None)
+        with phase("read the checkpoint"):
+            checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init,
+                                         load_weights=not dummy, native_gguf=args.quantization is None)
         self.quant_config = get_quantization_config(args.quantization, args.group_size, checkpoint.quant_config)
         self.arch = ArchConfig.from_hf(checkpoint.hf_config)
         self.hf_config = checkpoint.hf_config
@@ -67,9 +69,11 @@ class LLMEngine:
             self._check_calibration()
         self._check_kv_transfer()  # before any weight is read
         # The workers load the model and size and allocate the KV pool; the engine schedules.
-        self.model_executor = create_executor(self.config, self.arch, self.quant_config, checkpoint)
-        self.num_kv_blocks, num_host_blocks = self.model_executor.num_kv_blocks, self.model_executor.num_host_blocks
-        cache, layout = self.config.cache, self.arch.kv_layout
+        with phase("loaded the model and allocated the KV cache") as done:
+            self.model_executor = create_executor(self.config, self.arch, self.quant_config, checkpoint)
+            self.num_kv_blocks, num_host_blocks = self.model_executor.num_kv_blocks, self.model_executor.num_host_blocks
+            cache, layout = self.config.cache, self.arch.kv_layout
+            done["detail"] = f"{self.num_kv_blocks} KV blocks of {cache.block_size} tokens"
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | tokenizer_eos
         # The grammars are the engine's: their masks travel to the sampler in the step.
@@ -133,7 +137,8 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
 
-        self.model_executor.calibrate(run, windows)
+        with phase(f"calibrated and quantized ({self.quant_config.name}, {len(windows)} windows of text)", announce=True):
+            self.model_executor.calibrate(run, windows)
         self.reset_prefix_cache()  # those blocks hold the float model's keys and values
 
     def _check_kv_transfer(self) -> None:
@@ -249,7 +254,8 @@ class LLMEngine:
             raise RuntimeError("warm_up runs before any request")
         # Unseen by the stats line: the warm-up sets the counters back when it ends, so a line read
         # during it would report its tokens and leave the next one counting from them (a negative rate).
-        with self.stats_logger.paused(self.get_stats) if self.stats_logger else contextlib.nullcontext():
+        with self.stats_logger.paused(self.get_stats) if self.stats_logger else contextlib.nullcontext(), \
+                phase("warmed up"):
             self._warm_up()
 
     def _warm_up(self) -> None:

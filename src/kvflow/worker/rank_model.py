@@ -4,6 +4,7 @@ the drafter for a draft model."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -18,6 +19,7 @@ from kvflow.model.loader import Checkpoint
 from kvflow.model.loader.dummy import init_dummy_weights
 from kvflow.model.loader.weights import process_weights_after_loading
 from kvflow.model.registry import build_model
+from kvflow.phases import phase
 
 
 def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint: Checkpoint,
@@ -38,7 +40,9 @@ def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint:
         init_dummy_weights(model, config.model.seed)
     else:
         model.load_weights(checkpoint.weights)
-    process_weights_after_loading(model)
+    method = getattr(quant_config, "name", None)
+    with phase(f"prepared the weights ({method})", announce=True) if method else contextlib.nullcontext():
+        process_weights_after_loading(model)
     if config.batch_invariant:
         make_batch_invariant(model)
     return model
