@@ -7,7 +7,7 @@ Each of N chat prompts is generated alone (batch 1), then all N together (one en
 batching, a small token budget so prompts are chunked beside decodes). Counted per mode: requests
 whose tokens differ between the two runs, and requests whose tokens agree but whose logprobs differ
 in any bit. The speed cost of the mode is measured by `kvflow bench latency` / `bench throughput`
-with `--batch-invariant` (docs/performance.md).
+with `--batch-invariant` (docs/performance-journal.md).
 """
 
 from __future__ import annotations

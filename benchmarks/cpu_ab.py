@@ -10,13 +10,13 @@ worker/cpu_decode.py; B: through the modules, `enforce_eager=True`); `weight-lay
 weights' bf16 layouts for products of many rows, quant/int4pack.py; B: their codes alone,
 `cpu_weight_layouts="compact"`). The kernels that used to be levers here (attention in place,
 the C++ KV write, the int4 GEMV and its int8 levels, the C++ decode step over its Python loop)
-won their A/Bs (docs/performance.md) and are no longer switched; their tests and benchmarks call
+won their A/Bs (docs/performance-journal.md) and are no longer switched; their tests and benchmarks call
 them with explicit arguments. The KV pool's populate is `--kv-populate`: after B's first round its
-pages are mapped too, so compare it in separate processes (docs/performance.md).
+pages are mapped too, so compare it in separate processes (docs/performance-journal.md).
 Engine A (lever on) and engine B (off) are built once, then each round runs W1 (`kvflow bench
 throughput`'s workload; --quick: 32 prompts) and W2 (`kvflow bench latency`'s) on A, then on B: on
 a shared machine the load drifts, and alternating spreads it over both. The medians of the rounds
-and their ratio are printed with the load average; numbers for docs/performance.md's peer table
+and their ratio are printed with the load average; numbers for docs/performance-journal.md's peer table
 come from compare_cpu.py on a quiet machine, not from here.
 """
 

@@ -1,4 +1,4 @@
-"""HF transformers generate() on kvflow's benchmark workloads (the peer for docs/performance.md).
+"""HF transformers generate() on kvflow's benchmark workloads (the peer for docs/performance-journal.md).
 
     python benchmarks/hf_peer.py throughput --batch-size 16 --json
     python benchmarks/hf_peer.py latency --json

@@ -1,4 +1,4 @@
-"""The quality/speed table of docs/performance.md: every quantization method on the default model.
+"""The quality/speed table of docs/performance-journal.md: every quantization method on the default model.
 
 For each method: weight bytes held by the linear layers and the embedding/head, perplexity on the
 shipped text (`kvflow eval ppl`'s measure) and its change against float32, greedy agreement with

@@ -105,7 +105,7 @@ class KernelConfig:
     # the same numbers, without the modules around them); False with `enforce_eager`, as CUDA graphs.
     decode_step: bool = True
     # The bf16 layouts kept beside a quantized weight for the products its own kernel is slow at
-    # (`cpu_weight_layouts`: CPU_WEIGHT_LAYOUTS); "compact" keeps none (docs/performance.md).
+    # (`cpu_weight_layouts`: CPU_WEIGHT_LAYOUTS); "compact" keeps none (docs/performance-journal.md).
     weight_layouts: str = "fast"
 
 
@@ -141,7 +141,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     # The offline token budget (`kvflow serve` keeps 1,024 for its first tokens' latency): W1 ran
     # 0-6% faster at 4,096 than at 2,048 in five alternated pairs (median +3.9%), and slower at
-    # 8,192 (docs/performance.md, stop 30).
+    # 8,192 (docs/performance-journal.md, stop 30).
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 128
     scheduling_policy: str = "fcfs"
@@ -182,7 +182,7 @@ class EngineArgs:
     custom_ops: str = "all"
     # "fast": a quantized weight keeps bf16 layouts beside its codes for the products of more rows
     # than its own kernel is fast at (prefill, batched decode); "compact": only its codes (less
-    # memory, slower prompts and batches). CPU_WEIGHT_LAYOUTS; docs/performance.md measures both.
+    # memory, slower prompts and batches). CPU_WEIGHT_LAYOUTS; docs/performance-journal.md measures both.
     cpu_weight_layouts: str = "fast"
 
     @property

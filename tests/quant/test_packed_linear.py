@@ -31,7 +31,7 @@ def test_packed_product_equals_f_linear(rows, bias, onednn_only):
 @pytest.mark.parametrize("amx", [True, False])
 def test_the_layout_for_middle_row_counts_is_packed_when_one_first_asks_on_amx(amx, onednn_only, monkeypatch):
     """Where the CPU has AMX tiles the 1-row layout is laid out for middle row counts (it paid
-    there); elsewhere (it did not: docs/performance.md, issue 40) it never is."""
+    there); elsewhere (it did not: docs/performance-journal.md, issue 40) it never is."""
     monkeypatch.setattr(panel_linear, "has_tiles", lambda: amx)
     weight = torch.randn(96, 64).bfloat16()
     packed = packed_linear.PackedWeight(weight)
@@ -134,7 +134,7 @@ def test_int4_planes_take_the_one_pass_form_only_where_they_would_take_the_dense
 @pytest.mark.parametrize("amx", [True, False])
 def test_gated_pairs_keep_onednn_halves_only_where_they_pay(amx, monkeypatch):
     """Past the panel kernel's rows a pair's oneDNN halves (a second copy of the weight) paid on a
-    Xeon with AMX, not on the AMD EPYC (docs/performance.md, issue 40): elsewhere the pair holds
+    Xeon with AMX, not on the AMD EPYC (docs/performance-journal.md, issue 40): elsewhere the pair holds
     its panels alone, and a product of more rows runs unfused, bit for bit the layer's own product
     and the activation kernel."""
     from kvflow.model.layers import cpu_ops

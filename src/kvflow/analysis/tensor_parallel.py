@@ -18,7 +18,7 @@ hops), which dominates the KB-sized messages of decode. Decode cannot hide it be
 
 The bandwidth is the per-direction link of one device (NVLink 4 on H100 SXM: 900 GB/s both
 ways, i.e. 450 GB/s each way); the per-collective latency is a parameter, not a datasheet
-figure: `docs/performance.md` derives it from gpt-fast's published 8xA100 scaling.
+figure: `docs/performance-journal.md` derives it from gpt-fast's published 8xA100 scaling.
 """
 
 from __future__ import annotations

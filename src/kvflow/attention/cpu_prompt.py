@@ -7,7 +7,7 @@ SDPA's flash kernel ran W1's fresh prompts at ~0.13 TFLOP/s on AMX, 31% of its p
 tile kernel takes a prompt of 290 tokens (SmolLM2's 9 heads over 3 KV heads) in 0.19 ms against
 SDPA's 0.39, 512 in 0.46 against 0.80, 2,048 in 6.7 against 8.1 (2 threads, medians of 20). On a
 CPU without AMX (AMD EPYC, AVX-512 BF16) SDPA ran at 20-30 GFLOP/s, 26% of W1's prefill steps; the
-dot-product form there: see docs/performance.md, stop 35. Either way its error against float32 is
+dot-product form there: see docs/performance-journal.md, stop 35. Either way its error against float32 is
 SDPA's own in bfloat16 (tests/attention/test_cpu_prompt.py).
 
 Built once per machine like the other kernels (kvflow/cpu_extension.py); where it cannot be built

@@ -7,7 +7,7 @@
 - A chunk of at least PREFIXED_MIN_QUERIES queries after a cached prefix (chunked prefill's next
   chunk, a prompt after a prefix-cache hit) takes the same kernel where it can, over its keys
   gathered from the blocks: in W1's prefill steps the paged kernel spent 20-84 ms a step on one such
-  chunk, its 16 queries' 48 rows a time on float multiply-adds (docs/performance.md, stop 34).
+  chunk, its 16 queries' 48 rows a time on float multiply-adds (docs/performance-journal.md, stop 34).
 - On CPU with the C++ kernel built, the requests `cpu_paged.takes` (decodes, verifications, narrow
   heads' chunks after a cached prefix) are read in place from the pool, whether it holds the
   model's dtype or int8/fp8 codes (cpu_paged.py).

@@ -1,4 +1,4 @@
-"""`kvflow bench gpu-compile`'s report as Markdown tables, ready to paste into docs/performance.md:
+"""`kvflow bench gpu-compile`'s report as Markdown tables, ready to paste into docs/performance-journal.md:
 one row per compiled kernel with each target's resources side by side, then one row per launch
 and step with its roofline time, and per step the total over one forward pass."""
 

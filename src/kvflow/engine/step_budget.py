@@ -4,7 +4,7 @@ The decodes batched with a step of prompt tokens wait for all of it: their next 
 much later. `kvflow serve`'s 1,024 tokens a step took ~0.22 s on a Xeon with AMX (a lone 1,000-token
 prompt's TTFT: 217-228 ms), where 512 had lost a third of the served throughput (stop 28), and
 0.55 s on an AMD EPYC without AMX (0.39 TFLOP/s bf16), where 512 tokens a step cut ITL p99 by
-~40% and TTFT p50 by ~25% for 2-13% of the throughput (docs/performance.md, stop 35). So the
+~40% and TTFT p50 by ~25% for 2-13% of the throughput (docs/performance-journal.md, stop 35). So the
 budget is halved, down to MIN_BUDGET, until a step of it would take at most STEP_TARGET_S.
 
 A step's time comes from the step-time model adaptive speculation fits (T(n) = a + b·n over the

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     EngineArgs.add_cli_args(serve)
     # A server's prompts come in bursts of clients: 1,024 tokens a step let the first of a burst
-    # stream sooner (TTFT p50 −25% against 2,048 for −2% throughput, docs/performance.md, stop 28),
+    # stream sooner (TTFT p50 −25% against 2,048 for −2% throughput, docs/performance-journal.md, stop 28),
     # as vLLM also gives its API server a smaller default budget than its `LLM`; left unset, the
     # budget also follows the machine's speed (engine/step_budget.py). And the KV pool's pages are
     # mapped in only while no step runs, so that the first requests keep both cores.

@@ -2,7 +2,7 @@
 in the model's dtype, as vLLM leaves them.
 
 E4M3 keeps 3 mantissa bits, so every weight is off by up to 1/16 of itself whatever the scale.
-Rounded to nearest, that cost SmolLM2-135M 4.3% perplexity (docs/performance.md). So where the
+Rounded to nearest, that cost SmolLM2-135M 4.3% perplexity (docs/performance-journal.md). So where the
 engine can calibrate (a tokenizer, one process) the linear layers are rounded by GPTQ
 (quant/gptq.py) on 8,192 tokens of the shipped text, each row's scale first shifted by a fraction
 of a binade to where its weights, weighed by their inputs, land nearest the grid. Elsewhere, and

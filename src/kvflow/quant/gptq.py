@@ -8,7 +8,7 @@ H⁻¹, rounding column i by e moves e · U[i, j] / U[i, i] into every later col
 columns take the moves lazily, so the whole layer is updated once a block.
 
 Used by fp8 (quant/fp8.py), whose E4M3 grid is off by up to 1/16 of every weight: rounded to
-nearest, SmolLM2-135M's perplexity rose 4.3%; rounded this way, 0.85% (docs/performance.md).
+nearest, SmolLM2-135M's perplexity rose 4.3%; rounded this way, 0.85% (docs/performance-journal.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ as w = s·(u − c) + z per group of 32, with the planes' own bfloat16 s and z (
 codes, 128 for 8-bit). For an 8-bit layer (the default model's Q8_0 head) it reads 1.125 bytes
 per weight where two planes read 1.25. Used for bfloat16 calls of up to `MAX_ROWS` rows where the
 CPU has AVX-512 BF16 (batch-1 decode 1.14x over aten's int4 kernel when it came:
-docs/performance.md, "2026-11-26, an Intel Xeon VM").
+docs/performance-journal.md, "2026-11-26, an Intel Xeon VM").
 
 One row (batch-1 decode) takes a faster path where the CPU has AVX-512 VNNI: each group's 32
 activations become two int8 levels, x ≈ a·q1 + (a/254)·q2 (a = max|x| / 127), off by at most
@@ -28,7 +28,7 @@ A row's whole blocks of 16 groups are stored lane by lane (`_blocks_lane_by_lane
 dot product then takes 4 bytes of each of 16 groups, and each of its lanes sums one group, so the
 scales are applied once per 16 groups instead of once per 4 (4-bit) or 2 (8-bit). That, not
 memory, was the limit: batch-1 decode 1.18× for the layers' blocks, more with the head's
-(docs/performance.md, "2026-11-26, night").
+(docs/performance-journal.md, "2026-11-26, night").
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ GROUP = 32
 # The most rows a call takes here (the kernel takes up to 8). Its time grows with the rows, the
 # dense copy's barely: the default GGUF's 120 layers, ms at 1, 4, 6, 8 rows: 3.9, 9.9, 15.1, 19.0
 # here, 16.0, 16.7, 18.5, 23.2 dense; but end to end (offline decode of N requests, alternated)
-# 5 and 6 rows gained 12-26% and 8 rows lost 2.5% (docs/performance.md, stop 30).
+# 5 and 6 rows gained 12-26% and 8 rows lost 2.5% (docs/performance-journal.md, stop 30).
 MAX_ROWS = 6
 # How the kernel computes (csrc/int4_gemv_cpu.cpp): its scalar loop, bfloat16 products, or two int8
 # levels of the activations for one row of 4-bit codes (bfloat16 products for other calls).

@@ -7,7 +7,7 @@ the bf16 matmul, at M=1 0.05 ms against 0.27 ms; one thread, medians of interlea
 cache-sized tile at a time by a C++ pass where it is built (`int8_rows.dequantized_product`).
 bfloat16 calls of up to `int4_gemv.MAX_ROWS` rows take kvflow's GEMV where the CPU has AVX-512
 BF16: the same codes as 8-bit affine ones, u = q + 128 with (s, 0) per group of 32 (batch-1
-decode ~2× int8pack's on the default model: docs/performance.md)."""
+decode ~2× int8pack's on the default model: docs/performance-journal.md)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ multiplied by oneDNN's int8 GEMM on weights packed once at load, each output row
 the bfloat16 GEMM reaches 1.6–2.3 TFLOP/s. oneDNN's `qlinear_pointwise` on prepacked weights
 (what Inductor's int8 lowering calls) reaches 3.5–4.7 TOPS; with the rounding done in torch ops
 (five passes over float32 temporaries) the layer still lost to bfloat16, and here it does not
-(docs/performance.md, "w8a8 on oneDNN's packed int8 GEMM").
+(docs/performance-journal.md, "w8a8 on oneDNN's packed int8 GEMM").
 
 oneDNN takes one activation scale for the whole input, so the GEMM runs with scale 1 and zero
 point 128 (the codes are round(x / s_row) + 128), giving Σ q_x·q_w · s_w per output; the row's
@@ -57,7 +57,7 @@ def dequantized_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
     """x [M, K] · (q·scale)ᵀ for int8 weight-only layers at many rows: the weights dequantized to
     x's dtype DEQUANTIZE_ROWS output rows at a time, each tile multiplied while it is in cache.
     Dequantizing the default model's whole 49,152-row head per call took 48–51 ms at 64–128 rows;
-    tiles of 4,096 rows, 6–9 ms, against bfloat16's own 3.4–4.8 ms (docs/performance.md)."""
+    tiles of 4,096 rows, 6–9 ms, against bfloat16's own 3.4–4.8 ms (docs/performance-journal.md)."""
     n, k = q.shape
     tile = torch.empty(min(n, DEQUANTIZE_ROWS), k, dtype=x.dtype)
     if n <= DEQUANTIZE_ROWS:

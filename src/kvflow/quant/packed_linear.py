@@ -33,8 +33,8 @@ def should_pack(weight: torch.Tensor) -> bool:
 # Those were a Xeon's (AMX). So a weight is packed for 512 rows, and, where the CPU has AMX tiles,
 # for 1 row too once a product of middle size first asks (from the first packing: the float
 # weight need not be kept; a tied LM head, which never sees that many rows, is never packed twice)
-# (docs/performance.md, stop 30). On the AMD EPYC (AVX-512, no AMX) the second layout ran every
-# middle size within 2% of the first for 202 MiB of the default model (docs/performance.md,
+# (docs/performance-journal.md, stop 30). On the AMD EPYC (AVX-512, no AMX) the second layout ran every
+# middle size within 2% of the first for 202 MiB of the default model (docs/performance-journal.md,
 # "issue 40"): there it is never laid out.
 MIDDLE_ROWS = (384, 1280)
 
@@ -101,7 +101,7 @@ class GatedPair:
     product and activation: on panels (AMD EPYC, no AMX) 9-13% faster at 16-512 rows; oneDNN's on a
     Xeon (AMX) 2,048 rows 4.6 -> 3.7 ms a layer, 512-1,024 rows 12-17%, but on the EPYC 3.4% at
     1,024 rows and 1.3% at 2,048, for a second copy of the weight (101 MiB of the default model's):
-    so there products past the panels run unfused (`takes`) (docs/performance.md, issue 40). The
+    so there products past the panels run unfused (`takes`) (docs/performance-journal.md, issue 40). The
     SiLU is taken on the float sums, before any bf16 rounding: within a bf16 step of the unfused
     chain's result."""
 

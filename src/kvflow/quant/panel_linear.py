@@ -7,7 +7,7 @@ the weights at 15-17 GB/s where it reads 23-25; measured on SmolLM2's 30 layers 
 2026-11-27): 16 rows 14.9 -> 9.3 ms, 128 rows 28 -> 21 ms, 512 rows 69 -> 60 ms. On the AMD EPYC
 (AVX-512 BF16, no AMX) they reach half its bf16 rate at 16 rows, where the dot products here reach
 two thirds of it: SmolLM2's layer 0.58 -> 0.36 ms at 16 rows (1.4-2x a product), 1.02-1.18x at 128
-rows, level at 512 (docs/performance.md, stop 36). Past 512 rows oneDNN's blocked kernel is as fast
+rows, level at 512 (docs/performance-journal.md, stop 36). Past 512 rows oneDNN's blocked kernel is as fast
 or faster (2x on tiles at 4,096), so larger products stay there (`MAX_ROWS`), and so do an LM
 head's past 32 rows.
 

@@ -157,7 +157,7 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     A first write to a page still costs a fault, and in a KV write that is on the step's path: a
     first write to a 2 MiB page can cost milliseconds (the fault may compact memory), and W1 (1.2
     GB of KV written) was ~8% slower faulting in its writes than with the pages mapped beforehand
-    (docs/performance.md). So a thread maps the pages in beside the steps (`PagePopulator`), and
+    (docs/performance-journal.md). So a thread maps the pages in beside the steps (`PagePopulator`), and
     the pool asks for transparent huge pages (2 MiB: 512x fewer faults and TLB entries) where the
     kernel offers them on request (`madvise` mode, the common default); elsewhere madvise is a
     no-op."""
@@ -180,7 +180,7 @@ class IdleGate:
     The KV pool's populate waits on it before each of its madvise calls where `--kv-populate
     when-idle` (`kvflow serve`'s default). Mapping the whole pool while a server's first requests
     ran took a core from them: loaded at once after `/health`, 234–263 output tok/s with TTFT p90
-    3.0–4.2 s, against 290–298 and 1.1 s gated (docs/performance.md). A batch job maps its pages
+    3.0–4.2 s, against 290–298 and 1.1 s gated (docs/performance-journal.md). A batch job maps its pages
     ahead of its steps instead (`--kv-populate background`, `PagePopulator.ahead_blocks`)."""
 
     def __init__(self, quiet_s: float = 1.0) -> None:

@@ -15,7 +15,7 @@
 // (`vdpbf16ps`) were the slower way: one occupies the vector ports ~4.5× as long as a float
 // multiply-add. On the AMD EPYC (Zen 4) scores on them measured no faster either (128 decodes:
 // 1.49-1.52 against 1.51-1.70 ms a layer): the passes are bound by their reads of K and V more
-// than by the multiply-adds (docs/performance.md, stop 37). Values and scores of keys no query
+// than by the multiply-adds (docs/performance-journal.md, stop 37). Values and scores of keys no query
 // sees are never used: a block's unwritten tail, padding entries of the block table and blocks a
 // window released hold whatever bits the pool had (`scores16` reads a visible block's whole
 // sixteens of keys, but a score of an unwritten key is never read), and using them would let
@@ -25,7 +25,7 @@
 // (a decode's G heads, a short chunk's few queries), run on tiles instead (`scores16_amx`): the
 // keys are the A operand exactly as they lie, so no transpose, and each 16 keys x 32 dimensions
 // takes one tile multiply. With the K/V in cache this took 9-30% off a W1-shaped decode's
-// attention; read from memory it is bound by the reads either way (docs/performance.md, stop 33).
+// attention; read from memory it is bound by the reads either way (docs/performance-journal.md, stop 33).
 // The values stay on multiply-adds: interleaving them by key pairs for tiles cost more than it saved.
 // The caller asks for tiles (`tiles`) only for calls with enough keys to repay their fixed cost
 // (cpu_paged.use_tiles), and never in batch-invariant mode: which path a row takes must not
@@ -164,7 +164,7 @@ inline void accumulate_values(float* ar, const float* p, const float* values, in
 // in use: requested all at once, they stalled the core while they waited for free line-fill
 // buffers. They are requested into L2 (prefetcht1), not L1: on an AMD EPYC (Zen 4) 128 W1-shaped
 // decodes from memory took 1.43-1.80 ms a layer against 2.04-2.21 into L1, whose few miss
-// buffers capped the lines in flight; on the Xeon the two hints measured alike (docs/performance.md,
+// buffers capped the lines in flight; on the Xeon the two hints measured alike (docs/performance-journal.md,
 // stops 33 and 35).
 struct Prefetcher {
   const char* next = nullptr;

@@ -18,7 +18,7 @@ at its usual speed; large batches pay the kernel's cost per row instead of a den
 attention runs every request through the CPU paged kernel, whose query rows are independent
 (`TorchSDPABackend(batch_invariant=True)`). Normalisation, RoPE, activations and sampling are
 per row already. The cost: the int4 kernel's per-row price at large batches, small batches
-padded to a tile, and prefill attention in the decode kernel (docs/performance.md measures it).
+padded to a tile, and prefill attention in the decode kernel (docs/performance-journal.md measures it).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 // codes with its own scale, and applying that scale to the GEMM's output row.
 //
 // With torch ops the rounding took five passes over float32 temporaries (abs, amax, divide,
-// round, clamp, cast) and cost more than int8 saved over bfloat16 (docs/performance.md, "W1
+// round, clamp, cast) and cost more than int8 saved over bfloat16 (docs/performance-journal.md, "W1
 // throughput of int8 and w8a8"). Here a row is read twice while it sits in L1 (its maximum, then
 // its codes) and written once. The codes are round(x · (127 / max|x|)) + 128, uint8 with zero
 // point 128: the unsigned source x signed weights that VNNI's vpdpbusd multiplies. The

@@ -4,7 +4,7 @@
 // oneDNN's bf16 products at 1-512 rows fall short of the CPU's rate: on the Xeon (AMX) they
 // streamed SmolLM2's weights at 15-17 GB/s where it reads 23-25 (2026-11-27, 30 layers' weights
 // cycling, 16 rows: 14.9 ms against 9.3 here; 128 rows: 28 against 21); on the AMD EPYC (no AMX)
-// they reached 50-60% of its bf16 rate at 16 rows (docs/performance.md, stop 36). Here the weight
+// they reached 50-60% of its bf16 rate at 16 rows (docs/performance-journal.md, stop 36). Here the weight
 // is laid out once as tile operands, one 16-column panel after another: panel n holds, for each
 // 32-wide slice of K, the B tile of those columns (16 rows of K pairs x 16 columns x 2). A unit of
 // work is two panels (32 output columns), or for the gated form a gate panel and the up panel of
