@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 from tiny_models import make_tiny_model
+from tp_runs import run_with_logprobs
 
 from kvflow import LLM, SamplingParams
 from kvflow.attention.backend import get_attention_backend
@@ -86,14 +87,6 @@ def test_heads_that_do_not_split_are_refused_with_what_would_work(tmp_path):
         LLM(str(tmp_path), skip_tokenizer_init=True, tensor_parallel_size=3)
 
 
-def _run(path, tp):
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=tp, distributed_timeout_s=20,
-              num_kv_blocks=64, block_size=8, max_num_batched_tokens=24)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [{"prompt_token_ids": torch.randint(0, 97, (n,), generator=gen).tolist()} for n in (1, 7, 30)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
-    return llm, llm.generate(prompts, params, use_tqdm=False)
-
 
 def _logprobs(out):
     values = [(t, lp.logprob) for d in out.outputs[0].logprobs for t, lp in d.items()]
@@ -104,8 +97,8 @@ def _logprobs(out):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_two_ranks_give_one_ranks_logprobs(tmp_path, arch):
     make_tiny_model(arch, tmp_path)
-    _, single = _run(tmp_path, 1)
-    llm, split = _run(tmp_path, 2)
+    _, single = run_with_logprobs(tmp_path, 1)
+    llm, split = run_with_logprobs(tmp_path, 2)
     try:
         for one, two in zip(single, split):
             assert one.outputs[0].token_ids == two.outputs[0].token_ids

@@ -15,8 +15,9 @@ import json
 import pytest
 import torch
 from tiny_models import ARCH_CONFIGS, COMMON, make_tiny_model
+from tp_runs import run_with_logprobs
 
-from kvflow import LLM, SamplingParams
+from kvflow import LLM
 from kvflow.attention.backend import get_attention_backend
 from kvflow.distributed.parallel_state import TensorParallel, tensor_parallel_scope
 from kvflow.model.arch_config import ArchConfig
@@ -147,15 +148,9 @@ def test_a_mixture_all_reduces_once_per_layer_whatever_the_active_experts():
 
 
 def _run(path, tp):
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=tp, distributed_timeout_s=20,
-              num_kv_blocks=64, block_size=8, max_num_batched_tokens=24)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [{"prompt_token_ids": torch.randint(0, 97, (n,), generator=gen).tolist()} for n in (1, 7, 30)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
-    try:
-        return llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
+    llm, outputs = run_with_logprobs(path, tp)
+    llm.llm_engine.shutdown()
+    return outputs
 
 
 def _assert_logprobs_close(one: list[dict], two: list[dict]) -> None:

@@ -407,7 +407,6 @@ class LLMEngine:
 
     def _land(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         """A batch came back: its tokens into the requests, the requests' outputs out."""
-        self.scheduler.batch_landed(sched)  # first: a failed load's recompute sees its requests landed
         if self.step_budget is not None:
             budget = self.step_budget.observe(sched.num_batched_tokens, runner_out.target_seconds)
             if budget is not None:
