@@ -46,12 +46,15 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobDict] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    prompt_tokens: int = 0
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
         self.finish_reason = finish_reason(delta) or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.finish_reason else self.stop_reason
 
 
 def finish_reason(delta: CompletionOutput) -> str | None:

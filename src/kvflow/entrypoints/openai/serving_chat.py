@@ -23,6 +23,7 @@ from kvflow.entrypoints.openai.responses import (
     Delta,
     DeltaToolCall,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -89,6 +90,20 @@ class ChatServing(Serving):
         message = AssistantMessage(content=content or (None if calls else ""), tool_calls=calls or None)
         return ChatChoice(index=index, message=message, finish_reason=_finish_reason(choice.finish_reason, output),
                           logprobs=self._logprobs(choice.token_ids, choice.logprobs, req))
+
+    async def collect_whole(self, req: ChatCompletionRequest, stream: RequestStream) -> tuple[Choice, str, list[ToolCall]]:
+        """A one-choice request run to its end (the stream closed however it ends): the choice (with
+        its prompt's length), its content, and the tool calls read from it."""
+        choice = Choice()
+        try:
+            async for out in stream:
+                choice.prompt_tokens = len(out.prompt_token_ids)
+                for delta in out.outputs:
+                    choice.add(delta)  # a broken constraint fails the request here
+        finally:
+            stream.close()
+        content, deltas = self.choice_output(req).feed(choice.text, final=True)
+        return choice, content, whole_calls(deltas)
 
     def choice_output(self, req: ChatCompletionRequest) -> ChoiceOutput:
         return choice_output(req.tool_mode, self.tool_call_parser, req.forced_function)

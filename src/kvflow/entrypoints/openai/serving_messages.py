@@ -25,9 +25,8 @@ from starlette.responses import Response
 from kvflow.entrypoints.openai.errors import APIError, from_exception, from_validation
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIBody
 from kvflow.entrypoints.openai.responses import ToolCall
-from kvflow.entrypoints.openai.serving import Choice, EventStreamResponse, finish_reason
+from kvflow.entrypoints.openai.serving import EventStreamResponse, finish_reason
 from kvflow.entrypoints.openai.serving_chat import ChatServing
-from kvflow.entrypoints.openai.tool_parsers import whole_calls
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -62,22 +61,11 @@ class MessagesServing:
         head = {"id": message_id, "type": "message", "role": "assistant", "model": req.model or self.chat.model_name}
         if req.stream:
             return EventStreamResponse(_anthropic_errors(self._events(head, chat_req, stream)), on_close=stream.close)
-        try:
-            choice, prompt_tokens, stop_string = Choice(), 0, None
-            async for out in stream:
-                prompt_tokens = len(out.prompt_token_ids)
-                for delta in out.outputs:
-                    finish_reason(delta)  # a broken constraint fails the request here
-                    choice.add(delta)
-                    stop_string = delta.stop_reason if delta.finish_reason else None
-        finally:
-            stream.close()
-        content, deltas = self.chat.choice_output(chat_req).feed(choice.text, final=True)
-        calls = whole_calls(deltas)
+        choice, content, calls = await self.chat.collect_whole(chat_req, stream)
         blocks = ([{"type": "text", "text": content}] if content or not calls else []) + [_tool_use(c) for c in calls]
-        stop_reason, stop_sequence = _stop(choice.finish_reason, stop_string, bool(calls))
+        stop_reason, stop_sequence = _stop(choice.finish_reason, choice.stop_reason, bool(calls))
         return {**head, "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": len(choice.token_ids)}}
+                "usage": {"input_tokens": choice.prompt_tokens, "output_tokens": len(choice.token_ids)}}
 
     async def _events(self, head: dict, chat_req: ChatCompletionRequest, stream) -> AsyncIterator[str]:
         output = self.chat.choice_output(chat_req)

@@ -28,9 +28,8 @@ from pydantic import Field, ValidationError, model_validator
 from kvflow.entrypoints.openai.errors import APIError, from_validation
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIBody
 from kvflow.entrypoints.openai.responses import FunctionCall, ToolCall
-from kvflow.entrypoints.openai.serving import Choice, EventStreamResponse, finish_reason
+from kvflow.entrypoints.openai.serving import EventStreamResponse, finish_reason
 from kvflow.entrypoints.openai.serving_chat import ChatServing
-from kvflow.entrypoints.openai.tool_parsers import whole_calls
 
 MAX_STORED = 1024  # responses kept for previous_response_id
 STORE_TTL_S = 3600.0
@@ -102,18 +101,8 @@ class ResponsesServing:
         state = _Response(response_id, req, chat_req, self.chat.model_name)
         if req.stream:
             return self.chat.event_stream(self._events(state, stream, messages), [stream])
-        try:
-            choice, prompt_tokens = Choice(), 0
-            async for out in stream:
-                prompt_tokens = len(out.prompt_token_ids)
-                for delta in out.outputs:
-                    finish_reason(delta)  # a broken constraint fails the request here
-                    choice.add(delta)
-        finally:
-            stream.close()
-        output = self.chat.choice_output(chat_req)
-        content, deltas = output.feed(choice.text, final=True)
-        state.finish(content, whole_calls(deltas), choice.finish_reason, prompt_tokens, len(choice.token_ids))
+        choice, content, calls = await self.chat.collect_whole(chat_req, stream)
+        state.finish(content, calls, choice.finish_reason, choice.prompt_tokens, len(choice.token_ids))
         self._keep(req, state, messages)
         return state.body()
 
