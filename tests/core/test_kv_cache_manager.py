@@ -137,3 +137,32 @@ def test_block_pool_refuses_double_release():
     pool.release(blocks)
     with pytest.raises(RuntimeError, match="released twice"):
         pool.release(blocks)
+
+
+def test_a_prompt_extending_a_cached_prompt_by_one_token_computes_only_that_token():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent = _req("p", list(range(6)))
+    _compute(kv, parent, 6)
+    tail = kv.block_ids("p")[0][1]
+    kv.free(parent)
+    beams = [_req("b", list(range(6)) + [7]), _req("c", list(range(6)) + [8])]
+    for beam in beams:
+        blocks, tokens = kv.find_cached_prefix(beam)
+        assert tokens == 6 and blocks[0][1] == tail
+        assert kv.allocate_slots(beam, 6, 1, blocks)
+    # The first beam appends after the cached slots of a block only it holds: no copy. The second
+    # would write the same slot of a block the first holds: it gets a private copy first.
+    assert kv.block_ids("b")[0][1] == tail
+    assert kv.take_block_copies() == [(tail, kv.block_ids("c")[0][1])]
+    assert kv.pool.ref_counts[tail] == 1
+
+
+def test_a_beam_that_fills_its_block_registers_the_full_block():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    _compute(kv, _req("p", list(range(7))), 7)
+    child = _req("c", list(range(7)) + [9])  # its last token completes block 1
+    blocks, tokens = kv.find_cached_prefix(child)
+    assert tokens == 7
+    _compute(kv, child, 8, blocks, start=7)
+    grandchild = _req("g", list(range(7)) + [9, 3])
+    assert kv.find_cached_prefix(grandchild)[1] == 8  # both full blocks, the second filled by the child

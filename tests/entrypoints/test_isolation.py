@@ -125,8 +125,9 @@ def test_unsupported_fields_that_ask_for_nothing_are_accepted(server, fields):
     assert httpx.post(server[1].url + C, json=body, timeout=60).status_code == 200
 
 
-# vLLM's extras kvflow does not implement, each with a value that asks for its effect.
-VLLM_EXTRAS = dict(use_beam_search=True, length_penalty=0.5, allowed_token_ids=[1, 2], bad_words=["x"],
+# vLLM's extras kvflow does not implement, each with a value that asks for its effect (length_penalty:
+# without use_beam_search).
+VLLM_EXTRAS = dict(length_penalty=0.5, allowed_token_ids=[1, 2], bad_words=["x"],
                    truncate_prompt_tokens=4, logits_processors=["p"], return_tokens_as_token_ids=True,
                    priority=1, guided_whitespace_pattern=" ")
 VLLM_CHAT_EXTRAS = dict(echo=True, continue_final_message=True, chat_template="{{ messages }}",

@@ -11,12 +11,17 @@ When a request is admitted, the longest prefix whose blocks are all in the cache
 (shared, reference-counted) and only the rest is computed; a sliding group needs only the blocks
 in the window of the first token to compute. Full blocks become findable once computed; so does
 the partial last block of a prompt, so an identical prompt (or a sibling of an n > 1 request)
-reuses the whole prompt and recomputes only its last token, which it needs for logits.
+reuses the whole prompt and recomputes only its last token, which it needs for logits. A prompt
+that is a cached prompt plus one token (a beam of beam search extending the beam it came from)
+finds that prompt's tail too, and computes only its new token.
 
-One rule keeps shared memory correct: content the cache promises is never overwritten. A write
-into a cached block's covered slots (a request recomputing the last token of a prompt it found
-whole) copies the block first; the copies are handed to the worker with the step. Writing past
-the covered slots (the owner's next token in its prompt's tail block) needs no copy.
+Two rules keep shared memory correct (copy-on-write): content the cache promises is never
+overwritten, and a block another request holds is never written. A write into a cached block's
+covered slots (a request recomputing the last token of a prompt it found whole), or into a
+partial block someone else holds (sibling beams each appending their own token after the same
+tail), copies the block first; the copies are handed to the worker with the step. The owner
+writing past the covered slots of a block only it holds (its next token in its prompt's tail
+block) needs no copy.
 """
 
 from __future__ import annotations
@@ -107,14 +112,15 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_extra_keys)
         return request.block_hashes
 
-    def _tail_hash(self, request: Request) -> BlockHash | None:
-        """The hash of a fresh prompt's partial last block (None: no outputs yet is required,
-        and the prompt must not end on a block boundary)."""
-        full, rest = divmod(request.num_prompt_tokens, self.block_size)
+    def _tail_hash(self, request: Request, length: int | None = None) -> BlockHash | None:
+        """The hash of the partial last block of a fresh prompt's first `length` tokens (default:
+        all of them). None: the request has outputs, or `length` ends on a block boundary."""
+        length = request.num_prompt_tokens if length is None else length
+        full, rest = divmod(length, self.block_size)
         if rest == 0 or request.num_output_tokens:
             return None
         parent = self.block_hashes(request)[full - 1] if full else ROOT_HASH
-        return hash_block(parent, request.prompt_token_ids[full * self.block_size:],
+        return hash_block(parent, request.prompt_token_ids[full * self.block_size:length],
                           () if full else request.cache_extra_keys)
 
     def _next_hashes(self, request: Request) -> list[BlockHash]:
@@ -134,11 +140,15 @@ class KVCacheManager:
         last_full = (request.num_tokens - 1) // self.block_size
         if whole_blocks_only:
             hashes = hashes[:last_full]
+        # The last block may also be found holding all but the prompt's last token.
+        lead = None if whole_blocks_only else self._tail_hash(request, request.num_tokens - 1)
         found = []
         for g, window in enumerate(self.sliding_windows):
             blocks = []
-            for block_hash in hashes:
+            for i, block_hash in enumerate(hashes):
                 blocks.append(self.pool.lookup((g, block_hash)))
+                if blocks[-1] is None and lead is not None and i == last_full:
+                    blocks[-1] = self.pool.lookup((g, lead))
                 if window is None and blocks[-1] is None:
                     break
             found.append(blocks)
@@ -176,15 +186,15 @@ class KVCacheManager:
         for window, table, hits in zip(self.sliding_windows, tables, cached):
             existing = [*table, *hits]
             missing = max(0, end - max(len(existing), self._first_live(window, num_computed)))
-            copy = (first < len(existing) and existing[first] != NULL_BLOCK
-                    and self.pool.overwrites_cached(existing[first], offset))
+            copy = first < len(existing) and self._must_copy(existing[first], offset, held=first < len(table))
             need += missing + copy + sum(1 for b in hits if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
             plans.append(copy)
         if need > self.pool.num_free_blocks:
             return False
         if rid not in self._block_tables:
             self._block_tables[rid] = tables
-            self._num_cached_blocks[rid] = min(len(cached[0]), request.num_tokens // self.block_size)
+            # A last block found whole is registered again once computed: it may have grown full.
+            self._num_cached_blocks[rid] = min(len(cached[0]), num_computed // self.block_size)
         for hits in cached:  # every group's hits leave the free list before any group allocates
             self.pool.take([b for b in hits if b != NULL_BLOCK])
         grew = False
@@ -208,6 +218,14 @@ class KVCacheManager:
             self.pool.release([table[i] for i in dead])
             for i in dead:
                 table[i] = NULL_BLOCK
+
+    def _must_copy(self, block: int, offset: int, held: bool) -> bool:
+        """Must writing slot `offset` of `block` go to a private copy? `held`: the writer's table
+        already holds it (one of its references is the writer's own)."""
+        if block == NULL_BLOCK:
+            return False
+        held_by_others = self.pool.ref_counts[block] - held > 0
+        return held_by_others or self.pool.overwrites_cached(block, offset)
 
     def _copy_on_write(self, table: list[int], index: int) -> None:
         source = table[index]

@@ -30,9 +30,10 @@ from kvflow.engine.async_llm import AsyncLLM, RequestStream
 from kvflow.engine.dp_client import ReplicaClient
 from kvflow.engine.dp_router import DPRouter, ReplicaLoad
 from kvflow.engine.engine_thread import EngineDeadError
-from kvflow.engine.llm_engine import PromptType
+from kvflow.engine.llm_engine import PromptType, eos_token_ids
 from kvflow.engine.load_limits import LoadLimits
 from kvflow.engine.request_timing import FinishedRequest
+from kvflow.engine.snapshot import SnapshotUnavailableError
 from kvflow.engine.stats import EngineStats
 from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
@@ -54,6 +55,7 @@ class DPAsyncLLM:
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         self.max_model_len: int = config.model.max_model_len
         self.vocab_size: int = arch.vocab_size
+        self.eos_token_ids: frozenset[int] = eos_token_ids(arch, checkpoint.tokenizer)
         self.router = router or DPRouter(config.cache.block_size)
         self._listeners: tuple[Callable[[FinishedRequest], None], ...] = ()
         num_threads = max(1, torch.get_num_threads() // n)  # the cores are shared out, not fought over
@@ -94,6 +96,12 @@ class DPAsyncLLM:
             **{name: sum(getattr(s, name) for s in stats) for name in (
                 "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
                 "prompt_tokens_total", "generation_tokens_total")})
+
+    def latest_snapshot(self) -> None:
+        """The live page shows one engine's KV pool and scheduler; replicas each have their own."""
+        raise SnapshotUnavailableError(
+            f"this server runs {len(self.replicas)} data-parallel replicas, each with its own KV pool and scheduler; "
+            "the live page shows a single engine. /metrics sums the replicas (examples/grafana-kvflow.json charts them)")
 
     def add_finish_listener(self, callback: Callable[[FinishedRequest], None]) -> None:
         """`callback` runs on a replica's reader thread for every request that finishes."""

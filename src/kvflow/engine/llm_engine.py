@@ -32,7 +32,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.tokenizer import Tokenizer
-from kvflow.phases import phase
+from kvflow.phases import phase, progress
 from kvflow.quant.registry import get_quantization_config
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.spec_decode.adaptive import AdaptiveSpeculation
@@ -73,9 +73,8 @@ class LLMEngine:
             self.model_executor = create_executor(self.config, self.arch, self.quant_config, checkpoint)
             self.num_kv_blocks, num_host_blocks = self.model_executor.num_kv_blocks, self.model_executor.num_host_blocks
             cache, layout = self.config.cache, self.arch.kv_layout
-            done["detail"] = f"{self.num_kv_blocks} KV blocks of {cache.block_size} tokens"
-        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        self.eos_token_ids = frozenset(self.arch.eos_token_ids) | tokenizer_eos
+            done.detail = f"{self.num_kv_blocks} KV blocks of {cache.block_size} tokens"
+        self.eos_token_ids = eos_token_ids(self.arch, self.tokenizer)
         # The grammars are the engine's: their masks travel to the sampler in the step.
         self.structured_output = self._make_structured_output()
         # How many tokens each request proposes is the scheduler's; the drafter is the worker's.
@@ -134,8 +133,10 @@ class LLMEngine:
         def run(prompts: list[list[int]]) -> None:
             for i, prompt in enumerate(prompts):
                 self.add_request(f"calibration-{i}", {"prompt_token_ids": prompt}, params)
+            finished = 0
             while self.has_unfinished_requests():
-                self.step()
+                finished += sum(out.finished for out in self.step())
+                progress(finished, len(prompts), "windows of text run")
 
         with phase(f"calibrated and quantized ({self.quant_config.name}, {len(windows)} windows of text)", announce=True):
             self.model_executor.calibrate(run, windows)
@@ -532,6 +533,11 @@ class LLMEngine:
             kv_transfer_bytes_total=self._kv_transfer_bytes_total,
             kv_transfer_seconds_total=self._kv_transfer_seconds_total,
         )
+
+
+def eos_token_ids(arch: ArchConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """The tokens that end a completion: the model config's and the tokenizer's."""
+    return frozenset(arch.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
 
 
 def _child_seed(seed: int, index: int) -> int:

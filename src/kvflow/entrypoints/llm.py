@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from kvflow.config import EngineArgs
+from kvflow.engine.beam_search import BeamSearches, BeamSearchOutput, BeamSearchParams, step_error, text_decoder
 from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.outputs import RequestOutput
 from kvflow.lora.request import LoRARequest
@@ -74,6 +75,31 @@ class LLM:
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best continuations of each prompt (`kvflow.engine.beam_search`): all
+        prompts' beams run together, one step (one token per beam) at a time."""
+        prompts = _as_prompt_list(prompts)
+        loras = _loras_per_prompt(lora_request, len(prompts))
+        engine = self.llm_engine
+        searches = BeamSearches(prompts, params, engine.eos_token_ids, engine.config.model.max_model_len)
+        with tqdm(total=params.max_tokens, desc="beam search steps", disable=not use_tqdm) as bar:
+            while not searches.done:
+                step = searches.step_prompts()
+                try:
+                    outputs = self.generate([p for _, p in step], params.step_params(), use_tqdm=False,
+                                            lora_request=[loras[i] for i, _ in step])
+                except ValueError as e:
+                    raise step_error(params, e) from e
+                searches.advance(step, outputs)
+                bar.update(1)
+        return searches.outputs(text_decoder(engine.tokenizer))
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvflow.phases import progress
 from kvflow.quant.online import CalibratedMethod
 
 ALPHAS = [i / 10 for i in range(11)]
@@ -72,14 +73,15 @@ def calibrate_and_quantize(model: nn.Module, run_prompts: Callable[[list[list[in
     stats = {name: recorder.stats() for name, recorder in recorders.items()}
     chosen = {}
     with torch.no_grad():
-        for name, prev, linear in _scaling_pairs(model):
-            if name not in layers or not linear.quant_method.folds_scale:
-                continue
+        pairs = [p for p in _scaling_pairs(model) if p[0] in layers and p[2].quant_method.folds_scale]
+        for done, (name, prev, linear) in enumerate(pairs, 1):
             scale, chosen[name] = linear.quant_method.search_scale(linear.weight.data.float(), stats[name], name)
             linear.weight.data.mul_(scale.to(linear.weight.dtype))
             prev(1 / scale)
-        for name, layer in layers.items():
+            progress(done, len(pairs), "layers' scales searched")
+        for done, (name, layer) in enumerate(layers.items(), 1):
             layer.quant_method.finish_calibration(layer, stats[name])
+            progress(done, len(layers), "layers quantized")
     return chosen
 
 

@@ -27,14 +27,13 @@ MAX_CACHE_SALT_CHARS = 256  # room for a tenant's name or a random token; a key,
 # (null, empty, "none", or vLLM's default in _DEFAULTS) they are accepted. Tools are a chat
 # feature: completions refuse them; vLLM's chat extras are refused on chat (completions
 # implements its own `echo`).
-UNSUPPORTED_FIELDS = ("functions", "function_call",
-                      "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
+UNSUPPORTED_FIELDS = ("functions", "function_call", "allowed_token_ids", "bad_words",
                       "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids", "priority",
                       "guided_whitespace_pattern")
 CHAT_ONLY_FIELDS = ("tools", "tool_choice")
 UNSUPPORTED_CHAT_EXTRAS = ("echo", "continue_final_message", "chat_template", "chat_template_kwargs", "documents")
 _ASKS_FOR_NOTHING = (None, [], {}, "none")
-_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False, "priority": 0,
+_DEFAULTS = {"return_tokens_as_token_ids": False, "priority": 0,
              "echo": False, "continue_final_message": False}
 
 
@@ -100,6 +99,9 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     logit_bias: dict[str, float] | None = None
     # vLLM's: each prompt token's logprob and the top N at its position (not in a stream).
     prompt_logprobs: int | None = Field(None, ge=0)
+    # vLLM's: the n best beams (kvflow.engine.beam_search) instead of n samples; length_penalty ranks them.
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
 
     @field_validator("stop")
     @classmethod

@@ -18,6 +18,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvflow.engine.async_llm import AsyncLLM, RequestStream
+from kvflow.engine.beam_search import AsyncBeamSearch, BeamSearchParams
 from kvflow.engine.llm_engine import PromptType
 from kvflow.engine.outputs import CompletionOutput, PositionLogprobDict, RequestOutput
 from kvflow.entrypoints.openai.errors import APIError, bad_request, from_exception
@@ -30,6 +31,10 @@ from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
+_PLAIN = SamplingParams()
+_NOT_WITH_BEAM_SEARCH = ("top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                         "stop", "stop_token_ids", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
+                         "structured_outputs", "include_stop_str_in_output")
 MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
 
@@ -125,21 +130,43 @@ class Serving:
                                 f"{self.limits.max_logprob_entries} (--max-logprob-entries); lower n, max_tokens "
                                 "or the number of logprobs", param="logprobs")
 
+    def beam_search_params(self, req: SamplingFields, params: SamplingParams) -> BeamSearchParams | None:
+        """vLLM's `use_beam_search`: the n best beams rather than n samples (None: not asked).
+        What beam search cannot honour is refused by name: it samples nothing and stops only at
+        an end-of-sequence token or the length limit."""
+        if not req.use_beam_search:
+            if req.length_penalty != 1.0:
+                raise APIError(400, "`length_penalty` ranks beams: it applies only with use_beam_search",
+                               param="length_penalty")
+            return None
+        asked = [name for name in _NOT_WITH_BEAM_SEARCH if getattr(params, name) != getattr(_PLAIN, name)]
+        if "temperature" in req.model_fields_set and req.temperature > 0:
+            asked.insert(0, "temperature")
+        if asked:
+            raise APIError(400, f"`{asked[0]}` does not apply to beam search (use_beam_search ranks beams by the "
+                                "model's log-probabilities and stops only at end of sequence or max_tokens)",
+                           param=asked[0])
+        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or self.async_llm.max_model_len,
+                                ignore_eos=params.ignore_eos, length_penalty=req.length_penalty)
+
     async def start(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
-                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> list[RequestStream]:
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None,
+                    beam: BeamSearchParams | None = None) -> list[RequestStream]:
         """One engine request per prompt, all or none: the first refusal closes the others, and so
         does a client that leaves (cancellation) while they are being queued. `cache_salt`: the
-        prompts share cached KV blocks only with requests of the same salt."""
+        prompts share cached KV blocks only with requests of the same salt. With `beam`, each
+        prompt's stream is a beam search whose first step has run (`BeamSearchStream`)."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        adds = [asyncio.ensure_future(self.async_llm.add_request(i, p, params, cache_salt=cache_salt,
-                                                                 lora_request=lora_request))
+        kwargs = dict(cache_salt=cache_salt, lora_request=lora_request)
+        adds = [asyncio.ensure_future(self.async_llm.add_request(i, p, params, **kwargs) if beam is None
+                                      else BeamSearchStream.start(self.async_llm, i, p, beam, **kwargs))
                 for i, p in zip(ids, prompts)]
         try:
             results = await asyncio.gather(*adds, return_exceptions=True)
         except asyncio.CancelledError:  # the adds are cancelled too; close what they already got
             close_all([a.result() for a in adds if a.done() and not a.cancelled() and a.exception() is None])
             raise
-        streams = [r for r in results if isinstance(r, RequestStream)]
+        streams = [r for r in results if not isinstance(r, BaseException)]
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if not failed:
             return streams
@@ -166,6 +193,38 @@ class Serving:
 
     def event_stream(self, events: AsyncIterator[str], streams: list[RequestStream]) -> EventStreamResponse:
         return EventStreamResponse(_with_errors(events), on_close=lambda: close_all(streams))
+
+
+class BeamSearchStream:
+    """A beam search read like a RequestStream: one finished output holding the n beams, best
+    first. Its first step ran in `start`, so the engine's refusals came before any answer;
+    closing it while a step runs (the reader's task cancelled) ends that step's requests."""
+
+    def __init__(self, search: AsyncBeamSearch, prompt: PromptType) -> None:
+        self.request_id = search.request_id
+        self.search = search
+        self.prompt_text = prompt.get("prompt") if isinstance(prompt, dict) else prompt if isinstance(prompt, str) else None
+        self.finished = False
+
+    @classmethod
+    async def start(cls, client, request_id: str, prompt: PromptType, params: BeamSearchParams,
+                    **request_kwargs) -> BeamSearchStream:
+        search = AsyncBeamSearch(client, request_id, prompt, params, **request_kwargs)
+        await search.first_step()
+        return cls(search, prompt)
+
+    def __aiter__(self) -> BeamSearchStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        self.finished = True
+        result = await self.search.finish()
+        return result.as_request_output(self.request_id, self.prompt_text)
+
+    def close(self) -> None:
+        self.finished = True
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

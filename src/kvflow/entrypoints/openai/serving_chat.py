@@ -51,7 +51,8 @@ class ChatServing(Serving):
         prompt = await self.render_prompt(req)
         self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        [stream] = await self.start(request_id, [prompt], params, lora_request, req.cache_salt)
+        beam = self.beam_search_params(req, params)
+        [stream] = await self.start(request_id, [prompt], params, lora_request, req.cache_salt, beam)
         if req.stream:
             return self.event_stream(self._events(request_id, req, stream), [stream])
         try:

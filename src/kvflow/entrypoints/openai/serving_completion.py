@@ -49,7 +49,8 @@ class CompletionServing(Serving):
         prompts = await self._tokenized(prompts)
         self.check_logprobs([len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts], params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.start(request_id, prompts, params, lora_request, req.cache_salt)
+        beam = self.beam_search_params(req, params)
+        streams = await self.start(request_id, prompts, params, lora_request, req.cache_salt, beam)
         if req.stream:
             return self.event_stream(self._events(request_id, req, streams), streams)
         try:

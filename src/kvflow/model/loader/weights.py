@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kvflow.phases import progress
 from kvflow.quant.base import copy_checked
 
 # checkpoint projection name → (fused layer name, shard id), e.g. "q_proj" → ("qkv_proj", "q")
@@ -40,11 +41,11 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
 def process_weights_after_loading(model: nn.Module) -> None:
     """Let each layer's quant method turn loaded weights into the form it runs (once per layer,
     so a tied embedding/head is processed once)."""
-    methods = [m for module in model.modules() if (m := getattr(module, "quant_method", None)) is not None]
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    layers = [(module, m) for module in model.modules() if (m := getattr(module, "quant_method", None)) is not None]
+    for done, (module, method) in enumerate(layers, 1):
+        method.process_weights_after_loading(module)
+        progress(done, len(layers), "layers")
+    methods = [method for _, method in layers]
     for method in methods:
         method.finish_loading()
 
