@@ -175,7 +175,7 @@ def test_cli_json_schema_and_errors(stub, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report == json.loads(out.read_text())
     assert set(report) == {
-        "date", "url", "model", "dataset", "num_prompts", "concurrency", "request_rate", "max_concurrency",
+        "date", "url", "model", "backend", "dataset", "num_prompts", "concurrency", "request_rate", "max_concurrency",
         "completed", "errors", "duration_s", "prompt_tokens", "output_tokens", "request_throughput",
         "output_tok_s", "total_tok_s", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "error_samples", "goodput",
     }

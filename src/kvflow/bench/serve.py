@@ -22,7 +22,7 @@ import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ import httpx
 
 from kvflow.bench.datasets import DEFAULT_VOCAB_SIZE, DatasetConfig, SampleRequest, build_dataset, parse_length_dist
 from kvflow.bench.report import SLO, RequestRecord, format_report, plot_sweep, summarize
-from kvflow.bench.stream_client import completions_url, fetch_model_name, send_request
+from kvflow.bench.stream_client import BACKENDS, completions_url, fetch_model_name, prompt_text, send_request
 
 Send = Callable[[SampleRequest], Awaitable[RequestRecord]]
 
@@ -125,7 +125,8 @@ async def run_load(send: Send, requests: Sequence[SampleRequest], load: Load) ->
 
 
 async def benchmark(url: str, model: str | None, requests: Sequence[SampleRequest], load: Load,
-                    timeout_s: float = 600.0, ignore_eos: bool = True) -> tuple[str, list[RequestRecord], float]:
+                    timeout_s: float = 600.0, ignore_eos: bool = True,
+                    backend: str = "openai") -> tuple[str, list[RequestRecord], float]:
     """Run one load against `url`; (model name, records, duration)."""
     connections = load.concurrency or load.max_concurrency or len(requests)
     # trust_env=False: a proxy from the environment must not sit between the client and a
@@ -133,10 +134,12 @@ async def benchmark(url: str, model: str | None, requests: Sequence[SampleReques
     async with httpx.AsyncClient(timeout=timeout_s, trust_env=False,
                                  limits=httpx.Limits(max_connections=connections)) as client:
         name = model or await fetch_model_name(client, url)
-        endpoint = completions_url(url)
+        endpoint = completions_url(url, backend)
+        if backend != "openai":  # chat and Responses take text: converted before the clock starts
+            requests = [replace(r, prompt=await prompt_text(client, url, name, r.prompt)) for r in requests]
 
         async def send(request: SampleRequest) -> RequestRecord:
-            return await send_request(client, endpoint, name, request, ignore_eos)
+            return await send_request(client, endpoint, name, request, ignore_eos, backend)
 
         records, duration = await run_load(send, requests, load)
     return name, records, duration
@@ -156,6 +159,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: loopback :8000)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models)")
     p.add_argument("--allow-remote", action="store_true", help="allow a URL that is not loopback")
+    p.add_argument("--backend", default="openai", choices=sorted(BACKENDS),
+                   help="the route, as vLLM's bench names it: openai (/v1/completions), openai-chat, openai-responses")
     p.add_argument("--num-prompts", type=int, default=100)
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight")
@@ -199,10 +204,10 @@ def _dataset(args: argparse.Namespace) -> list[SampleRequest]:
 
 def _run_one(args: argparse.Namespace, requests: list[SampleRequest], load: Load) -> dict[str, Any]:
     name, records, duration = asyncio.run(
-        benchmark(args.url, args.model, requests, load, args.timeout, args.ignore_eos))
+        benchmark(args.url, args.model, requests, load, args.timeout, args.ignore_eos, args.backend))
     report = summarize(records, duration, SLO.parse(args.goodput) if args.goodput else None)
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "url": args.url, "model": name,
-            "dataset": args.dataset, "num_prompts": len(requests), "concurrency": load.concurrency,
+            "backend": args.backend, "dataset": args.dataset, "num_prompts": len(requests), "concurrency": load.concurrency,
             "request_rate": load.request_rate, "max_concurrency": load.max_concurrency, **report}
 
 

@@ -53,6 +53,7 @@ class ResponsesRequest(OpenAIBody):
     user: str | None = None
     background: bool = False
     seed: int | None = None  # kvflow's extra, as on chat
+    ignore_eos: bool = False  # vLLM's extra, as on chat: generate max_output_tokens (benchmarks)
 
     @model_validator(mode="after")
     def _supported(self):
@@ -322,7 +323,7 @@ def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletion
         messages = [{"role": "system", "content": req.instructions}, *messages]
     body: dict[str, Any] = {"model": req.model, "messages": messages, "temperature": req.temperature,
                             "top_p": req.top_p, "max_tokens": req.max_output_tokens, "seed": req.seed,
-                            "parallel_tool_calls": req.parallel_tool_calls}
+                            "parallel_tool_calls": req.parallel_tool_calls, "ignore_eos": req.ignore_eos}
     if req.tools:
         body["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
