@@ -48,9 +48,10 @@ class ServerProcess:
             return self.proc.wait(timeout)
 
 
-def start_process(args: list[str], timeout: float = 180) -> ServerProcess:
-    """Start `kvflow serve --port 0 ARGS` and wait for the URL it prints."""
-    cmd = [*KVFLOW, "serve", "--port", "0", "--uvicorn-log-level", "warning", "--disable-log-stats", *args]
+def start_process(args: list[str], timeout: float = 180, command: str = "serve") -> ServerProcess:
+    """Start `kvflow serve --port 0 ARGS` (or `kvflow router --port 0 ARGS`) and wait for the URL it prints."""
+    quiet = ["--uvicorn-log-level", "warning", "--disable-log-stats"] if command == "serve" else []
+    cmd = [*KVFLOW, command, "--port", "0", *quiet, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=_die_with_parent)
     server = ServerProcess(proc)
@@ -59,7 +60,7 @@ def start_process(args: list[str], timeout: float = 180) -> ServerProcess:
     while not server.url:
         if proc.poll() is not None or time.monotonic() > deadline:
             server.stop()
-            raise RuntimeError(f"kvflow serve did not come up:\n{server.output}")
+            raise RuntimeError(f"kvflow {command} did not come up:\n{server.output}")
         time.sleep(0.1)
     return server
 

@@ -5,6 +5,7 @@ block is deleted once its request ends."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -84,3 +85,14 @@ def test_a_bad_request_is_answered_by_the_prefill_server_and_reaches_no_decode(r
     assert answer.status_code == 400 and "temperature" in answer.text
     assert httpx.post(url + "/v1/completions", content=b"not json", timeout=60).status_code == 400
     assert store.contents() == []
+
+
+def test_the_router_says_where_it_listens_and_what_it_routes_to():
+    down = ["http://127.0.0.1:9", "http://127.0.0.1:10"]  # nothing listens there
+    router = start_process(["--prefill", down[0], "--decode", down[1]], timeout=60, command="router")
+    try:
+        assert re.search(rf"kvflow: router on {router.url} \(prefill: {down[0]}; decode: {down[1]}\), ready \d+\.\d s",
+                         router.output)
+        assert httpx.get(router.url + "/health", timeout=30).status_code == 503  # it answers, naming the down ones
+    finally:
+        router.stop()

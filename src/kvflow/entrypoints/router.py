@@ -193,6 +193,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvflow.entrypoints.listening import AnnouncedServer
+
     app = build_router_app(args.prefill, args.decode, args.timeout_s, args.prefill_timeout_s, args.down_cooldown_s)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    AnnouncedServer(config, "router", f"prefill: {', '.join(args.prefill)}; decode: {', '.join(args.decode)}").run()
     return 0
