@@ -84,8 +84,8 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def reference(model_dir, prompts, params: SamplingParams = GREEDY) -> list:
-    single = make_engine(model_dir, enable_prefix_caching=False)
+def reference(model_dir, prompts, params: SamplingParams = GREEDY, **kw) -> list:
+    single = make_engine(model_dir, enable_prefix_caching=False, **kw)
     for i, prompt in enumerate(prompts):
         single.add_request(str(i), {"prompt_token_ids": prompt}, params)
     done = {}

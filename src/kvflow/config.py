@@ -44,7 +44,8 @@ class CacheConfig:
     num_kv_blocks: int | None  # overrides the memory budget exactly (tests)
     enable_prefix_caching: bool = True
     swap_space_gb: float = 0.0  # host memory for preempted requests' KV (preemption_mode="swap")
-    cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (= "fp8_e4m3") | "int8" (kvflow.attention.kv_quant)
+    # "auto" (the model's dtype) | "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "int8" (kvflow.attention.kv_quant)
+    cache_dtype: str = "auto"
     populate: str = "background"  # when the pool's pages are mapped in: KV_POPULATE_MODES (worker/kv_cache.py)
     # vLLM's: the fraction of the device's memory (the host's on CPU) this engine may hold, the KV
     # pool taking what the loaded model and the activations' headroom leave; replaces kv_cache_memory_gb.
@@ -162,7 +163,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None  # None: max_loras
     quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
     group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
-    kv_cache_dtype: str = "auto"  # vLLM's name: fp8 (or fp8_e4m3) or int8 stores KV in one byte per number plus scales
+    kv_cache_dtype: str = "auto"  # vLLM's name: fp8 (or fp8_e4m3), fp8_e5m2 or int8 stores KV in one byte per number plus scales
     # When the KV pool's pages are mapped in: "background" (from the start, beside the steps: best
     # for a batch job), "when-idle" (only while no step runs: a server's first requests keep both
     # cores; `kvflow serve`'s default), "off" (each page on its first write).
@@ -361,8 +362,9 @@ class EngineArgs:
                             "(default: run the checkpoint as stored; a GGUF on its own blocks)")
         g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
-                       help="KV cache storage: auto (the model's dtype), or fp8 (E4M3) / int8 with a bfloat16 scale "
-                            "per head and position: ~2x the tokens of bfloat16 in the same memory")
+                       help="KV cache storage: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2 / int8 with a "
+                            "bfloat16 scale per head and position: ~2x the tokens of bfloat16 in the same memory "
+                            "(fp8_e5m2, for vLLM parity, rounds twice as coarsely as fp8)")
         g.add_argument("--kv-populate", default=d.kv_populate, choices=KV_POPULATE_MODES,
                        help="when the KV pool's pages are mapped in: background (ahead of the steps' writes, beside "
                             "them), when-idle (the whole pool, only while no step runs; kvflow serve's default), off "

@@ -100,8 +100,9 @@ KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedK
 
 # `kv_cache_dtype` settings: "auto" keeps KV in the model's dtype; the others store one byte per
 # number plus a bfloat16 scale per vector, one head's K or V at one position
-# (kvflow.attention.kv_quant). "fp8_e4m3" is vLLM's other name for the same E4M3 codes.
-QUANTIZED_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "int8")
+# (kvflow.attention.kv_quant). "fp8_e4m3" is vLLM's other name for the same E4M3 codes;
+# "fp8_e5m2" stores E5M2 codes (vLLM's flag too), in the same bytes.
+QUANTIZED_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 KV_CACHE_DTYPE_CHOICES = "auto, " + ", ".join(QUANTIZED_KV_CACHE_DTYPES[:-1]) + " or " + QUANTIZED_KV_CACHE_DTYPES[-1]
 KV_SCALE_BYTES = 2
 

@@ -13,6 +13,9 @@ from kvflow.attention import cpu_kv_write, kv_quant
 from kvflow.attention.metadata import AttentionMetadata, write_kv
 
 BLOCKS, KV_HEADS, BLOCK_SIZE, DIM = 6, 3, 4, 18
+CODES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+# fp8 codes below the format's smallest normal: exponent bits zero, mantissa bits not.
+SUBNORMAL_BITS = {torch.float8_e4m3fn: (0x78, 0x07), torch.float8_e5m2: (0x7C, 0x03)}
 
 
 def meta_for(slots: list[int]) -> AttentionMetadata:
@@ -70,18 +73,19 @@ def test_a_slot_past_the_pool_is_refused_and_nothing_is_written():
     assert not pool.any()
 
 
-@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slots", [[5], [9, -1, 13, -1, 20, 2, 3]])
-@pytest.mark.parametrize("dim", [DIM, 64])  # 64: int8's 16-wide path
+@pytest.mark.parametrize("dim", [DIM, 64])  # 64: the 16-wide path
 def test_op_quantizes_to_the_bits_kv_quant_writes(codes, dtype, slots, dim, monkeypatch):
     """A quantized pool (kv_quant.py): the op's codes and scales equal kv_quant.write's, bit for
-    bit, for vectors of every magnitude: zero (the smallest scale), tiny (E4M3 subnormals), an
+    bit, for vectors of every magnitude: zero (the smallest scale), tiny (fp8 subnormals), an
     outlier, huge; bytes of unwritten slots untouched."""
     k, v = projections(len(slots), dtype, dim)
     magnitudes = torch.tensor([0.0, 1e-30, 1e-4, 1.0, 3e3, 1e30])
     k = k * magnitudes[torch.arange(len(slots)) % len(magnitudes)].to(dtype)[:, None, None]
-    v = v * torch.tensor([1.0, 3e-5, 1e-4, 1e-2]).repeat(dim)[:dim].to(dtype)  # codes near zero: E4M3 subnormals
+    # Codes near zero: E4M3 subnormals from ~2^-18 of a vector's largest number, E5M2's from ~2^-30.
+    v = v * torch.tensor([1.0, 3e-5, 1e-4, 1e-2, 3e-10, 1e-9]).repeat(dim)[:dim].to(dtype)
     v[0, 0, 1] = 500.0  # an outlier sets its vector's scale
     pools = {}
     for way in ("op", "torch"):
@@ -89,8 +93,9 @@ def test_op_quantizes_to_the_bits_kv_quant_writes(codes, dtype, slots, dim, monk
             pool = torch.full((2, BLOCKS, KV_HEADS, BLOCK_SIZE * (dim + 2)), 0xA5, dtype=torch.uint8).view(codes)
             write_kv(k, v, pool, meta_for(slots))
             pools[way] = pool.view(torch.uint8)
-    if codes == torch.float8_e4m3fn:
-        assert bool(((pools["op"] & 0x78 == 0) & (pools["op"] & 0x07 != 0)).any())
+    if codes in SUBNORMAL_BITS:
+        exponent, mantissa = SUBNORMAL_BITS[codes]
+        assert bool(((pools["op"] & exponent == 0) & (pools["op"] & mantissa != 0)).any())
     assert torch.equal(pools["op"], pools["torch"])
     untouched = (pools["op"] == 0xA5).sum().item()
     assert untouched >= 2 * KV_HEADS * (BLOCKS * BLOCK_SIZE - sum(s >= 0 for s in slots)) * (dim + 2)
@@ -103,7 +108,7 @@ def test_quantized_op_is_taken_for_a_cpu_pool():
     assert pool[1, 1, :, DIM:2 * DIM].any()  # slot 5: block 1, offset 1
 
 
-@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [DIM, 64])
 def test_quantized_write_gives_back_the_round_trip(codes, dtype, dim, monkeypatch):
@@ -122,3 +127,41 @@ def test_quantized_write_gives_back_the_round_trip(codes, dtype, dim, monkeypatc
             k_given, v_given = write_kv(k, v, pool, meta_for(slots))
             assert k_given is k and v_given is v  # no round trip made
             assert torch.equal(pool.view(torch.uint8), pool_after_read_back.view(torch.uint8))  # the same bits stored
+
+
+def _codes_at_every_tie(codes: torch.dtype, top: float) -> torch.Tensor:
+    """Every finite non-negative value of the format below `top`, the midpoint between each two
+    neighbours (a tie: rounded to the even code) and the floats just either side of it."""
+    values = torch.arange(0, 128, dtype=torch.uint8).view(codes).float()
+    values = values[values.isfinite() & (values < top)]
+    mid = (values[:-1] + values[1:]) / 2  # exact in float32
+    inf = torch.full_like(mid, float("inf"))
+    return torch.cat([values, mid, torch.nextafter(mid, inf), torch.nextafter(mid, -inf)])
+
+
+@pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_rounds_fp8_ties_and_subnormals_as_torch(codes, dtype):
+    """The op's fp8 rounding against torch's `.to(codes)`, bit for bit, at every tie of the
+    format (nearest, ties to even), on both sides of each, in the subnormals and at the top; both
+    signs. Each vector's largest number sets its scale to exactly 1, so x / scale is x itself;
+    64-wide vectors take the AVX-512 path, 18-wide ones the scalar one. A vector holding a NaN
+    gets a NaN scale and NaN codes (0x7F or 0xFF, by the sign) as in torch, whichever comes after
+    the NaN in it."""
+    qmax = torch.finfo(codes).max
+    top = qmax / (1 + 2**-8) * 0.9999  # the scale: top x (1 + 2^-8) / qmax, which rounds to 1.0
+    x = _codes_at_every_tie(codes, top)
+    x = torch.cat([x, -x]).to(dtype).float().unique()  # what a bfloat16 input can hold
+    for dim in (64, DIM):
+        rows = torch.cat([x, x.new_zeros(-len(x) % (dim - 1))]).view(-1, dim - 1)
+        k = torch.cat([rows.new_full((len(rows), 1), top), rows], 1).to(dtype)[:, None, :].contiguous()
+        k[-1, 0, 1:4] = torch.tensor([float("nan"), -float("nan"), 1.0])
+        blocks = -(-len(k) // BLOCK_SIZE)
+        pool = torch.zeros(2, blocks, 1, BLOCK_SIZE * (dim + 2), dtype=codes)
+        torch.ops.kvflow_cpu_kv.write_kv_quantized(pool[0], pool[1], k, k, torch.arange(len(k)), None, None)
+        got_codes, scales = kv_quant.split(pool, BLOCK_SIZE)
+        got_codes, scales = got_codes[0].reshape(-1, dim)[:len(k)], scales[0].reshape(-1)[:len(k)]
+        assert bool((scales[:-1] == 1.0).all()) and scales[-1].isnan()
+        want = (k[:, 0].float() / scales.float()[:, None]).to(codes)
+        assert torch.equal(got_codes.view(torch.uint8), want.view(torch.uint8))
+        assert bool(got_codes[-1].float().isnan().all())  # x / NaN: every code of the NaN vector

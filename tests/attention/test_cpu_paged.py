@@ -136,7 +136,7 @@ def test_tiles_are_asked_for_where_they_repay(kernel, batch_invariant, monkeypat
 
 def quantized_nan_pool(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """nan_pool_batch's pool as a quantized one (kv_quant.py): the written positions' codes and
-    scales; every other byte 0xFF, which is NaN as a bfloat16 scale (and as an E4M3 code)."""
+    scales; every other byte 0xFF, which is NaN as a bfloat16 scale (and as an E4M3 or E5M2 code)."""
     _, blocks, kv_heads, block_size, dim = cache.shape
     packed = torch.full((2, blocks, kv_heads, block_size * (dim + 2)), 255, dtype=torch.uint8).view(dtype)
     written = ~cache[0, :, 0, :, 0].isnan()  # [blocks, block_size]
@@ -146,23 +146,30 @@ def quantized_nan_pool(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return packed
 
 
+# fp8 codes below the format's smallest normal (exponent bits zero, mantissa bits not), and a
+# magnitude, relative to a vector's largest number, whose codes fall there.
+SUBNORMALS = {torch.float8_e4m3fn: (0x78, 0x07, 3e-5), torch.float8_e5m2: (0x7C, 0x03, 1e-9)}
+
+
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size, dim, window", [(16, 64, None), (32, 128, 5), (16, 32, None), (1, 64, 7)])
 def test_kernel_reads_a_quantized_pool_in_place(kernel, seed, codes, query_dtype, block_size, dim, window):
-    """Codes and scales read where they lie (int8 with AVX-512 at head_dim 64 and 128 on whole
-    sixteens of keys; fp8, other widths and block sizes widened to float first) give the oracle's
+    """Codes and scales read where they lie (with AVX-512 at head_dim 64 and 128 on whole
+    sixteens of keys; other widths and block sizes widened to float first) give the oracle's
     attention over the same codes: code x scale is exact in float32, so only the order of the sums
     differs (and, for bfloat16 queries, the output's one rounding)."""
     q, k, v, cache, meta, layer = nan_pool_batch(seed, block_size, 8, 2, torch.float32, window, dim=dim)
-    # Dimensions of every size in each vector: codes near zero (E4M3's subnormals) are read too.
-    magnitude = torch.tensor([1.0, 3e-5, 1e-4, 1e-2]).repeat(dim // 4)
+    # Dimensions of every size in each vector: codes near zero (fp8 subnormals) are read too.
+    tiny = SUBNORMALS.get(codes, (0, 0, 3e-5))[2]
+    magnitude = torch.tensor([1.0, tiny, 1e-4, 1e-2]).repeat(dim // 4)
     cache, k, v = cache * magnitude, k * magnitude, v * magnitude
     packed = quantized_nan_pool(cache, codes)
-    if codes == torch.float8_e4m3fn:
+    if codes in SUBNORMALS:
+        exponent, mantissa, _ = SUBNORMALS[codes]
         bits = kv_quant.split(packed, block_size)[0].view(torch.uint8)
-        assert bool(((bits & 0x78 == 0) & (bits & 0x07 != 0)).any())  # subnormal codes are in the pool
+        assert bool(((bits & exponent == 0) & (bits & mantissa != 0)).any())  # subnormal codes are in the pool
     expected = TorchReferenceBackend().forward(q, k, v, packed.clone(), meta, layer)
     assert not expected.isnan().any()
     got = _kernel_attention(kernel, q.to(query_dtype), k, v, packed, meta, layer)

@@ -40,10 +40,11 @@ def _tokens_and_logprobs(output) -> list:
 
 
 # int4: without the mode, its own kernel up to 4 rows and a dense copy above (both tests fail with
-# the mode switched off in worker.load_model). int8 / fp8 KV: the paged kernel reads the codes in
-# place, each position's codes and scale fixed by its own K and V (these fail without the mode too).
+# the mode switched off in worker.load_model). int8 / fp8 (E4M3, E5M2) KV: the paged kernel reads the
+# codes in place, each position's codes and scale fixed by its own K and V (these fail without the
+# mode too).
 @pytest.mark.parametrize("quantization, kv_cache_dtype", [(None, "auto"), ("int4", "auto"), (None, "int8"),
-                                                          (None, "fp8")])
+                                                          (None, "fp8"), (None, "fp8_e5m2")])
 def test_a_request_is_bit_identical_alone_batched_and_chunked(model_dir, quantization, kv_cache_dtype, monkeypatch):
     # Paged attention takes bf16 scores on AMX tiles only for calls of enough keys: between this
     # request's keys alone (<= 164 per KV head pair) and the busy batch's, so that outside the mode

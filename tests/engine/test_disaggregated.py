@@ -30,6 +30,19 @@ def test_outputs_equal_one_engine_and_decode_computes_only_the_last_prompt_token
     assert pair.prefill.get_stats().kv_transfer_bytes_total == stats.kv_transfer_bytes_total
 
 
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", "int8"])
+def test_quantized_kv_moves_through_the_store(model_dir, store, kv):
+    """A one-byte KV cache (kv_quant.py): its blocks, codes and scales, move as bytes and are read
+    back as the codes they were; outputs equal one engine's with the same kv_cache_dtype."""
+    prompts = [random_tokens(n, seed=n) for n in (B + 1, 3 * B)]
+    pair = make_pair(model_dir, store, kv_cache_dtype=kv)
+    outputs = pair.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for prompt, out, ref in zip(prompts, outputs, reference(model_dir, prompts, kv_cache_dtype=kv)):
+        assert_same(out, ref)
+        assert out.num_cached_tokens == len(prompt) - 1  # loaded, not recomputed
+    assert store.contents() == []
+
+
 def test_chunked_prefill_on_both_sides(model_dir, store):
     prompts = [random_tokens(100, seed=5), random_tokens(3 * B + 2, seed=6)]
     pair = make_pair(model_dir, store, max_num_batched_tokens=16)  # the prefill engine saves after its last chunk

@@ -1,4 +1,4 @@
-"""kv_cache_dtype fp8 / int8 through the engine: close to the float32 oracle, scheduling-invariant
+"""kv_cache_dtype fp8 (E4M3), fp8_e5m2 / int8 through the engine: close to the float32 oracle, scheduling-invariant
 (prefix hits, preemption by swap and by recompute), more tokens in the same memory, and clear
 errors for what it cannot do."""
 
@@ -12,15 +12,15 @@ from kvflow import LLM, EngineArgs, LLMEngine, SamplingParams
 from kvflow.analysis.model_spec import ModelSpec
 from kvflow.entrypoints.cli import build_parser
 
-QUANTIZED = ["fp8", "int8"]
+QUANTIZED = ["fp8", "fp8_e5m2", "int8"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 # Largest |logprob - oracle logprob| allowed over the prompt tokens below, and the mean. This
 # random model's attention is sharper than a trained one's (initializer range 0.3), so KV errors
 # reach the logits strongly; the bounds are about twice the deviations measured on these prompts
-# and keep the formats' order: E4M3 rounds to 3 mantissa bits (up to 1/16 of a value), int8 to
-# 1/254 of the vector's largest value. Misplaced or mis-scaled codes cost whole nats.
-TOLERANCE = {"fp8": (1.5, 0.25), "int8": (0.25, 0.05)}
+# and keep the formats' order: E5M2 rounds to 2 mantissa bits (up to 1/8 of a value), E4M3 to 3
+# (1/16), int8 to 1/254 of the vector's largest value. Misplaced or mis-scaled codes cost whole nats.
+TOLERANCE = {"fp8": (1.5, 0.25), "fp8_e5m2": (2.0, 0.45), "int8": (0.25, 0.05)}
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +127,14 @@ def test_the_same_memory_holds_more_tokens(llama_dir):
     budget = 9.2e-5  # GB: 12 float32 blocks of 16 tokens
     engines = {kv: LLMEngine(EngineArgs(model=llama_dir, dtype="float32", skip_tokenizer_init=True,
                                         kv_cache_memory_gb=budget, kv_cache_dtype=kv, disable_log_stats=True))
-               for kv in ("auto", "fp8", "int8")}
+               for kv in ("auto", *QUANTIZED)}
     bytes_budget = int(budget * 1024**3)
     assert engines["auto"].num_kv_blocks == bytes_budget // (512 * 16) == 12
-    assert engines["fp8"].num_kv_blocks == engines["int8"].num_kv_blocks == bytes_budget // (144 * 16) == 42
+    assert [engines[kv].num_kv_blocks for kv in QUANTIZED] == [bytes_budget // (144 * 16)] * len(QUANTIZED) == [42] * 3
     # The planner counts the same bytes the pool does.
     spec = ModelSpec.from_arch(engines["fp8"].arch)
-    assert spec.kv_bytes_per_token("float32", "fp8") == 144 and spec.kv_bytes_per_token("float32") == 512
+    assert [spec.kv_bytes_per_token("float32", kv) for kv in QUANTIZED] == [144] * len(QUANTIZED)
+    assert spec.kv_bytes_per_token("float32") == 512
     # A request of 13 blocks can never run in the float32 pool, and runs alone in the quantized one.
     prompt = _prompts((200,), seed=5)[0]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -151,15 +152,16 @@ def test_the_same_memory_holds_more_tokens(llama_dir):
 
 
 def test_bad_kv_cache_dtype_is_a_clear_error(llama_dir, capsys):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, fp8, fp8_e4m3 or int8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, fp8, fp8_e4m3, fp8_e5m2 or int8"):
         EngineArgs(model=llama_dir, kv_cache_dtype="fp4").create_config(512)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         _llm(llama_dir, kv_cache_dtype="fp4")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "fp4"])
     assert "--kv-cache-dtype: invalid choice: 'fp4'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="kv_cache_dtype=fp8 is not implemented by the triton"):
-        EngineArgs(model=llama_dir, kv_cache_dtype="fp8", attention_backend="triton").create_config(512)
+    for kv in QUANTIZED:
+        with pytest.raises(ValueError, match=f"kv_cache_dtype={kv} is not implemented by the triton"):
+            EngineArgs(model=llama_dir, kv_cache_dtype=kv, attention_backend="triton").create_config(512)
 
 
 def test_vllms_fp8_e4m3_is_fp8(llama_dir):
@@ -177,7 +179,28 @@ def test_vllms_fp8_e4m3_is_fp8(llama_dir):
     assert outputs["fp8_e4m3"] == outputs["fp8"]
 
 
+def test_fp8_e5m2_stores_e5m2_codes_from_the_flag_on(llama_dir):
+    """vLLM's `--kv-cache-dtype fp8_e5m2`: accepted on the command line, a pool of E5M2 codes (the
+    bytes of fp8's), and tokens of its own: E5M2 rounds otherwise than E4M3."""
+    args = build_parser().parse_args(["generate", "hi", "--model", llama_dir, "--kv-cache-dtype", "fp8_e5m2"])
+    assert EngineArgs.from_cli_args(args).kv_cache_dtype == "fp8_e5m2"
+    logprobs, caches = {}, {}
+    for kv in ("fp8", "fp8_e5m2"):
+        engine = LLMEngine(EngineArgs(model=llama_dir, dtype="float32", skip_tokenizer_init=True, kv_cache_dtype=kv,
+                                      num_kv_blocks=32, disable_log_stats=True))
+        caches[kv] = engine.runner.kv_caches[0]
+        engine.add_request("r", {"prompt_token_ids": _prompts((40,), seed=2)[0]},
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                logprobs[kv] = [lp.logprob for step in out.outputs[0].logprobs for lp in step.values()]
+    assert caches["fp8_e5m2"].dtype == torch.float8_e5m2
+    assert caches["fp8_e5m2"].shape == caches["fp8"].shape
+    assert logprobs["fp8_e5m2"] != logprobs["fp8"]
+
+
 def test_mla_latent_cache_refuses_quantization(tmp_path):
     make_tiny_model("deepseek-v2", tmp_path)
-    with pytest.raises(ValueError, match="kv_cache_dtype fp8/int8 is not implemented for multi-head latent"):
-        _llm(str(tmp_path), kv_cache_dtype="int8")
+    for kv in ("int8", "fp8_e5m2"):
+        with pytest.raises(ValueError, match="kv_cache_dtype fp8/int8 is not implemented for multi-head latent"):
+            _llm(str(tmp_path), kv_cache_dtype=kv)

@@ -115,7 +115,7 @@ def test_no_cpp_step_where_a_product_runs_elsewhere(llama_dir):
     assert steps == [] and list(loop.steps) == [8] and loop.steps[8].native is None
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("num_prompts", [1, 5])
 def test_one_byte_kv_runs_in_the_loop_and_the_cpp_step(llama_dir, kv_cache_dtype, num_prompts):
     """An int8 / fp8 KV cache: the loop (and, up to int4_gemv.MAX_ROWS rows, the C++ step) writes

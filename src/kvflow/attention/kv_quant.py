@@ -1,14 +1,21 @@
-"""KV-cache quantization: keys and values stored as fp8 (E4M3) or int8, one scale per vector.
+"""KV-cache quantization: keys and values stored as fp8 (E4M3 or E5M2) or int8, one scale per vector.
 
 Each position's key (and value) of each KV head — one vector of head_dim numbers — is stored as
 head_dim one-byte codes and one bfloat16 scale, ~amax / qmax: symmetric, nothing but the scale
-(int8: round(x / scale) in [-127, 127]; fp8: x / scale in E4M3's [-448, 448]). Attention reads
-code * scale. The scale is per vector and fixed when the vector is written, so a position's
-stored bits depend on its own K/V only: a prompt written in one chunk or many, a block restored
-from a prefix-cache hit, swapped back in or recomputed after preemption all hold the same bits.
-(A scale per block would have to grow, and re-round the block, as positions arrive.)
+(int8: round(x / scale) in [-127, 127]; fp8: x / scale in E4M3's [-448, 448] or E5M2's
+[-57344, 57344], rounded to nearest even). Attention reads code * scale. The scale is per
+vector and fixed when the vector is written, so a position's stored bits depend on its own K/V
+only: a prompt written in one chunk or many, a block restored from a prefix-cache hit, swapped
+back in or recomputed after preemption all hold the same bits. (A scale per block would have to
+grow, and re-round the block, as positions arrive.)
 
-Layout. A quantized cache is one tensor of dtype int8 or float8_e4m3fn,
+E4M3 or E5M2. The per-vector scale already maps each vector's largest number to the top code,
+so E5M2's wider range (57344 against 448) only reaches further below that number (its smallest
+code is ~2^-32 of it, E4M3's ~2^-18), while its 2 mantissa bits against E4M3's 3 double the
+rounding step: up to 1/8 of a value instead of 1/16. "fp8_e5m2" is offered for parity with
+vLLM's flag; tests/attention/test_kv_quant.py measures its larger attention error.
+
+Layout. A quantized cache is one tensor of dtype int8, float8_e4m3fn or float8_e5m2,
 `[2, num_blocks, num_kv_heads, block_size * (head_dim + 2)]`: for each (K or V, block, head) a
 row holding the block_size x head_dim codes, position-major as in the float cache, followed by
 the block_size bfloat16 scales (two bytes each; bfloat16 rather than float16 for its range: a
@@ -29,8 +36,10 @@ import torch
 
 from kvflow.kv_cache_spec import KV_SCALE_BYTES
 
-_CODE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}  # kv_cache_dtype → codes
-_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+# kv_cache_dtype → codes (kv_cache_spec.QUANTIZED_KV_CACHE_DTYPES names the same settings)
+_CODE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+                "int8": torch.int8}
+_QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}  # the largest finite code
 SCALE_DTYPE = torch.bfloat16
 assert SCALE_DTYPE.itemsize == KV_SCALE_BYTES  # the planner and the pool count these bytes
 _SCALE_MIN = torch.finfo(SCALE_DTYPE).tiny  # an all-zero vector still gets a positive scale

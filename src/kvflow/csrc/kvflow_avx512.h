@@ -43,4 +43,9 @@ inline __m512i fp8_halves_low(__m512i x) {
   return _mm512_ternarylogic_epi32(sign, rest, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xEC);  // (a & c) | b
 }
 
+// E5M2 codes in the low byte of each 16-bit lane, as halves of their value (exact): an E5M2
+// number is the top byte of a half (same bias, same exponent width), so a shift is the whole
+// conversion, subnormals included.
+inline __m512i e5m2_halves_low(__m512i x) { return _mm512_slli_epi16(x, 8); }
+
 }  // namespace kvflow_avx512

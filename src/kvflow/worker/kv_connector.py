@@ -88,7 +88,10 @@ class KVStoreConnectorWorker:
         ids = torch.tensor([t.block_id for t, _ in loads], device=device)
         offset = 0
         for pool, n in zip(self.pools, self._pool_bytes):
-            rows = data[:, offset:offset + n].contiguous().view(pool.dtype).view(len(ids), *pool.shape[:1], *pool.shape[2:])
+            # As bytes: index_copy_ has no float8 kernel on CPU (fp8 KV caches, kv_quant.py), and a
+            # block's bytes are all the store knows of it anyway.
+            pool = pool.view(torch.uint8)
+            rows = data[:, offset:offset + n].contiguous().view(len(ids), *pool.shape[:1], *pool.shape[2:])
             pool.index_copy_(1, ids, rows.transpose(0, 1))  # an index_put here is ~30x slower on CPU
             offset += n
 

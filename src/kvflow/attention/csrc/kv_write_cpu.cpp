@@ -10,10 +10,13 @@
 // `write_kv_quantized` stores into a quantized cache (kv_quant.py's packed rows: a block's codes,
 // then its bfloat16 scales) the bits kv_quant.quantize makes, step for step: the scale is
 // amax x (1 + 2^-8) / qmax in float, at least bfloat16's smallest normal, rounded to bfloat16;
-// each code is x / scale rounded to nearest even (int8) or converted (E4M3), within +-qmax.
+// each code is x / scale rounded to nearest even (int8) or converted (E4M3, E5M2), within +-qmax.
+// The clamp to +-qmax comes before the conversion, so c10's E5M2 overflow to infinity (from
+// 61440 up) is never reached; a NaN stays NaN (0x7F, or 0xFF with its sign), as in torch.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -42,27 +45,64 @@ inline __m512 load16(const c10::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
-// 16 floats within +-448 to E4M3 codes, c10::Float8_e4m3fn's rounding step for step: below 2^-6
-// (E4M3's smallest normal) by one float addition that rounds to the subnormal's place, else by
-// adding half a unit of the code's last place less one, plus the kept mantissa's lowest bit.
+// 16 finite floats within +-qmax to codes of a format with `Mantissa` bits and exponent bias
+// `Bias` (E4M3: 3, 7; E5M2: 2, 15), c10's Float8 rounding step for step: below the format's
+// smallest normal by one float addition that rounds to the subnormal's place, else by adding
+// half a unit of the code's last place less one, plus the kept mantissa's lowest bit (to
+// nearest, ties to even). No NaN or infinity comes here (quantize_vector16 sends those away).
+template <int Mantissa, int Bias>
 inline __m128i fp8_codes16(__m512 y) {
+  constexpr int kDrop = 23 - Mantissa;  // float mantissa bits the code does not keep
   const __m512i bits = _mm512_castps_si512(y);
   const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
   const __m512i a = _mm512_xor_si512(bits, sign);
-  const __m512i denorm = _mm512_set1_epi32(141 << 23);
+  // 2^(1 - Bias) x 2^kDrop: adding it leaves the subnormal code in the float's low bits.
+  const __m512i denorm = _mm512_set1_epi32((127 - Bias + kDrop + 1) << 23);
   const __m512i sub = _mm512_sub_epi32(
       _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm))), denorm);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu));
-  const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias), odd), 20);
-  const __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, kDrop), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_set1_epi32(
+      static_cast<int32_t>((static_cast<uint32_t>(Bias - 127) << 23) + ((1u << (kDrop - 1)) - 1)));
+  const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias), odd), kDrop);
+  const __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32((127 - Bias + 1) << 23));
   const __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(small, normal, sub), _mm512_srli_epi32(sign, 24));
   return _mm512_cvtepi32_epi8(code);
 }
-// 16 E4M3 codes to floats of 1/256 their value (exact): their bits in a half's places.
+#endif
+
+// What each code type needs: its largest code and, for the fp8 formats, the AVX-512 encode and
+// decode (the decode by way of halves, `halves`: codes in a half's places, 1 / kHalfScale their value).
+template <typename code_t>
+struct CodeFormat;
+template <>
+struct CodeFormat<int8_t> {
+  static constexpr float kMax = 127.0f;
+};
+template <>
+struct CodeFormat<c10::Float8_e4m3fn> {
+  static constexpr float kMax = 448.0f;
+#if defined(KVFLOW_AVX512)
+  static constexpr float kHalfScale = 256.0f;  // halves carry E4M3 values / 256 (bias 15 against 7)
+  static __m128i codes16(__m512 y) { return fp8_codes16<3, 7>(y); }
+  static __m512i halves(__m512i words) { return kvflow_avx512::fp8_halves_low(words); }
+#endif
+};
+template <>
+struct CodeFormat<c10::Float8_e5m2> {
+  static constexpr float kMax = 57344.0f;
+#if defined(KVFLOW_AVX512)
+  static constexpr float kHalfScale = 1.0f;  // an E5M2 code is a half's top byte
+  static __m128i codes16(__m512 y) { return fp8_codes16<2, 15>(y); }
+  static __m512i halves(__m512i words) { return kvflow_avx512::e5m2_halves_low(words); }
+#endif
+};
+
+#if defined(KVFLOW_AVX512)
+// 16 fp8 codes to floats of 1 / kHalfScale their value (exact): their bits in a half's places.
+template <typename code_t>
 inline __m512 fp8_values16(__m128i codes) {
   const __m512i words = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(codes));
-  return _mm512_cvtph_ps(_mm512_castsi512_si256(kvflow_avx512::fp8_halves_low(words)));
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(CodeFormat<code_t>::halves(words)));
 }
 inline void store16(c10::BFloat16* y, __m512 v) {  // rounded to nearest even, as c10::BFloat16 (no NaN here)
   const __m512i bits = _mm512_castps_si512(v);
@@ -112,9 +152,6 @@ void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& 
 
 constexpr float kScaleMargin = 1.0f + 1.0f / 256.0f;  // kv_quant._SCALE_ROUNDING_MARGIN
 
-template <typename code_t>
-constexpr float qmax_of() { return std::is_same_v<code_t, int8_t> ? 127.0f : 448.0f; }
-
 // The smallest scale: bfloat16's smallest normal (an all-zero vector still gets a positive scale).
 inline float min_scale() { return static_cast<float>(std::numeric_limits<c10::BFloat16>::min()); }
 
@@ -123,7 +160,7 @@ inline float min_scale() { return static_cast<float>(std::numeric_limits<c10::BF
 // false (nothing written) for a vector holding a NaN, whose scale the scalar path makes as torch does.
 template <typename code_t, typename scalar_t>
 bool quantize_vector16(const scalar_t* x, int64_t dim, code_t* codes, c10::BFloat16* scale_out, scalar_t* back) {
-  constexpr float qmax = qmax_of<code_t>();
+  constexpr float qmax = CodeFormat<code_t>::kMax;
   __m512 m = _mm512_setzero_ps();
   __mmask16 nan = 0;
   for (int64_t d = 0; d < dim; d += 16) {
@@ -146,8 +183,8 @@ bool quantize_vector16(const scalar_t* x, int64_t dim, code_t* codes, c10::BFloa
       q = _mm512_cvtepi32_epi8(whole);
       value = _mm512_mul_ps(_mm512_cvtepi32_ps(whole), s);
     } else {
-      q = fp8_codes16(y);
-      value = _mm512_mul_ps(fp8_values16(q), _mm512_mul_ps(s, _mm512_set1_ps(256.0f)));
+      q = CodeFormat<code_t>::codes16(y);
+      value = _mm512_mul_ps(fp8_values16<code_t>(q), _mm512_mul_ps(s, _mm512_set1_ps(CodeFormat<code_t>::kHalfScale)));
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), q);
     if (back != nullptr) store16(back + i, value);
@@ -165,11 +202,15 @@ void quantize_vector(const scalar_t* x, int64_t dim, code_t* codes, c10::BFloat1
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)
     if (dim % 16 == 0 && quantize_vector16(x, dim, codes, scale_out, back)) return;
 #endif
-  constexpr float qmax = qmax_of<code_t>();
+  constexpr float qmax = CodeFormat<code_t>::kMax;
   float amax = 0.f;
   for (int64_t d = 0; d < dim; ++d) {
     const float a = std::fabs(static_cast<float>(x[d]));
-    if (!(a <= amax)) amax = a;  // NaN stays NaN, as torch's amax
+    if (std::isnan(a)) {  // a NaN anywhere makes the amax NaN, as torch's; a later number must not replace it
+      amax = a;
+      break;
+    }
+    amax = std::max(amax, a);
   }
   const float product = amax * static_cast<float>(static_cast<double>(kScaleMargin) / qmax);
   const c10::BFloat16 scale(std::isnan(product) ? product : std::max(product, min_scale()));
@@ -217,10 +258,11 @@ void write_kv_quantized(at::Tensor& key_cache, at::Tensor& value_cache, const at
                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& key_back,
                         const std::optional<at::Tensor>& value_back) {
   const at::ScalarType codes = key_cache.scalar_type();
-  TORCH_CHECK((codes == at::kChar || codes == at::kFloat8_e4m3fn) && key_cache.dim() == 3 && key_cache.is_contiguous() &&
+  TORCH_CHECK((codes == at::kChar || codes == at::kFloat8_e4m3fn || codes == at::kFloat8_e5m2) && key_cache.dim() == 3 &&
+                  key_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
                   value_cache.scalar_type() == codes,
-              "write_kv_quantized: key_cache and value_cache are contiguous int8 or float8_e4m3fn "
+              "write_kv_quantized: key_cache and value_cache are contiguous int8, float8_e4m3fn or float8_e5m2 "
               "[num_blocks, kv_heads, block_size * (head_dim + 2)]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "write_kv_quantized: slot_mapping is contiguous int64");
@@ -256,8 +298,10 @@ void write_kv_quantized(at::Tensor& key_cache, at::Tensor& value_cache, const at
   }
   if (codes == at::kChar) {
     KVFLOW_WRITE_CODES(int8_t)
-  } else {
+  } else if (codes == at::kFloat8_e4m3fn) {
     KVFLOW_WRITE_CODES(c10::Float8_e4m3fn)
+  } else {
+    KVFLOW_WRITE_CODES(c10::Float8_e5m2)
   }
 #undef KVFLOW_WRITE_CODES
 #undef KVFLOW_WRITE

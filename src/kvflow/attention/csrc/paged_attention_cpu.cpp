@@ -31,18 +31,20 @@
 // (cpu_paged.use_tiles), and never in batch-invariant mode: which path a row takes must not
 // depend on its batch, and the two sum a score's products in different orders.
 //
-// Quantized caches (kv_quant.py: int8 or fp8 E4M3 codes, one bfloat16 scale per position and head,
-// a (block, head) row holding the block's codes then its scales) are read in place too, at half a
-// bfloat16 cache's bytes. The scale of a position multiplies its key's score and its value's
-// probability, so the codes themselves are widened exactly (an int8 or an E4M3 number is a float)
-// and code x scale is never rounded. int8 codes with AVX-512 take the sixteens path (`scores16_int8`:
-// four codes per 32-bit lane of the transposed keys, each widened by two shifts and a convert;
-// `accumulate_code_rows`); so do E4M3 codes (`scores16_fp8`, `accumulate_code_rows`: each code's bits
-// moved into a half's places, two codes per 32-bit lane, and widened by the half-to-float convert,
-// which handles E4M3's subnormals exactly). Other widths and block sizes widen codes to float first.
+// Quantized caches (kv_quant.py: int8, fp8 E4M3 or fp8 E5M2 codes, one bfloat16 scale per position
+// and head, a (block, head) row holding the block's codes then its scales) are read in place too,
+// at half a bfloat16 cache's bytes. The scale of a position multiplies its key's score and its
+// value's probability, so the codes themselves are widened exactly (an int8 or an fp8 number is a
+// float) and code x scale is never rounded. int8 codes with AVX-512 take the sixteens path
+// (`scores16_int8`: four codes per 32-bit lane of the transposed keys, each widened by two shifts
+// and a convert; `accumulate_code_rows`); so do fp8 codes (`scores16_fp8`, `accumulate_code_rows`:
+// each code made a half, two codes per 32-bit lane, and widened by the half-to-float convert, which
+// handles subnormals exactly; an E4M3 code's bits are moved into a half's places, an E5M2 code is
+// a half's top byte already). Other widths and block sizes widen codes to float first.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -92,7 +94,7 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
 }
 
 // Quantized caches: codes of one position x its scale, to float (exact: both have 8 significant
-// bits). The E4M3 form follows the AVX-512 helpers it shares.
+// bits). The fp8 forms follow the AVX-512 helpers they share.
 inline void widen_codes(const int8_t* src, float scale, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
@@ -401,13 +403,33 @@ inline void scores16_int8(float* scores, int64_t scores_stride, const int8_t* ke
     _mm512_storeu_ps(scores + r * scores_stride, _mm512_mul_ps(_mm512_loadu_ps(scores + r * scores_stride), scale));
 }
 
-// E4M3 codes made halves of 1/256 their value (widen_codes' rule), two per 32-bit lane at once:
-// `x` holds code pairs in the low byte of each 16-bit lane (`low`) or in the high byte.
-using kvflow_avx512::fp8_halves_low;
-inline __m512i fp8_halves_high(__m512i x) {
-  const __m512i rest = _mm512_and_si512(_mm512_srli_epi16(x, 1), _mm512_set1_epi16(0x3F80));
-  return _mm512_ternarylogic_epi32(x, rest, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xEC);
-}
+// fp8 codes made halves of 1 / kHalfScale their value (widen_codes' rule), two per 32-bit lane at
+// once: `x` holds code pairs in the low byte of each 16-bit lane (`low`) or in the high byte
+// (`high`). E4M3: the bits moved into a half's places, 1/256 of the value (a half's bias is 15,
+// E4M3's 7); E5M2: the code is the half's top byte, its value itself.
+struct E4m3Halves {
+  static constexpr float kHalfScale = 256.0f;
+  static __m512i low(__m512i x) { return kvflow_avx512::fp8_halves_low(x); }
+  static __m512i high(__m512i x) {
+    const __m512i rest = _mm512_and_si512(_mm512_srli_epi16(x, 1), _mm512_set1_epi16(0x3F80));
+    return _mm512_ternarylogic_epi32(x, rest, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xEC);
+  }
+};
+struct E5m2Halves {
+  static constexpr float kHalfScale = 1.0f;
+  static __m512i low(__m512i x) { return kvflow_avx512::e5m2_halves_low(x); }
+  static __m512i high(__m512i x) { return _mm512_and_si512(x, _mm512_set1_epi16(static_cast<int16_t>(0xFF00))); }
+};
+template <typename fp8_t>
+struct HalvesOf;
+template <>
+struct HalvesOf<c10::Float8_e4m3fn> {
+  using type = E4m3Halves;
+};
+template <>
+struct HalvesOf<c10::Float8_e5m2> {
+  using type = E5m2Halves;
+};
 // The 32 halves of h as floats: [0, 16) and [16, 32).
 inline void widen_halves(__m512i h, __m512& lo, __m512& hi) {
   lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
@@ -418,12 +440,12 @@ inline void widen_halves(__m512i h, __m512& lo, __m512& hi) {
 // lane; the halves of bytes 0 and 2 widen to floats that pair them up per key (keys 0-7, then
 // 8-15), as do bytes 1 and 3; qp: each row's query with each four dimensions ordered 0, 2, 1, 3,
 // so that one 64-bit broadcast holds the pair. acc[r][0..3]: keys 0-7 (0, 2 / 1, 3), keys 8-15.
-template <int R>
+template <typename Halves, int R>
 inline void score_rows_fp8(__m512 (*acc)[4], const __m512i* k, const float* qp, int64_t head_dim, int64_t d0) {
   for (int j = 0; j < 16; ++j) {
     __m512 f02_lo, f02_hi, f13_lo, f13_hi;
-    widen_halves(fp8_halves_low(k[j]), f02_lo, f02_hi);
-    widen_halves(fp8_halves_high(k[j]), f13_lo, f13_hi);
+    widen_halves(Halves::low(k[j]), f02_lo, f02_hi);
+    widen_halves(Halves::high(k[j]), f13_lo, f13_hi);
     for (int r = 0; r < R; ++r) {
       const float* q = qp + r * head_dim + d0 + 4 * j;
       double pair02, pair13;
@@ -440,7 +462,7 @@ inline void score_rows_fp8(__m512 (*acc)[4], const __m512i* k, const float* qp, 
 
 // Rows r0..r0+R of scores16_fp8, summed over all of head_dim, times the keys' scales. The keys'
 // transposed 64 dimensions in k are reused where head_dim is 64 and an earlier group of rows loaded them.
-template <int R>
+template <typename Halves, int R>
 inline void scores16_fp8_rows(float* scores, int64_t scores_stride, const uint8_t* keys, int64_t pos_stride,
                               const float* qp, int64_t head_dim, __m512 scale, Prefetcher& prefetch, __m512i* k,
                               bool k_loaded) {
@@ -455,7 +477,7 @@ inline void scores16_fp8_rows(float* scores, int64_t scores_stride, const uint8_
       }
       transpose16(k);
     }
-    score_rows_fp8<R>(acc, k, qp, head_dim, d0);
+    score_rows_fp8<Halves, R>(acc, k, qp, head_dim, d0);
   }
   // Lanes 2i and 2i + 1 of keys 0-7's sums are key i's two halves; keys 8-15's follow.
   const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -467,22 +489,24 @@ inline void scores16_fp8_rows(float* scores, int64_t scores_stride, const uint8_
   }
 }
 
-// scores16 for 16 E4M3 keys (codes `pos_stride` apart, head_dim a multiple of 64) and their scales;
+// scores16 for 16 fp8 keys (codes `pos_stride` apart, head_dim a multiple of 64) and their scales;
 // qp: the rows' queries in score_rows_fp8's order.
-inline void scores16_fp8(float* scores, int64_t scores_stride, const c10::Float8_e4m3fn* keys, int64_t pos_stride,
+template <typename fp8_t>
+inline void scores16_fp8(float* scores, int64_t scores_stride, const fp8_t* keys, int64_t pos_stride,
                          const c10::BFloat16* key_scales, const float* qp, int64_t n_rows, int64_t head_dim,
                          Prefetcher& prefetch) {
+  using Halves = typename HalvesOf<fp8_t>::type;
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(keys);
-  const __m512 scale = _mm512_mul_ps(widen16(key_scales), _mm512_set1_ps(256.0f));
+  const __m512 scale = _mm512_mul_ps(widen16(key_scales), _mm512_set1_ps(Halves::kHalfScale));
   __m512i k[16];
   in_row_groups(n_rows, [&](auto rows, int64_t r0) {
-    scores16_fp8_rows<decltype(rows)::value>(scores + r0 * scores_stride, scores_stride, codes, pos_stride, qp + r0 * head_dim, head_dim,
+    scores16_fp8_rows<Halves, decltype(rows)::value>(scores + r0 * scores_stride, scores_stride, codes, pos_stride, qp + r0 * head_dim, head_dim,
                             scale, prefetch, k, /*k_loaded=*/r0 > 0 && head_dim == 64);
   });
 }
 
-// One position's 64 codes widened to floats of 1/kScale their value: int8 exactly; E4M3 by way of
-// halves (32 at a time, fp8_halves_low), 1/256 of their value.
+// One position's 64 codes widened to floats of 1/kScale their value: int8 exactly; fp8 by way of
+// halves (32 at a time, Halves::low), 1 / kHalfScale of their value.
 struct Int8Codes {
   static constexpr float kScale = 1.0f;
   static void widen64(const uint8_t* codes, __m512* v) {
@@ -490,20 +514,31 @@ struct Int8Codes {
       v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c))));
   }
 };
-// 32 E4M3 codes as floats of 1/256 their value: [0, 16) and [16, 32).
+// 32 fp8 codes as floats of 1 / kHalfScale their value: [0, 16) and [16, 32).
+template <typename Halves>
 inline void fp8_widen32(const uint8_t* codes, __m512& lo, __m512& hi) {
   const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-  widen_halves(fp8_halves_low(w), lo, hi);
+  widen_halves(Halves::low(w), lo, hi);
 }
+template <typename Halves>
 struct Fp8Codes {
-  static constexpr float kScale = 256.0f;
+  static constexpr float kScale = Halves::kHalfScale;
   static void widen64(const uint8_t* codes, __m512* v) {
-    fp8_widen32(codes, v[0], v[1]);
-    fp8_widen32(codes + 32, v[2], v[3]);
+    fp8_widen32<Halves>(codes, v[0], v[1]);
+    fp8_widen32<Halves>(codes + 32, v[2], v[3]);
   }
 };
+// accumulate_code_rows' Codes for a cache's code type.
+template <typename cache_t>
+struct CodesOf {
+  using type = Fp8Codes<typename HalvesOf<cache_t>::type>;
+};
+template <>
+struct CodesOf<int8_t> {
+  using type = Int8Codes;
+};
 
-// accumulate_rows for int8 or E4M3 values: each value row's 64 codes widened once for the R rows,
+// accumulate_rows for int8 or fp8 values: each value row's 64 codes widened once for the R rows,
 // each row's probability times the value's scale (and Codes::kScale); acc in natural order.
 template <typename Codes, int R>
 inline void accumulate_code_rows_upto4(float* acc, const float* p, int64_t p_stride, const uint8_t* values,
@@ -602,20 +637,28 @@ inline void scores16_amx(float* scores, int64_t scores_stride, const c10::BFloat
 }
 #endif
 
-// widen_codes for E4M3: 32 codes at a time by way of halves where the CPU has AVX-512 (exact, the
-// 256 folded into the scale), c10's conversion elsewhere.
-inline void widen_codes(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
+// widen_codes for fp8: 32 codes at a time by way of halves where the CPU has AVX-512 (exact, the
+// halves' kHalfScale folded into the scale), c10's conversion elsewhere.
+template <typename fp8_t>
+inline void widen_fp8_codes(const fp8_t* src, float scale, float* dst, int64_t n) {
   int64_t i = 0;
 #ifdef KVFLOW_AVX512
-  const __m512 scale256 = _mm512_set1_ps(scale * 256.0f);
+  using Halves = typename HalvesOf<fp8_t>::type;
+  const __m512 scaled = _mm512_set1_ps(scale * Halves::kHalfScale);
   for (; i + 32 <= n; i += 32) {
     __m512 lo, hi;
-    fp8_widen32(reinterpret_cast<const uint8_t*>(src + i), lo, hi);
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(lo, scale256));
-    _mm512_storeu_ps(dst + i + 16, _mm512_mul_ps(hi, scale256));
+    fp8_widen32<Halves>(reinterpret_cast<const uint8_t*>(src + i), lo, hi);
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(lo, scaled));
+    _mm512_storeu_ps(dst + i + 16, _mm512_mul_ps(hi, scaled));
   }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+inline void widen_codes(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
+  widen_fp8_codes(src, scale, dst, n);
+}
+inline void widen_codes(const c10::Float8_e5m2* src, float scale, float* dst, int64_t n) {
+  widen_fp8_codes(src, scale, dst, n);
 }
 
 // Where a cache's rows lie: (block, head) rows `block_stride` and `head_stride` elements apart,
@@ -638,13 +681,14 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
   const int64_t first_pos = seq_len - q_len;
   // bfloat16 caches are read where they lie, 16 keys at a time for the scores (scores16) and a key
   // for all of a query's G rows at a time for the values (accumulate_rows); so are int8 ones
-  // (scores16_int8) and E4M3 ones (scores16_fp8), both with accumulate_code_rows; other
-  // dtypes widen keys and values to float.
-  constexpr bool quantized = std::is_same_v<cache_t, int8_t> || std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+  // (scores16_int8) and fp8 ones, E4M3 or E5M2 (scores16_fp8), both with accumulate_code_rows;
+  // other dtypes widen keys and values to float.
+  constexpr bool any_fp8 = std::is_same_v<cache_t, c10::Float8_e4m3fn> || std::is_same_v<cache_t, c10::Float8_e5m2>;
+  constexpr bool quantized = std::is_same_v<cache_t, int8_t> || any_fp8;
 #ifdef KVFLOW_AVX512
   constexpr bool bf16 = std::is_same_v<cache_t, c10::BFloat16>;
   constexpr bool int8 = std::is_same_v<cache_t, int8_t>;
-  constexpr bool fp8 = std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+  constexpr bool fp8 = any_fp8;
 #else
   constexpr bool bf16 = false, int8 = false, fp8 = false;
 #endif
@@ -797,7 +841,7 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
           accumulate_rows(acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
                           k_lo - start, k_hi - start, head_dim, prefetch);
         else if constexpr (quantized)
-          accumulate_code_rows<std::conditional_t<int8, Int8Codes, Fp8Codes>>(
+          accumulate_code_rows<typename CodesOf<cache_t>::type>(
               acc.data() + r0 * head_dim, pr + r0 * span, span, group, block_values, c.pos_stride,
               scales_of(block_values), k_lo - start, k_hi - start, head_dim, prefetch);
         continue;
@@ -891,7 +935,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     TORCH_CHECK(t->scalar_type() == at::kLong && t->stride(-1) == 1, "index tensors are contiguous int64");
   const int64_t head_dim = query.size(2);
   const at::ScalarType codes = key_cache.scalar_type();
-  if (codes == at::kChar || codes == at::kFloat8_e4m3fn) {
+  if (codes == at::kChar || codes == at::kFloat8_e4m3fn || codes == at::kFloat8_e5m2) {
     // kv_quant.py's packed rows: [blocks, kv_heads, block_size * (head_dim + 2)] one-byte elements.
     TORCH_CHECK(key_cache.dim() == 3 && key_cache.stride(2) == 1 && key_cache.size(2) % (head_dim + 2) == 0,
                 "a quantized cache: [blocks, kv_heads, block_size * (head_dim + 2)], rows contiguous");
@@ -899,8 +943,10 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     const CacheLayout layout{key_cache.stride(0), key_cache.stride(1), head_dim, key_cache.size(2) / (head_dim + 2), head_dim};
     if (codes == at::kChar)
       dispatch_query<int8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles);
-    else
+    else if (codes == at::kFloat8_e4m3fn)
       dispatch_query<c10::Float8_e4m3fn>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles);
+    else
+      dispatch_query<c10::Float8_e5m2>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles);
     return;
   }
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.stride(3) == 1, "key/value cache: [blocks, kv_heads, block_size, head_dim]");

@@ -33,7 +33,7 @@ struct Ops {
       find<void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&)>("kvflow_cpu_ops::rotary");
   c10::TypedOperatorHandle<void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&)> write_kv =
       find<void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&)>("kvflow_cpu_kv::write_kv");
-  // An int8 / fp8 cache (kv_quant.py): quantized in the same pass; nothing read back in a decode.
+  // An int8 / fp8 (E4M3, E5M2) cache (kv_quant.py): quantized in the same pass; nothing read back in a decode.
   using WriteQuantized = void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               const c10::optional<Tensor>&, const c10::optional<Tensor>&);
   c10::TypedOperatorHandle<WriteQuantized> write_kv_quantized =
@@ -149,7 +149,8 @@ void llama_step(Tensor& out, Tensor& hidden, const Tensor& positions, const Tens
     op.rms_norm.call(normed, l == 0 ? hidden : projected, l == 0 ? c10::nullopt : residual, t[kInputNorm], eps);
     products.plain(qkv, normed, kQkv);
     op.rotary.call(q, k, positions, cos, sin);
-    if (key_cache.scalar_type() == at::kChar || key_cache.scalar_type() == at::kFloat8_e4m3fn)
+    if (key_cache.scalar_type() == at::kChar || key_cache.scalar_type() == at::kFloat8_e4m3fn ||
+        key_cache.scalar_type() == at::kFloat8_e5m2)
       op.write_kv_quantized.call(key_cache, value_cache, k, v, slot_mapping, c10::nullopt, c10::nullopt);
     else
       op.write_kv.call(key_cache, value_cache, k, v, slot_mapping);
