@@ -52,7 +52,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="bfloat16", help="compute, weight and KV dtype")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
-                        help="KV storage: auto (--dtype), or fp8 / int8 codes plus a 2-byte scale per head and token")
+                        help="KV storage: auto (--dtype), or fp8 (E4M3) / fp8_e5m2 / int8 codes plus a 2-byte scale "
+                             "per head and token")
     parser.add_argument(
         "--context-len",
         type=int,
