@@ -2,8 +2,10 @@
 
 A prefill engine (kv_role "kv_producer") saves each prompt's KV blocks to a store under their
 block hashes; a decode engine ("kv_consumer") loads them instead of computing them; "kv_both" does
-both. Engines that share a store must run the same model with the same block size and KV dtype.
-Two stores (`kv_connector`):
+both. Blocks are kept under their hashes rehashed with what their bytes depend on (model, weights, KV
+dtype, block size, parallel layout: `kvflow.kv_store.namespaced`), so engines that differ in any of
+it share a store without reading each other's blocks; `kv_store_namespace` in the extra config adds
+a name of the user's (two fine-tunes of one model). Two stores (`kv_connector`):
 
 - `{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer", "kv_connector_extra_config":
   {"shared_storage_path": "/dev/shm/kvflow-kv", "max_store_bytes": 4294967296}}`: one file per
@@ -15,7 +17,7 @@ Two stores (`kv_connector`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from kvflow.json_config import config_dict
@@ -26,10 +28,14 @@ DEFAULT_SHARED_STORAGE_PATH = "/dev/shm/kvflow-kv"  # memory on Linux: a transfe
 DEFAULT_MAX_STORE_BYTES = 4 << 30  # a few GiB: what a producer whose consumer never came can leave behind
 DEFAULT_KV_STORE_TIMEOUT_S = 5.0
 # kv_connector_extra_config's keys, per connector: (the types each may have, what it is)
+# Every connector's: a name of the user's own in front of the engine's derived namespace, for
+# engines whose KV bytes differ although nothing in their configs does (two fine-tunes of one model).
+_NAMESPACE_KEY = {"kv_store_namespace": (str, "a string")}
 EXTRA_KEYS = {
     "SharedStorageConnector": {"shared_storage_path": (str, "a directory path"),
-                               "max_store_bytes": (int, "a number of bytes")},
-    "TCPStoreConnector": {"kv_store_url": (str, "tcp://host:port"), "kv_store_timeout_s": ((int, float), "seconds")},
+                               "max_store_bytes": (int, "a number of bytes"), **_NAMESPACE_KEY},
+    "TCPStoreConnector": {"kv_store_url": (str, "tcp://host:port"), "kv_store_timeout_s": ((int, float), "seconds"),
+                          **_NAMESPACE_KEY},
 }
 
 
@@ -38,6 +44,8 @@ class KVTransferConfig:
     kv_connector: str = "SharedStorageConnector"
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict = field(default_factory=dict)
+    # Set by the engine, not the user: what its blocks' bytes depend on (kvflow.kv_store.namespaced).
+    namespace: str = ""
 
     @property
     def shared_storage_path(self) -> str:
@@ -50,6 +58,10 @@ class KVTransferConfig:
     @property
     def kv_store_address(self) -> tuple[str, int]:
         return parse_kv_store_url(self.kv_connector_extra_config["kv_store_url"])
+
+    def with_namespace(self, engine_namespace: str) -> KVTransferConfig:
+        user = self.kv_connector_extra_config.get("kv_store_namespace", "")
+        return replace(self, namespace=f"{user}|{engine_namespace}")
 
     @property
     def kv_store_timeout_s(self) -> float:

@@ -224,7 +224,8 @@ def test_a_part_missing_on_one_rank_makes_every_rank_recompute(model, tmp_path):
         if meta is not None and meta.loads:
             victim = meta.loads[0].request_id
             for t in (t for t in meta.loads if t.request_id == victim):
-                (store / f"{rank_key(t.key, 1, 2).hex()}.kv").unlink(missing_ok=True)
+                stored = pair.decode.scheduler.kv_connector.store.stored_key(rank_key(t.key, 1, 2))
+                (store / f"{stored.hex()}.kv").unlink(missing_ok=True)
         return execute(sched)
 
     executor.execute_model = losing_rank_1s_part

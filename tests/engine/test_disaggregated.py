@@ -43,6 +43,28 @@ def test_quantized_kv_moves_through_the_store(model_dir, store, kv):
     assert store.contents() == []
 
 
+@pytest.mark.parametrize(("producer", "consumer", "namespace"), [
+    (dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="int8"), None),  # blocks of one size, other codes
+    (dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="fp8_e5m2"), None),
+    (dict(), dict(), "another fine-tune"),  # nothing in the configs differs but the user's namespace
+])
+def test_engines_whose_kv_differs_never_read_each_others_blocks(model_dir, store, producer, consumer, namespace):
+    """Equal block hashes, different bytes: the consumer finds nothing of the producer's, computes
+    its prompt, and answers as one engine of its own kind."""
+    prompts = [random_tokens(n, seed=n) for n in (B + 1, 3 * B)]
+    config = store.config("kv_consumer")
+    if namespace is not None:
+        config["kv_connector_extra_config"] = {**config.get("kv_connector_extra_config", {}),
+                                               "kv_store_namespace": namespace}
+    pair = DisaggregatedPrefillDecode(make_engine(model_dir, "kv_producer", store, **producer),
+                                      make_engine(model_dir, kv_transfer_config=config, **consumer))
+    outputs = pair.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for out, ref in zip(outputs, reference(model_dir, prompts, **consumer)):
+        assert_same(out, ref)
+        assert out.num_cached_tokens == 0  # nothing loaded: computed
+    assert pair.decode.get_stats().kv_transfer_bytes_total == 0
+
+
 def test_chunked_prefill_on_both_sides(model_dir, store):
     prompts = [random_tokens(100, seed=5), random_tokens(3 * B + 2, seed=6)]
     pair = make_pair(model_dir, store, max_num_batched_tokens=16)  # the prefill engine saves after its last chunk

@@ -11,13 +11,13 @@ from kvflow.kv_transfer_config import DEFAULT_MAX_STORE_BYTES, KVTransferConfig
 def test_each_connector_opens_its_store(tmp_path):
     directory = KVTransferConfig.parse({"kv_role": "kv_producer", "kv_connector_extra_config": {
         "shared_storage_path": str(tmp_path), "max_store_bytes": 1000}})
-    store = open_kv_block_store(directory)
+    store = open_kv_block_store(directory).inner  # seen through the engine's namespace
     assert isinstance(store, DirectoryKVStore) and store.max_bytes == 1000
     assert KVTransferConfig.parse({}).max_store_bytes == DEFAULT_MAX_STORE_BYTES
     tcp = KVTransferConfig.parse('{"kv_connector": "TCPStoreConnector", "kv_role": "kv_consumer", '
                                  '"kv_connector_extra_config": {"kv_store_url": "tcp://10.1.2.3:8600", '
                                  '"kv_store_timeout_s": 0.5}}')
-    store = open_kv_block_store(tcp)  # no connection yet: the store may start after the engines
+    store = open_kv_block_store(tcp).inner  # no connection yet: the store may start after the engines
     assert isinstance(store, TCPKVStore) and (store.host, store.port, store.timeout_s) == ("10.1.2.3", 8600, 0.5)
     assert store.location == "tcp://10.1.2.3:8600"
 
@@ -49,3 +49,17 @@ def test_a_bad_directory_store_config_names_the_field(extra, message):
         KVTransferConfig.parse({"kv_connector_extra_config": extra})
     with pytest.raises(ValueError, match="kv_connector_extra_config must be a dict"):
         KVTransferConfig.parse({"kv_connector_extra_config": ["x"]})
+
+
+def test_a_namespace_keeps_blocks_apart_under_equal_hashes(tmp_path):
+    config = KVTransferConfig.parse({"kv_connector_extra_config": {"shared_storage_path": str(tmp_path),
+                                                                   "kv_store_namespace": "mine"}})
+    key = bytes(range(32))
+    ours, theirs = (open_kv_block_store(config.with_namespace(ns)) for ns in ("fp8 codes", "int8 codes"))
+    assert ours.namespace == "mine|fp8 codes"
+    ours.put([(key, b"ours")])
+    assert (ours.lookup([key]), theirs.lookup([key])) == (1, 0)
+    assert theirs.get([key]) == [None] and bytes(ours.get([key])[0]) == b"ours"
+    assert [p.name for p in tmp_path.iterdir()] == [f"{ours.stored_key(key).hex()}.kv"]  # never the bare hash
+    ours.delete([key])
+    assert not any(tmp_path.iterdir())

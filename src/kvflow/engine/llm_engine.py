@@ -63,7 +63,8 @@ class LLMEngine:
         self.quant_config = get_quantization_config(args.quantization, args.group_size, checkpoint.quant_config)
         self.arch = ArchConfig.from_hf(checkpoint.hf_config)
         self.hf_config = checkpoint.hf_config
-        self.config: EngineConfig = args.create_config(self.arch.max_position_embeddings)
+        self.config: EngineConfig = with_kv_store_namespace(args.create_config(self.arch.max_position_embeddings),
+                                                            self.arch)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         if getattr(self.quant_config, "needs_calibration", False):  # before any worker starts
             self._check_calibration()
@@ -533,6 +534,17 @@ class LLMEngine:
             kv_transfer_bytes_total=self._kv_transfer_bytes_total,
             kv_transfer_seconds_total=self._kv_transfer_seconds_total,
         )
+
+
+def with_kv_store_namespace(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
+    """`config` with its KV transfer namespaced by what a block's bytes depend on besides its
+    tokens (kvflow.kv_store.namespaced): both connector halves, on every rank, read it from here."""
+    if config.kv_transfer is None:
+        return config
+    m, c, p = config.model, config.cache, config.parallel
+    namespace = (f"{arch!r}; weights {m.dtype} {m.quantization} g{m.group_size}; KV {c.cache_dtype} in blocks of "
+                 f"{c.block_size}; tp {p.tensor_parallel_size} pp {p.pipeline_parallel_size}")
+    return dataclasses.replace(config, kv_transfer=config.kv_transfer.with_namespace(namespace))
 
 
 def eos_token_ids(arch: ArchConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
