@@ -33,6 +33,7 @@ from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
 from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.request_timing import FinishedRequest
+from kvflow.engine.snapshot import EngineSnapshot
 from kvflow.engine.stats import EngineStats
 from kvflow.lora.request import LoRARequest
 from kvflow.model.tokenizer import Tokenizer
@@ -105,6 +106,11 @@ class AsyncLLM:
     def get_stats(self) -> EngineStats:
         """The engine's gauges and counters as of its last iteration."""
         return self._thread.stats
+
+    def latest_snapshot(self) -> EngineSnapshot | None:
+        """The engine as the live page shows it, as of the latest snapshot (engine/snapshot.py);
+        asking makes the engine publish a fresh one after its next step."""
+        return self._thread.latest_snapshot()
 
     def add_finish_listener(self, callback: Callable[[FinishedRequest], None]) -> None:
         """`callback` runs on the engine thread for every request that finishes (not aborted);

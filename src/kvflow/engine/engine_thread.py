@@ -18,6 +18,9 @@ fault, or too many failed steps in a row stop the thread, and then every caller 
 Load is bounded by `LoadLimits`: adds beyond the per-iteration quota wait in a backlog (in order;
 an abort reaches them there too), and a full waiting queue refuses new requests as overloaded.
 
+The live page's snapshots (engine/snapshot.py) are published here, between steps, when a viewer
+asked since the last one; a viewer's ask wakes an idle engine so that what it sees is current.
+
 Build the engine with `build_on_fresh_thread`, not on the thread that will serve HTTP. torch's
 OpenMP (libgomp) keeps a team of worker threads for every thread that ever ran a parallel region.
 Once there are more of those workers than cores, it stops letting them spin between regions, and
@@ -43,6 +46,7 @@ from kvflow.engine.llm_engine import LLMEngine, PromptType
 from kvflow.engine.load_limits import EngineOverloadedError, LoadLimits
 from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.request_timing import FinishedRequest, RequestTiming
+from kvflow.engine.snapshot import EngineSnapshot, SnapshotFeed
 from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured_output.backend import CompiledGrammar
@@ -103,6 +107,11 @@ class StopCommand:
 
 
 @dataclass
+class WakeCommand:
+    """Nothing to do but one iteration: an idle engine publishes the snapshot a viewer asked for."""
+
+
+@dataclass
 class _Live:
     loop: asyncio.AbstractEventLoop
     deliver: Deliver
@@ -137,11 +146,12 @@ class EngineThread:
         # Waiting for a command with nothing to run: whoever watches for a hung engine must not
         # count this time (a request may be on its way: its grammar compiling, say).
         self.idle = False
+        self.snapshots = SnapshotFeed()
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._thread.start()
 
     # -- any thread ------------------------------------------------------------------------
-    def submit(self, command: AddCommand | AbortCommand | StopCommand | CallCommand) -> None:
+    def submit(self, command: AddCommand | AbortCommand | StopCommand | CallCommand | WakeCommand) -> None:
         with self._lock:
             if self._closed_reason is not None:
                 raise EngineDeadError(self._closed_reason)
@@ -149,6 +159,17 @@ class EngineThread:
 
     def is_alive(self) -> bool:
         return self._closed_reason is None and self._thread.is_alive()
+
+    def latest_snapshot(self) -> EngineSnapshot | None:
+        """The engine as of the last snapshot published (None before the first); the next
+        iteration publishes a fresh one, waking the engine if it waits for work."""
+        snapshot = self.snapshots.ask()
+        if self.idle:  # read after the ask: an engine going idle now sees the ask itself (_take)
+            try:
+                self.submit(WakeCommand())
+            except EngineDeadError:
+                pass  # the last snapshot stays the last
+        return snapshot
 
     def join(self, timeout: float | None) -> None:
         self._thread.join(timeout)
@@ -182,7 +203,7 @@ class EngineThread:
                 self._backlog[_backlog_key(command)] = command
             elif isinstance(command, CallCommand):
                 self._call(command)
-            else:
+            elif isinstance(command, AbortCommand):
                 self._abort(command.request_ids, command.owner)
         for _ in range(min(len(self._backlog), self.limits.max_admissions_per_step)):
             self._add(self._backlog.pop(next(iter(self._backlog))))
@@ -190,18 +211,19 @@ class EngineThread:
         if self.engine.has_unfinished_requests():
             self._step()
         self.stats = self.engine.get_stats()
+        self.snapshots.serve(self.engine, self.stats)
         self._flush()
         return None
 
     def _take(self, block: bool) -> list:
+        commands = []
         if block:
             self.idle = True
             try:
-                commands = [self._commands.get()]
+                if not self.snapshots.wanted:  # a viewer that asked just before goes unanswered otherwise
+                    commands = [self._commands.get()]
             finally:
                 self.idle = False
-        else:
-            commands = []
         while not self._commands.empty():
             commands.append(self._commands.get_nowait())
         return commands

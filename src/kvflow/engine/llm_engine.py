@@ -24,6 +24,7 @@ from kvflow.core.sched_output import SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
+from kvflow.engine.snapshot import StepLog
 from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.engine.step_budget import StepBudget
 from kvflow.executor import create_executor
@@ -101,6 +102,7 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._kv_transfer_bytes_total, self._kv_transfer_seconds_total = 0, 0.0
         self.stats_logger = None if args.disable_log_stats else StatsLogger()
+        self.step_log: StepLog | None = None  # set only while the live page watches (engine/snapshot.py)
         if getattr(self.quant_config, "needs_calibration", False):
             self._calibrate()
 
@@ -355,6 +357,8 @@ class LLMEngine:
         stage is in flight: schedule another while there is room, and return what the oldest
         brought back once it must be waited for (or is already back)."""
         self._running_at_step = {r.request_id for r in self.scheduler.running}  # for abort_failed_step
+        if self.step_log is not None:
+            self.step_log.begin(self.scheduler.config.max_num_batched_tokens)
         if self.model_executor.max_concurrent_batches == 1:
             sched, broken = self._schedule_batch()
             return self._retire(broken + self._land(sched, self._execute(sched)))
@@ -429,6 +433,8 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(produced, runner_out)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._advance_grammars(produced)
+        if self.step_log is not None:
+            self.step_log.land(sched, runner_out.sampled)
         return outputs
 
     def _retire(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

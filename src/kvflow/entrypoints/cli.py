@@ -116,6 +116,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-metrics-auth", action="store_true",
                    help="serve /metrics without the API key, e.g. to a Prometheus scraper on a private network "
                         "(its prefix-cache counters then tell anyone who reaches the port whether a prompt was sent)")
+    g.add_argument("--disable-dashboard", action="store_true",
+                   help="do not serve the live engine page (/dashboard: KV blocks, requests, steps; its state behind "
+                        "the API key). It is on by default because it costs the engine nothing until a viewer opens "
+                        "it: one flag read per step")
     g.add_argument("--allowed-hosts", action="append", default=None, metavar="HOST[,HOST...]",
                    help="Host header names requests may give besides loopback ones (e.g. a reverse proxy's); '*': "
                         "any. On a loopback bind (the default) other names get 403, against web pages reaching the "

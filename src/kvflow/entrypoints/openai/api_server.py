@@ -10,7 +10,8 @@ On SIGTERM or SIGINT the server stops accepting connections and gives the reques
 event), never as a truncated success. A second SIGINT ends the drain at once, the same way.
 
 Who may call is decided before any route runs: the Host check and CORS (http_guards.py), the API
-key on /v1 and /metrics (whose prefix-cache counters would tell one client what others asked).
+key on /v1, /metrics (whose prefix-cache counters would tell one client what others asked) and the
+live engine page's state, /dashboard/state (dashboard.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvflow.config import EngineArgs
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.engine_thread import build_on_fresh_thread
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.entrypoints.openai.dashboard import add_dashboard_routes, refuse_dashboard
 from kvflow.entrypoints.openai.errors import APIError, from_exception, from_validation, install_error_handlers
 from kvflow.entrypoints.openai.http_guards import HostAllowList, HostCheck, allow_origins, flag_values, require_json
 from kvflow.entrypoints.openai.limits import ServerLimits
@@ -67,12 +69,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               limits: ServerLimits = ServerLimits(), escape_special_tokens: bool = False,
               tool_call_parser: str = "hermes", lora_modules: list[LoRARequest] = (),
               allow_runtime_lora_updating: bool = False, allowed_hosts: HostAllowList | None = None,
-              allowed_origins: Sequence[str] = (), disable_metrics_auth: bool = False) -> FastAPI:
+              allowed_origins: Sequence[str] = (), disable_metrics_auth: bool = False,
+              enable_dashboard: bool = True) -> FastAPI:
     """Raises ValueError for a configuration that must not serve: an empty API key (an empty
     KVFLOW_API_KEY would otherwise turn auth off without a word), a chat template that does not compile.
     `lora_modules`: adapters served by name (already loaded into the engine). `allowed_hosts`: the
     Host check (None: none; run_server derives it from the bind); `allowed_origins`: CORS (none:
-    no CORS headers); `disable_metrics_auth`: /metrics open even with an API key."""
+    no CORS headers); `disable_metrics_auth`: /metrics open even with an API key; `enable_dashboard`:
+    serve the live engine page, /dashboard (its state behind the API key whatever /metrics does)."""
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty (--api-key or KVFLOW_API_KEY): give a key, or unset it to serve without one")
     if async_llm.tokenizer is not None and async_llm.tokenizer.chat_template:
@@ -100,6 +104,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     @app.get("/metrics", dependencies=[] if disable_metrics_auth else key_check)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    if enable_dashboard:
+        add_dashboard_routes(app, async_llm, metrics.registry, served_model_name, key_check)
+    else:
+        refuse_dashboard(app)
 
     v1 = APIRouter(prefix="/v1", dependencies=key_check)
 
@@ -134,7 +143,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
 
     app.include_router(v1)
     _add_vllm_utility_routes(app, TokenServing(tokenizer), key_check, limits)
-    app.state.served_routes = sorted({r.path for router in (app, v1) for r in router.routes if hasattr(r, "methods")})
+    # A 404 lists these; a page's assets (include_in_schema=False) are not worth naming there.
+    app.state.served_routes = sorted({r.path for router in (app, v1) for r in router.routes
+                                      if hasattr(r, "methods") and getattr(r, "include_in_schema", True)})
     app.router.on_shutdown.append(tokenizer.shutdown)
     return app
 
@@ -365,7 +376,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         app = build_app(async_llm, name, args.api_key, limits, args.disallow_special_tokens_in_content,
                         args.tool_call_parser, lora_modules, args.allow_runtime_lora_updating, allowed_hosts,
-                        flag_values(args.allowed_origins), args.disable_metrics_auth)
+                        flag_values(args.allowed_origins), args.disable_metrics_auth, not args.disable_dashboard)
     except ValueError:
         async_llm.shutdown()
         raise
