@@ -21,20 +21,23 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m kvflow.model.layers.cpu_ops
 .venv/bin/python -c "from kvflow.quant import int4_gemv; print('CPU int4 GEMV kernel:', 'ready' if int4_gemv.fast() else 'unavailable (aten int4 kernel runs)')"
 .venv/bin/python -c "from kvflow.quant import int8_rows; print('CPU int8 row kernels (w8a8, int8):', 'ready' if int8_rows.load() else 'unavailable (torch path)')"
-# A headless browser for the live page's end-to-end test (tests/entrypoints/test_dashboard.py): Debian's chromium,
-# installed only where it is missing and apt-get can run (as root, or by passwordless sudo). Setup never fails for
-# it: without a browser that test skips, saying why.
-install_browser() {
+# Debian packages the tests use, installed only where missing and apt-get can run (as root, or by passwordless
+# sudo): chromium, a headless browser for the live page's end-to-end test (tests/entrypoints/test_dashboard.py);
+# redis-server, the shared KV store of the disaggregated tests (each test starts its own). Setup never fails
+# for them: without one, the tests that need it skip, saying why.
+apt_install() {
     local run=()
     if [ "$(id -u)" -ne 0 ]; then
         command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null || return 1
         run=(sudo -n)
     fi
+    command -v apt-get >/dev/null 2>&1 &&
     ${run[@]+"${run[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null 2>&1 &&
-        ${run[@]+"${run[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1
+        ${run[@]+"${run[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1
 }
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 && ! command -v google-chrome >/dev/null 2>&1; then
-    if ! { command -v apt-get >/dev/null 2>&1 && install_browser; }; then
-        echo "No headless browser (chromium) could be installed: the live page's browser test will be skipped."
-    fi
+    apt_install chromium || echo "No headless browser (chromium) could be installed: the live page's browser test will be skipped."
+fi
+if ! command -v redis-server >/dev/null 2>&1; then
+    apt_install redis-server || echo "redis-server could not be installed: the Redis KV-store tests will be skipped."
 fi

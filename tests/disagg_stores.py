@@ -1,15 +1,17 @@
 """Shared by the disaggregated prefill/decode tests: a tiny model, a KV store of each kind (a
-shared directory; a `kvflow kv-store` server over TCP), engines and pairs joined by one, and the
-single-engine reference their outputs must equal."""
+shared directory; a `kvflow kv-store` server over TCP; a Redis server), engines and pairs joined by
+one, and the single-engine reference their outputs must equal."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from redis_server import needs_redis, start_redis
 from tiny_models import make_tiny_model
 
 from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
+from kvflow.kv_store.redis_store import RedisKVStore
 from kvflow.kv_store.tcp_server import KVStoreServer
 
 B = 8
@@ -29,7 +31,11 @@ class Store:
 
     def __init__(self, kind: str, path, max_bytes: int = 1 << 30) -> None:
         self.kind, self.path, self.server = kind, path, None
-        if kind == "tcp":
+        if kind == "redis":  # Redis' bound is its own maxmemory (approximate LRU): not max_bytes
+            self.server = start_redis()
+            self.extra = {"kv_connector": "RedisStoreConnector",
+                          "kv_connector_extra_config": {"kv_store_url": self.server.url}}
+        elif kind == "tcp":
             self.server = KVStoreServer("127.0.0.1", 0, max_bytes)
             self.server.start_thread()
             self.extra = {"kv_connector": "TCPStoreConnector",
@@ -42,23 +48,35 @@ class Store:
 
     def contents(self) -> list:
         """What the store holds (for the directory: every file, temporary ones too)."""
+        if self.kind == "redis":
+            return RedisKVStore(self.server.url).keys()
         if self.server is not None:
             return self.server.store.keys()
         return sorted(p.name for p in self.path.iterdir()) if self.path.exists() else []
 
 
-@pytest.fixture(params=["directory", "tcp"])
-def make_store(request, tmp_path):
+def _stores(kind: str, tmp_path):
     stores = []
 
     def make(max_bytes: int = 1 << 30) -> Store:
-        stores.append(Store(request.param, tmp_path / f"kv{len(stores)}", max_bytes))
+        stores.append(Store(kind, tmp_path / f"kv{len(stores)}", max_bytes))
         return stores[-1]
 
     yield make
     for store in stores:
         if store.server is not None:
             store.server.stop()
+
+
+@pytest.fixture(params=["directory", "tcp", pytest.param("redis", marks=needs_redis)])
+def make_store(request, tmp_path):
+    yield from _stores(request.param, tmp_path)
+
+
+@pytest.fixture(params=["directory", "tcp"])
+def make_exactly_bounded_store(request, tmp_path):
+    """kvflow's own stores, whose `max_bytes` evicts exactly the least recently used blocks."""
+    yield from _stores(request.param, tmp_path)
 
 
 @pytest.fixture

@@ -7,7 +7,20 @@ from __future__ import annotations
 import socket
 
 import pytest
-from disagg_stores import GREEDY, B, assert_same, make_engine, make_pair, make_store, model_dir, random_tokens, reference, store  # noqa: F401  (fixtures)
+from disagg_stores import (  # noqa: F401  (fixtures)
+    GREEDY,
+    B,
+    assert_same,
+    make_engine,
+    make_exactly_bounded_store,
+    make_pair,
+    make_store,
+    model_dir,
+    random_tokens,
+    reference,
+    store,
+)
+from redis_server import needs_redis, start_redis
 
 from kvflow.core.kv_connector import transfer_keys
 from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
@@ -44,8 +57,9 @@ def _decode(pair, prompts: dict[str, list[int]], params: SamplingParams = GREEDY
     return done
 
 
-def test_the_bound_evicts_the_least_recently_used_and_the_consumer_computes_them(model_dir, make_store, block_bytes):
-    store = make_store(max_bytes=4 * block_bytes)
+def test_the_bound_evicts_the_least_recently_used_and_the_consumer_computes_them(model_dir, make_exactly_bounded_store,
+                                                                               block_bytes):
+    store = make_exactly_bounded_store(max_bytes=4 * block_bytes)
     pair = make_pair(model_dir, store)
     first, second = random_tokens(100, seed=1), random_tokens(2 * B + 1, seed=2)  # 13 blocks to save; 2
     _prefill(pair, "first", first)  # the store keeps first's 4 leading blocks: a prefix, still of use
@@ -105,21 +119,33 @@ def test_a_block_of_the_wrong_size_is_not_loaded(model_dir, store):
     _assert_baseline(pair.prefill, pair.decode)
 
 
-def _tcp_pair(model_dir, url: str, timeout_s: float) -> DisaggregatedPrefillDecode:
-    extra = {"kv_connector": "TCPStoreConnector",
+CONNECTORS = {"tcp": "TCPStoreConnector", "redis": "RedisStoreConnector"}
+REMOTE = ["tcp", pytest.param("redis", marks=needs_redis)]
+
+
+def _remote_pair(model_dir, kind: str, url: str, timeout_s: float) -> DisaggregatedPrefillDecode:
+    extra = {"kv_connector": CONNECTORS[kind],
              "kv_connector_extra_config": {"kv_store_url": url, "kv_store_timeout_s": timeout_s}}
     return DisaggregatedPrefillDecode(make_engine(model_dir, kv_transfer_config={"kv_role": "kv_producer", **extra}),
                                       make_engine(model_dir, kv_transfer_config={"kv_role": "kv_consumer", **extra}))
 
 
-def test_a_store_that_goes_away_after_the_prefill_means_computing_here(model_dir):
+def _start_server(kind: str):
+    if kind == "redis":
+        return start_redis()
     server = KVStoreServer("127.0.0.1", 0)
     server.start_thread()
-    pair = _tcp_pair(model_dir, server.url, timeout_s=2.0)
+    return server
+
+
+@pytest.mark.parametrize("kind", REMOTE)
+def test_a_store_that_goes_away_after_the_prefill_means_computing_here(model_dir, kind):
+    server = _start_server(kind)
+    pair = _remote_pair(model_dir, kind, server.url, timeout_s=2.0)
     prompts = {"a": random_tokens(B + 1, seed=6), "b": random_tokens(3 * B, seed=7)}
     for rid, prompt in prompts.items():
         _prefill(pair, rid, prompt)
-    assert len(server.store) > 0
+    assert pair.decode.scheduler.kv_connector.store.lookup([transfer_keys(prompts["b"], B)[0][0]]) == 1
     server.stop()  # with the prompts' KV in it
     done = _decode(pair, prompts)
     for rid, ref in zip(prompts, reference(model_dir, list(prompts.values()))):
@@ -128,11 +154,12 @@ def test_a_store_that_goes_away_after_the_prefill_means_computing_here(model_dir
     _assert_baseline(pair.prefill, pair.decode)
 
 
-def test_a_silent_store_costs_a_timeout_not_a_hang(model_dir):
+@pytest.mark.parametrize("kind", REMOTE)
+def test_a_silent_store_costs_a_timeout_not_a_hang(model_dir, kind):
     with socket.socket() as silent:  # accepts connections, never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        pair = _tcp_pair(model_dir, f"tcp://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.2)
+        pair = _remote_pair(model_dir, kind, f"{kind}://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.2)
         prompts = [random_tokens(n, seed=n) for n in (1, B + 1, 3 * B)]
         outputs = pair.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for out, ref in zip(outputs, reference(model_dir, prompts)):

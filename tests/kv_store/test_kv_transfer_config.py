@@ -63,3 +63,16 @@ def test_a_namespace_keeps_blocks_apart_under_equal_hashes(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [f"{ours.stored_key(key).hex()}.kv"]  # never the bare hash
     ours.delete([key])
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("url, ok", [
+    ("redis://10.0.0.5:6379", True), ("redis://:secret@10.0.0.5:6379/3", True), ("rediss://h:6380/0", True),
+    ("tcp://h:6379", False), ("redis://h", False), ("redis://h:6379/x", False),
+])
+def test_redis_urls_are_checked_and_name_the_field(url, ok):
+    raw = {"kv_connector": "RedisStoreConnector", "kv_connector_extra_config": {"kv_store_url": url}}
+    if ok:
+        assert open_kv_block_store(KVTransferConfig.parse(raw)).location.startswith("redis://")
+    else:
+        with pytest.raises(ValueError, match="kv_store_url must be redis://"):
+            KVTransferConfig.parse(raw)

@@ -1,6 +1,7 @@
-"""The `KVBlockStore` contract, kept alike by the directory store, the in-memory store and the TCP
-client of a `kvflow kv-store` server: prefix lookups, batched put / get / delete, and a size bound
-that evicts the least recently written or used blocks."""
+"""The `KVBlockStore` contract, kept alike by the directory store, the in-memory store, the TCP
+client of a `kvflow kv-store` server and a Redis server's: prefix lookups, batched put / get /
+delete; and, for kvflow's own stores, a size bound that evicts exactly the least recently written
+or used blocks (Redis' bound is its maxmemory, evicting approximately: tested through the engines)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import hashlib
 import time
 
 import pytest
+from redis_server import needs_redis, start_redis
 
-from kvflow.kv_store import DirectoryKVStore, TCPKVStore
+from kvflow.kv_store import DirectoryKVStore, KVStoreError, RedisKVStore, TCPKVStore
 from kvflow.kv_store.tcp_server import KVStoreServer, MemoryKVStore
 
 BLOCK = 100  # bytes per block in these tests
@@ -23,22 +25,38 @@ def _block(name: str) -> bytes:
     return (name.encode() * BLOCK)[:BLOCK]
 
 
-@pytest.fixture(params=["directory", "memory", "tcp"])
-def make_store(request, tmp_path):
+def _store_factory(kind: str, tmp_path, servers: list):
     """A factory of an empty store of the kind, bounded to `max_bytes`."""
-    servers = []
 
     def make(max_bytes: int = 1 << 20):
-        if request.param == "directory":
+        if kind == "directory":
             return DirectoryKVStore(tmp_path / f"store{len(servers)}", max_bytes)
-        if request.param == "memory":
+        if kind == "memory":
             return MemoryKVStore(max_bytes)
+        if kind == "redis":
+            servers.append(start_redis())
+            return RedisKVStore(servers[-1].url, timeout_s=5.0)
         server = KVStoreServer("127.0.0.1", 0, max_bytes)
         server.start_thread()
         servers.append(server)
         return TCPKVStore("127.0.0.1", server.port, timeout_s=5.0)
 
-    yield make
+    return make
+
+
+@pytest.fixture(params=["directory", "memory", "tcp", pytest.param("redis", marks=needs_redis)])
+def any_store(request, tmp_path):
+    servers = []
+    yield _store_factory(request.param, tmp_path, servers)
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(params=["directory", "memory", "tcp"])
+def make_store(request, tmp_path):
+    """kvflow's own stores, whose bound is exact."""
+    servers = []
+    yield _store_factory(request.param, tmp_path, servers)
     for server in servers:
         server.stop()
 
@@ -48,8 +66,8 @@ def _settle() -> None:
     time.sleep(0.02)
 
 
-def test_lookup_counts_the_stored_prefix_and_get_returns_the_bytes(make_store):
-    store = make_store()
+def test_lookup_counts_the_stored_prefix_and_get_returns_the_bytes(any_store):
+    store = any_store()
     keys = [_key(n) for n in "abcd"]
     assert store.lookup(keys) == 0
     assert store.put([(_key("a"), _block("a")), (_key("b"), memoryview(_block("b"))), (_key("d"), _block("d"))]) == 3
@@ -99,8 +117,8 @@ def test_a_batch_bigger_than_the_bound_keeps_its_first_blocks(make_store):
     assert store.lookup([_key("old")]) == 0 and store.lookup([_key("d")]) == 0 and store.lookup([_key("e")]) == 0
 
 
-def test_keys_must_be_block_hashes(make_store):
-    store = make_store()
+def test_keys_must_be_block_hashes(any_store):
+    store = any_store()
     with pytest.raises(ValueError, match="32-byte block hash"):
         store.lookup([b"short"])
     with pytest.raises(ValueError, match="32-byte block hash"):
@@ -118,3 +136,22 @@ def test_engines_sharing_a_directory_share_its_blocks_and_its_bound(tmp_path):
     assert [reader.lookup([_key(n)]) for n in "abcdef"] == [0, 0, 1, 1, 1, 1]
     assert sum(p.stat().st_size for p in tmp_path.iterdir()) == 4 * BLOCK
     assert all(p.suffix == ".kv" for p in tmp_path.iterdir())  # no temporary file left behind
+
+
+@needs_redis
+def test_a_redis_store_that_dies_fails_fast_and_a_foreign_value_is_no_block():
+    server = start_redis()
+    store = RedisKVStore(server.url, timeout_s=2.0, retry_after_s=60.0)
+    store.put([(_key("a"), _block("a"))])
+    import redis  # another program writes a kvflow key with a value that is not a string
+
+    other = redis.Redis(port=server.port)
+    other.rpush(b"kvflow:" + _key("b"), b"x")
+    assert store.get([_key("b"), _key("a")])[0] is None  # not a string: no block (the request computes)
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(KVStoreError, match="unreachable|failed"):
+        store.lookup([_key("a")])
+    with pytest.raises(KVStoreError, match="unreachable"):  # down: at once, no second wait
+        store.get([_key("a")])
+    assert time.monotonic() - started < 5

@@ -22,12 +22,9 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import signal
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import TypeVar
 
 import uvicorn
@@ -39,6 +36,7 @@ from kvflow.config import EngineArgs
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.engine_thread import build_on_fresh_thread
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.entrypoints.listening import AnnouncedServer
 from kvflow.entrypoints.openai.dashboard import add_dashboard_routes, refuse_dashboard
 from kvflow.entrypoints.openai.errors import APIError, from_exception, from_validation, install_error_handlers
 from kvflow.entrypoints.openai.http_guards import HostAllowList, HostCheck, allow_origins, flag_values, require_json
@@ -62,7 +60,6 @@ from kvflow.model.chat_template import compile_chat_template
 
 Body = TypeVar("Body", bound=BaseModel)
 SHUTDOWN_GRACE_SECONDS = 5.0  # after the drain: time to write the 503s before connections are cut
-_IMPORTED_AT = time.monotonic()  # the fallback origin of the ready time (no /proc)
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
@@ -253,8 +250,8 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, plus: prints its URL once bound; on shutdown gives in-flight requests
+class _Server(AnnouncedServer):
+    """uvicorn, plus: prints its URL once bound (AnnouncedServer); on shutdown gives in-flight requests
     `drain_timeout` seconds, then stops the engine so that what is left ends with an error while
     uvicorn still waits for the responses to be written; and a signal ends it with status 0 rather
     than being re-raised after shutdown, as uvicorn does.
@@ -267,9 +264,8 @@ class _Server(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], banner: str,
                  drain_timeout: float) -> None:
-        super().__init__(config)
+        super().__init__(config, banner, "OpenAI API at /v1")
         self.on_shutdown = on_shutdown
-        self.banner = banner
         self.drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_cut_short = False
@@ -289,14 +285,6 @@ class _Server(uvicorn.Server):
     def _cut_drain_short(self) -> None:
         self.on_shutdown()
         self._loop.call_later(SHUTDOWN_GRACE_SECONDS, setattr, self, "force_exit", True)
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            host = f"[{host}]" if ":" in host else host
-            print(f"kvflow: {self.banner} on http://{host}:{port} (OpenAI API at /v1), "
-                  f"ready {seconds_since_process_start():.1f} s after the process started", flush=True)
 
     async def shutdown(self, sockets=None) -> None:
         # uvicorn stops accepting, then waits for the open connections (timeout_graceful_shutdown,
@@ -319,17 +307,6 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-
-def seconds_since_process_start() -> float:
-    """Wall time since this process began (Linux: its start time in /proc, so the interpreter's
-    start and every import count), or since this module was imported where there is no /proc."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in clock ticks
-    except (OSError, ValueError, IndexError):
-        return time.monotonic() - _IMPORTED_AT
 
 
 def served_name(model: str | None) -> str:
