@@ -20,7 +20,7 @@ from kvflow.bench.ceilings import (
 )
 
 SMALL = 16 * 2**20  # bigger than L2, small enough to run in milliseconds
-KEYS = {"memory_bandwidth_gb_s", "peak_flops", "dtype", "device"}
+KEYS = {"memory_bandwidth_gb_s", "peak_flops", "dtype", "device", "peak_product"}
 
 
 def test_memory_bandwidth_is_plausible():
@@ -86,3 +86,28 @@ def test_add_ceilings_parser_registers_subcommand():
 def test_gpu_ceilings():
     result = measure_ceilings(dtype="bfloat16", device="cuda")
     assert result.memory_bandwidth_gb_s > 100 and result.peak_flops > 1e12
+
+
+def test_the_peak_is_the_best_product_at_any_shape(monkeypatch):
+    """The peak is the best of every product and shape tried, and says which it was."""
+    def fake(m, k, n, dtype, device, repeats):
+        return {"torch matmul": 1e9, "panel kernel": 3e9} if (m, k, n) == (2048, 576, 1536) else {"torch matmul": 2e9}
+
+    monkeypatch.setattr(ceilings, "_square_size", lambda *a: 256)
+    monkeypatch.setattr(ceilings, "_product_flops", fake)
+    assert ceilings.measure_peak("bfloat16", "cpu") == (3e9, "panel kernel at 2048x576x1536")
+
+
+def test_the_products_the_engine_runs_are_among_those_the_peak_is_the_best_of():
+    """MFU above 100% would mean an engine product outran the peak: each kernel an engine's bf16
+    linear runs on this CPU (oneDNN on a packed weight; the panel kernel for a few rows) is timed."""
+    from kvflow.quant import panel_linear
+    from kvflow.quant.packed_linear import should_pack
+
+    x, w = torch.randn(2048, 576).bfloat16(), torch.randn(1536, 576).bfloat16()
+    timed = {name for name, prepare in ceilings.PRODUCTS.items() if prepare(x, w) is not None}
+    expected = {"torch matmul"} | ({"oneDNN, weight packed as the engine packs it"} if should_pack(w) else set())
+    expected |= {"panel kernel"} if panel_linear.available() else set()
+    assert timed == expected
+    flops = ceilings._product_flops(64, 576, 1536, torch.bfloat16, "cpu", 1)
+    assert flops.keys() == timed and all(f > 0 for f in flops.values())

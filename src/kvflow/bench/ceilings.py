@@ -2,6 +2,13 @@
 
 `kvflow bench ceilings` runs both in a few seconds; `kvflow plan --hardware measured` plans
 against the result instead of a datasheet.
+
+A ceiling must be the machine's, not one kernel's: MFU above 100% (kvflow's products beating "the
+peak") means the peak was measured too low. So the peak is the best of every product kvflow's
+matmuls run on (`PRODUCTS`: torch's matmul; on a CPU in bfloat16, oneDNN on a weight packed as the
+engine packs it, and the panel kernel where it is built), at square sizes grown until a call takes
+long enough and at the engine's tall-skinny shapes (`ENGINE_SHAPES`); bandwidth is the best of a
+streaming read and a copy. Which product and shape reached the peak is reported beside it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from typing import Any
 import torch
 
 from kvflow.analysis.hardware import Hardware, peaks
+from kvflow.quant import panel_linear
+from kvflow.quant.packed_linear import PackedWeight, should_pack
 
 _TORCH_DTYPES = MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,12 +40,19 @@ _DTYPE_ALIASES = MappingProxyType(
 DEFAULT_COPY_BYTES = 128 * 2**20  # 128 MiB each way: well beyond CPU L3 and GPU L2 sizes
 
 
+# (rows, K, N) of products a serving step runs: batches of 256 to 2,048 tokens through small and
+# mid-sized models' projections (0.1-8B: hidden 576-4,096, MLP 1,536-14,336 wide).
+ENGINE_SHAPES = ((256, 576, 1536), (2048, 576, 1536), (2048, 1536, 576), (1024, 2048, 8192), (1024, 4096, 4096),
+                 (512, 4096, 14336))
+
+
 @dataclass(frozen=True)
 class Ceilings:
     memory_bandwidth_gb_s: float
     peak_flops: float  # FLOP/s
     dtype: str
     device: str
+    peak_product: str = ""  # which product, at which shape, reached peak_flops
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,25 +90,72 @@ def _median_seconds(fn: Callable[[], object], device: str, repeats: int) -> floa
 def measure_memory_bandwidth(
     device: str = "cpu", size_bytes: int = DEFAULT_COPY_BYTES, repeats: int = 5
 ) -> float:
-    """Bytes/s of a large tensor copy, counting the bytes read plus the bytes written.
-
-    (Like STREAM's copy, the write-allocate read a CPU may add is not counted.)
-    """
+    """Bytes/s moved, the best of a streaming read (a sum: decode reads weights and KV, it writes
+    little) and a large copy counting the bytes read plus the bytes written (as STREAM's copy, the
+    write-allocate read a CPU may add is not counted)."""
     src = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)  # touch every page
     dst = torch.zeros_like(src)
-    seconds = _median_seconds(lambda: dst.copy_(src), device, repeats)
-    return 2 * src.numel() * src.element_size() / seconds
+    nbytes = src.numel() * src.element_size()
+    copy = 2 * nbytes / _median_seconds(lambda: dst.copy_(src), device, repeats)
+    read = nbytes / _median_seconds(lambda: src.sum(), device, repeats)
+    return max(copy, read)
 
 
-def _matmul_seconds(n: int, dtype: torch.dtype, device: str, inner: int, repeats: int) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+Prepared = tuple[Callable[[], object], int]  # a product ready to run, and the rows it multiplies
 
-    def run() -> None:
-        for _ in range(inner):
-            a @ b
 
-    return _median_seconds(run, device, repeats) / inner
+def _torch_matmul(x: torch.Tensor, w: torch.Tensor) -> Prepared:
+    wt = w.t().contiguous()
+    return (lambda: x @ wt), x.shape[0]
+
+
+def _onednn_packed(x: torch.Tensor, w: torch.Tensor) -> Prepared | None:
+    if not should_pack(w):
+        return None
+    packed = PackedWeight(w)
+    return (lambda: torch.ops.mkldnn._linear_pointwise(x, packed.for_rows(x.shape[0]), None, "none", [], "")), x.shape[0]
+
+
+def _panel_kernel(x: torch.Tensor, w: torch.Tensor) -> Prepared | None:
+    """On as many rows as the kernel takes (it runs small batches: decode)."""
+    n, k = w.shape
+    rows = x[:panel_linear.WIDE_MAX_ROWS if n > panel_linear.WIDE_COLUMNS else panel_linear.MAX_ROWS]
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not panel_linear.takes(rows.shape[0], (n, k)):
+        return None
+    panels = panel_linear.pack(w)
+    return (lambda: panel_linear.linear(rows, panels)), rows.shape[0]
+
+
+# name → how to prepare it for (x [M, K], w [N, K]): x @ wᵀ; None where it does not run that product here
+PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], Prepared | None]] = {
+    "torch matmul": _torch_matmul,
+    "oneDNN, weight packed as the engine packs it": _onednn_packed,
+    "panel kernel": _panel_kernel,
+}
+
+
+def _product_flops(m: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: int) -> dict[str, float]:
+    """FLOP/s of every product that runs an [m, K] x [K, N] here."""
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = torch.randn(n, k, device=device).to(dtype)
+    found = {}
+    for name, prepare in PRODUCTS.items():
+        prepared = prepare(x, w)
+        if prepared is not None:
+            run, rows = prepared
+            found[name] = 2.0 * rows * k * n / _median_seconds(run, device, repeats)
+    return found
+
+
+def _square_size(dtype: torch.dtype, device: str, max_n: int, target_s: float) -> int:
+    """n for which an n×n matmul takes `target_s` (or max_n): growing n keeps slow dtypes (fp16 on
+    many CPUs runs at a few GFLOP/s) inside the time budget while fast ones reach a size that saturates."""
+    n = min(256, max_n)
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        if _median_seconds(lambda: a @ a, device, 1) >= target_s or n * 2 > max_n:  # noqa: B023 (run at once)
+            return n
+        n *= 2
 
 
 def measure_peak_flops(
@@ -102,21 +165,22 @@ def measure_peak_flops(
     target_s: float = 0.05,
     repeats: int = 3,
 ) -> float:
-    """FLOP/s of a square n×n matmul, growing n until one call takes `target_s` (or max_n).
+    """The best FLOP/s of any product kvflow runs (`PRODUCTS`), at any shape tried."""
+    return measure_peak(dtype, device, max_n, target_s, repeats)[0]
 
-    Growing n instead of fixing it keeps slow dtypes (fp16 on many CPUs runs at a few
-    GFLOP/s) inside the time budget while fast ones still reach a size that saturates.
-    """
-    cuda = device.startswith("cuda")
-    max_n = max_n or (8192 if cuda else 4096)
-    inner = 10 if cuda else 1  # amortise kernel-launch overhead on a GPU
+
+def measure_peak(dtype: str = "bfloat16", device: str = "cpu", max_n: int | None = None, target_s: float = 0.05,
+                 repeats: int = 3) -> tuple[float, str]:
+    """(FLOP/s, "product at m×k×n") of the best product, over a square size (`_square_size`) and
+    the engine's shapes (`ENGINE_SHAPES`) that fit in max_n."""
+    max_n = max_n or (8192 if device.startswith("cuda") else 4096)
     tdtype = torch_dtype(dtype)
-    n = min(256, max_n)
-    while True:
-        seconds = _matmul_seconds(n, tdtype, device, inner, repeats)
-        if seconds >= target_s or n * 2 > max_n:
-            return 2.0 * n**3 / seconds
-        n *= 2
+    square = _square_size(tdtype, device, max_n, target_s)
+    best = (0.0, "")
+    for m, k, n in [(square, square, square), *(s for s in ENGINE_SHAPES if max(s) <= max_n)]:
+        for name, flops in _product_flops(m, k, n, tdtype, device, repeats).items():
+            best = max(best, (flops, f"{name} at {m}x{k}x{n}"))
+    return best
 
 
 def measure_ceilings(
@@ -128,9 +192,9 @@ def measure_ceilings(
     device = device or default_device()
     torch_dtype(dtype)  # reject an unsupported dtype before spending time on the copy
     bandwidth = measure_memory_bandwidth(device, copy_bytes)
-    flops = measure_peak_flops(dtype, device, max_n)
+    flops, product = measure_peak(dtype, device, max_n)
     name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
-    return Ceilings(bandwidth / 1e9, flops, name, device)
+    return Ceilings(bandwidth / 1e9, flops, name, device, product)
 
 
 def measured_hardware(dtype: str = "bfloat16", device: str | None = None) -> Hardware:
@@ -177,6 +241,7 @@ def format_ceilings(c: Ceilings) -> str:
             f"dtype                  {c.dtype}",
             f"memory_bandwidth_gb_s  {c.memory_bandwidth_gb_s:.1f} GB/s",
             f"peak_flops             {c.peak_flops:.3e} FLOP/s ({c.peak_flops / 1e12:.2f} TFLOP/s)",
+            f"peak_product           {c.peak_product}",
             f"ridge point            {ridge:.1f} FLOP/byte",
         ]
     )

@@ -187,6 +187,7 @@ def load_ceilings(path: str | Path) -> Ceilings:
             peak_flops=float(data["peak_flops"]),
             dtype=str(data["dtype"]),
             device=str(data["device"]),
+            peak_product=str(data.get("peak_product", "")),
         )
     except KeyError as err:
         raise ValueError(f"{path}: not a `kvflow bench ceilings --json` file (no {err})") from None
