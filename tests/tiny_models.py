@@ -57,13 +57,52 @@ ARCH_CONFIGS: dict[str, tuple[str, dict]] = {
                                              routed_scaling_factor=2.5)),
 }
 
+# The RoPE scalings of real checkpoints, their lengths scaled down to the tiny models'
+# (tests/model/test_rope_scaling.py).
+_LONG_FACTOR = [1.0, 1.2, 1.9, 3.1, 5.3, 8.4, 12.6, 17.9]  # Phi-3-style: grows toward low frequencies
+ROPE_CONFIGS: dict[str, tuple[str, dict]] = {
+    # Qwen2.5 / Qwen3 with YaRN enabled (factor 4 over their 32768): the default mscale on cos/sin;
+    # max_position_embeddings stays the original, the served context is original x factor.
+    "qwen3-yarn": ("Qwen3Config", dict(TINY_CONFIGS["qwen3-qknorm"][1], head_dim=16, max_position_embeddings=128,
+                                       rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                         original_max_position_embeddings=128))),
+    # YaRN as gpt-oss configures it (untruncated band) with a cos/sin factor mscale / mscale_all_dim != 1.
+    "mistral-yarn-untruncated": ("MistralConfig", dict(
+        TINY_CONFIGS["mistral-window"][1], sliding_window=None, rope_theta=150000.0,
+        rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=32.0,
+                          beta_slow=1.0, truncate=False, mscale=1.0, mscale_all_dim=0.5))),
+    # DeepSeek-V3's {factor 40, original 4096, mscale = mscale_all_dim = 1} over 16 positions.
+    "deepseek-v3-yarn": ("DeepseekV3Config", dict(ARCH_CONFIGS["deepseek-v3"][1], max_position_embeddings=640,
+                                                  rope_scaling=dict(rope_type="yarn", factor=40.0,
+                                                                    original_max_position_embeddings=16, beta_fast=32,
+                                                                    beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
+    # DeepSeek-V2's (old "type" key, mscale = mscale_all_dim = 0.707).
+    "deepseek-v2-yarn": ("DeepseekV2Config", dict(ARCH_CONFIGS["deepseek-v2"][1], max_position_embeddings=640,
+                                                  rope_scaling=dict(type="yarn", factor=40.0,
+                                                                    original_max_position_embeddings=16, beta_fast=32,
+                                                                    beta_slow=1, mscale=0.707, mscale_all_dim=0.707))),
+    # Gemma 3 4B and larger: linear x8 on the global layers only (the local ones keep their base).
+    "gemma3-linear": ("Gemma3TextConfig", dict(ARCH_CONFIGS["gemma3"][1], rope_parameters=dict(
+        full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1_000_000.0),
+        sliding_attention=dict(rope_type="default", rope_theta=100.0)))),
+    # Phi-3-128k's layout: original length at the top level, no factor (max / original = 4).
+    "llama-longrope": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.0, 1.02, 1.05, 1.1, 1.15, 1.2, 1.25],
+                          long_factor=_LONG_FACTOR))),
+    "llama-dynamic": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                          max_position_embeddings=64, rope_scaling=dict(rope_type="dynamic",
+                                                                                        factor=2.0))),
+}
+
 
 def make_tiny_model(name: str, directory: Path, seed: int = 0):
     """Write a random checkpoint to `directory` and return the transformers model (float32, eager
     attention and eager experts)."""
     import transformers
 
-    cls_name, extra = {**TINY_CONFIGS, **ARCH_CONFIGS}[name]
+    cls_name, extra = {**TINY_CONFIGS, **ARCH_CONFIGS, **ROPE_CONFIGS}[name]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",

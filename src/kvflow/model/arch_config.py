@@ -88,6 +88,9 @@ class ArchConfig:
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     num_kv_shared_layers: int = 0  # the last n layers read an earlier layer's KV (cross-layer sharing)
+    # The engine's context when a model is built for one (`worker.rank_model`): the length that
+    # longrope and dynamic RoPE scale for (`kvflow.model.layers.rotary`). None: max_position_embeddings.
+    max_model_len: int | None = field(default=None, compare=False)
     # The config dict with the family's defaults: where a family file reads its own knobs.
     hf: Mapping = field(default_factory=dict, compare=False, repr=False)
 
@@ -100,6 +103,7 @@ class ArchConfig:
         layers = _get(cfg, "num_hidden_layers")
         eos = cfg.get("eos_token_id")
         shared = int(cfg.get("num_kv_shared_layers") or 0)
+        scaling = _rope_scaling(cfg)
         if not 0 <= shared < layers:
             raise ValueError(f"num_kv_shared_layers must be in [0, num_hidden_layers); got {shared}")
         return cls(
@@ -114,8 +118,8 @@ class ArchConfig:
             head_dim=cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(cfg),
-            rope_scaling=_rope_scaling(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_scaling=scaling,
+            max_position_embeddings=_context_length(cfg, scaling),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe")),
             sliding_windows=_sliding_windows(cfg, arch, layers),
@@ -126,6 +130,10 @@ class ArchConfig:
             num_kv_shared_layers=shared,
             hf=MappingProxyType(cfg),
         )
+
+    @property
+    def rope_serve_len(self) -> int:
+        return self.max_model_len or self.max_position_embeddings
 
     @cached_property
     def kv_layout(self) -> KVLayout:
@@ -175,9 +183,31 @@ def _rope_theta(cfg: Mapping) -> float:
 
 
 def _rope_scaling(cfg: Mapping) -> dict | None:
+    """The scaling with the lengths it reads resolved as HF resolves them; None for plain RoPE."""
     scaling = cfg.get("rope_scaling") or _rope_params(cfg)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    return None if kind == "default" else dict(scaling)
+    if kind == "default":
+        return None
+    scaling = {**scaling, "rope_type": kind}
+    max_len = cfg.get("max_position_embeddings", 2048)
+    if kind in ("llama3", "yarn", "longrope"):
+        # Phi-3 keeps the pretraining length at the top level, and there it wins (as in HF).
+        original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(original or max_len)
+        if scaling.get("factor") is None:  # the stretch the two lengths imply
+            scaling["factor"] = max_len / scaling["original_max_position_embeddings"]
+    if kind == "dynamic":  # NTK scales from the checkpoint's own context, the one it declares
+        scaling["original_max_position_embeddings"] = int(max_len)
+    return scaling
+
+
+def _context_length(cfg: Mapping, scaling: dict | None) -> int:
+    """The positions the model serves: yarn's stretched context (original x factor) and dynamic
+    NTK's (max_position_embeddings x factor) where longer than the declared one, as vLLM derives it."""
+    max_len = int(cfg.get("max_position_embeddings", 2048))
+    if scaling is not None and scaling["rope_type"] in ("yarn", "dynamic"):
+        return max(max_len, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return max_len
 
 
 def _sliding_windows(cfg: Mapping, arch: str, n: int) -> tuple[int | None, ...]:

@@ -29,6 +29,8 @@ def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint:
     ready to run."""
     # A CUDA-graph decode needs the triton decode grid fixed by a bound, not by the step.
     static_len = config.model.max_model_len if config.use_cuda_graphs else None
+    # longrope and dynamic RoPE scale once, for the longest sequence the engine serves.
+    arch = dataclasses.replace(arch, max_model_len=config.model.max_model_len)
     with tensor_parallel_scope(tp), pipeline_scope(stage):
         if config.batch_invariant and (arch.moe is not None or arch.mla is not None):
             raise ValueError(f"batch_invariant: {arch.architecture} is not covered yet (expert routing and latent "

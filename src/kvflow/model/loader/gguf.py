@@ -215,11 +215,12 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict, config: dic
     original = _field(reader, f"{arch}.rope.scaling.original_context_length")
     if kind in ("linear", "yarn") and factor is not None:
         scaling = {"rope_type": kind, "factor": float(factor)}
-        if kind == "yarn" and original is not None:
-            scaling["original_max_position_embeddings"] = int(original)
+        if kind == "yarn":
+            scaling.update(_yarn_fields(reader, arch, original))
         return scaling
     if kind not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn, llama3)")
+        raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported "
+                         "(supported: none, linear, yarn; llama3 as rope_freqs)")
     if _ROPE_FREQS in tensors:
         factors = gguf.quants.dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type)
         return llama3_rope_scaling(
@@ -229,6 +230,20 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict, config: dic
             int(original) if original is not None else 8192,
         )
     return None
+
+
+def _yarn_fields(reader: gguf.GGUFReader, arch: str, original) -> dict:
+    """The yarn fields HF has that the file carries (beta_* where llama.cpp wrote them)."""
+    fields = {} if original is None else {"original_max_position_embeddings": int(original)}
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if (value := _field(reader, f"{arch}.rope.scaling.{key}")) is not None:
+            fields[name] = float(value)
+    # llama.cpp's own magnitude knobs (DeepSeek's converter writes 0.1 x mscale_all_dim as the log
+    # multiplier): for the supported families they have no HF field to become, so they are refused.
+    for key in ("yarn_log_multiplier", "yarn_attn_factor", "yarn_ext_factor"):
+        if _field(reader, f"{arch}.rope.scaling.{key}") is not None:
+            raise ValueError(f"GGUF {arch}.rope.scaling.{key} is not supported (HF's yarn has no such field)")
+    return fields
 
 
 def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int, original_ctx: int = 8192) -> dict | None:

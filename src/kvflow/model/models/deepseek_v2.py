@@ -42,7 +42,7 @@ from kvflow.model.layers.mlp import GatedMLP
 from kvflow.model.layers.moe import SparseMoE
 from kvflow.model.layers.norm import RMSNorm
 from kvflow.model.layers.reference import Rope, torch_rotary
-from kvflow.model.layers.rotary import RotaryEmbedding
+from kvflow.model.layers.rotary import RotaryEmbedding, rope_type, yarn_mscale
 from kvflow.model.models.blocks import CausalLM, DecoderLayer, DecoderModel, make_layers
 from kvflow.quant.base import QuantizationConfig
 
@@ -63,7 +63,7 @@ class DeepseekV2MLAttention(nn.Module):
         self.mla, self.backend = m, backend
         self.kv_group = cfg.kv_layout.places[layer_idx][0]
         qk_head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
-        self.scale = qk_head_dim**-0.5
+        self.scale = qk_head_dim**-0.5 * yarn_softmax_mscale(cfg.rope_scaling)
         if m.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, heads * qk_head_dim, False, quant_config, f"{prefix}.q_proj")
         else:
@@ -108,6 +108,16 @@ class DeepseekV2MLAttention(nn.Module):
         return torch_rotary(x, rope)
 
 
+def yarn_softmax_mscale(scaling: dict | None) -> float:
+    """DeepSeek's YaRN correction on the softmax scale, mscale(factor, mscale_all_dim) squared: it
+    covers the whole q·k (nope and rope parts), where the factor on cos/sin covers only the rope
+    part (and is 1 when mscale == mscale_all_dim, as in DeepSeek's configs). HF applies it for any
+    scaling that has mscale_all_dim."""
+    if rope_type(scaling) == "default" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    return yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+
+
 def deepseek_mlp(cfg: ArchConfig, layer_idx: int, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
     if layer_idx in cfg.moe.dense_layers:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, quant_config, prefix)
@@ -121,7 +131,8 @@ class DeepseekV2Model(DecoderModel):
         if cfg.mla is None or cfg.moe is None:
             raise ValueError("a DeepSeek-V2/V3 config needs kv_lora_rank (MLA) and routed experts")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, f"{prefix}.embed_tokens")
-        self.rotary = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, cfg.rope_serve_len)
         self.layers = make_layers(cfg.num_layers, lambda i: DecoderLayer(
             cfg, DeepseekV2MLAttention(cfg, i, backend, quant_config, f"{prefix}.layers.{i}.self_attn"),
             deepseek_mlp(cfg, i, quant_config, f"{prefix}.layers.{i}.mlp")))

@@ -73,7 +73,8 @@ class Gemma3Model(DecoderModel):
             raise ValueError("Gemma 3 with attn_logit_softcapping is not supported")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, f"{prefix}.embed_tokens")
         self.embed_scale = cfg.hidden_size**0.5
-        self.global_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.global_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                             cfg.rope_serve_len)
         self.local_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, _local_rope_theta(cfg), None)
         self.layers = make_layers(cfg.num_layers, lambda i: Gemma3DecoderLayer(cfg, i, backend, quant_config,
                                                                                f"{prefix}.layers.{i}"))

@@ -41,7 +41,8 @@ class LlamaModel(DecoderModel):
                  qk_norm: str | None = None, mlp: MLPFactory = dense_mlp, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config, f"{prefix}.embed_tokens")
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      cfg.rope_serve_len)
         self.layers = make_layers(cfg.num_layers, lambda i: DecoderLayer(
             cfg, RopeAttention(cfg, i, backend, quant_config, f"{prefix}.layers.{i}.self_attn", qk_norm=qk_norm),
             mlp(cfg, i, quant_config, f"{prefix}.layers.{i}.mlp")))
