@@ -1,6 +1,6 @@
 """Shared by the disaggregated prefill/decode tests: a tiny model, a KV store of each kind (a
-shared directory; a `kvflow kv-store` server over TCP; a Redis server), engines and pairs joined by
-one, and the single-engine reference their outputs must equal."""
+shared directory; a Redis server), engines and pairs joined by one, and the single-engine reference
+their outputs must equal."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from tiny_models import make_tiny_model
 from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
 from kvflow.kv_store.redis_store import RedisKVStore
-from kvflow.kv_store.tcp_server import KVStoreServer
 
 B = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2,
@@ -35,11 +34,6 @@ class Store:
             self.server = start_redis()
             self.extra = {"kv_connector": "RedisStoreConnector",
                           "kv_connector_extra_config": {"kv_store_url": self.server.url}}
-        elif kind == "tcp":
-            self.server = KVStoreServer("127.0.0.1", 0, max_bytes)
-            self.server.start_thread()
-            self.extra = {"kv_connector": "TCPStoreConnector",
-                          "kv_connector_extra_config": {"kv_store_url": self.server.url}}
         else:
             self.extra = {"kv_connector_extra_config": {"shared_storage_path": str(path), "max_store_bytes": max_bytes}}
 
@@ -50,8 +44,6 @@ class Store:
         """What the store holds (for the directory: every file, temporary ones too)."""
         if self.kind == "redis":
             return RedisKVStore(self.server.url).keys()
-        if self.server is not None:
-            return self.server.store.keys()
         return sorted(p.name for p in self.path.iterdir()) if self.path.exists() else []
 
 
@@ -68,15 +60,15 @@ def _stores(kind: str, tmp_path):
             store.server.stop()
 
 
-@pytest.fixture(params=["directory", "tcp", pytest.param("redis", marks=needs_redis)])
+@pytest.fixture(params=["directory", pytest.param("redis", marks=needs_redis)])
 def make_store(request, tmp_path):
     yield from _stores(request.param, tmp_path)
 
 
-@pytest.fixture(params=["directory", "tcp"])
-def make_exactly_bounded_store(request, tmp_path):
-    """kvflow's own stores, whose `max_bytes` evicts exactly the least recently used blocks."""
-    yield from _stores(request.param, tmp_path)
+@pytest.fixture
+def make_exactly_bounded_store(tmp_path):
+    """The directory store, whose `max_bytes` evicts exactly the least recently used blocks."""
+    yield from _stores("directory", tmp_path)
 
 
 @pytest.fixture

@@ -389,8 +389,8 @@ class EngineArgs:
         g.add_argument("--kv-transfer-config", default=None,
                        help='disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
                             '"kv_role": "kv_producer"}\' (roles: kv_producer, kv_consumer, kv_both; '
-                            'across hosts: "TCPStoreConnector" '
-                            'with "kv_connector_extra_config": {"kv_store_url": "tcp://HOST:PORT"}, see kvflow kv-store)')
+                            'across hosts: "RedisStoreConnector" '
+                            'with "kv_connector_extra_config": {"kv_store_url": "redis://HOST:PORT"}, a Redis server)')
         g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                        help="serve from N engine replicas, one process each, behind one router (kvflow serve)")
         g.add_argument("--custom-ops", default=d.custom_ops, choices=CUSTOM_OPS,

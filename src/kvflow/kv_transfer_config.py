@@ -5,17 +5,14 @@ block hashes; a decode engine ("kv_consumer") loads them instead of computing th
 both. Blocks are kept under their hashes rehashed with what their bytes depend on (model, weights, KV
 dtype, block size, parallel layout: `kvflow.kv_store.namespaced`), so engines that differ in any of
 it share a store without reading each other's blocks; `kv_store_namespace` in the extra config adds
-a name of the user's (two fine-tunes of one model). Three stores (`kv_connector`):
+a name of the user's (two fine-tunes of one model). Two stores (`kv_connector`):
 
 - `{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer", "kv_connector_extra_config":
   {"shared_storage_path": "/dev/shm/kvflow-kv", "max_store_bytes": 4294967296}}`: one file per
   block in a directory the engines of one host share;
 - `{"kv_connector": "RedisStoreConnector", "kv_role": "kv_consumer", "kv_connector_extra_config":
   {"kv_store_url": "redis://10.0.0.5:6379/0", "kv_store_timeout_s": 5.0}}`: a Redis server, for
-  engines on different hosts (its bound is Redis' `maxmemory`, with `maxmemory-policy allkeys-lru`);
-- `{"kv_connector": "TCPStoreConnector", "kv_role": "kv_consumer", "kv_connector_extra_config":
-  {"kv_store_url": "tcp://10.0.0.5:8600", "kv_store_timeout_s": 5.0}}`: a `kvflow kv-store`
-  server's memory, for engines on different hosts (its size bound is the server's --max-bytes).
+  engines on different hosts (its bound is Redis' `maxmemory`, with `maxmemory-policy allkeys-lru`).
 """
 
 from __future__ import annotations
@@ -25,7 +22,10 @@ from urllib.parse import urlsplit
 
 from kvflow.json_config import config_dict
 
-CONNECTORS = ("SharedStorageConnector", "TCPStoreConnector", "RedisStoreConnector")
+CONNECTORS = ("SharedStorageConnector", "RedisStoreConnector")
+# Connectors kvflow had, and what took their place.
+REPLACED = {"TCPStoreConnector": "RedisStoreConnector (a Redis server, kv_store_url redis://host:port): "
+                                 "kvflow's own `kvflow kv-store` server and its protocol are gone"}
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_SHARED_STORAGE_PATH = "/dev/shm/kvflow-kv"  # memory on Linux: a transfer never touches a disk
 DEFAULT_MAX_STORE_BYTES = 4 << 30  # a few GiB: what a producer whose consumer never came can leave behind
@@ -37,8 +37,6 @@ _NAMESPACE_KEY = {"kv_store_namespace": (str, "a string")}
 EXTRA_KEYS = {
     "SharedStorageConnector": {"shared_storage_path": (str, "a directory path"),
                                "max_store_bytes": (int, "a number of bytes"), **_NAMESPACE_KEY},
-    "TCPStoreConnector": {"kv_store_url": (str, "tcp://host:port"), "kv_store_timeout_s": ((int, float), "seconds"),
-                          **_NAMESPACE_KEY},
     "RedisStoreConnector": {"kv_store_url": (str, "redis://[:password@]host:port[/db]"),
                             "kv_store_timeout_s": ((int, float), "seconds"), **_NAMESPACE_KEY},
 }
@@ -60,10 +58,6 @@ class KVTransferConfig:
     def max_store_bytes(self) -> int:
         return self.kv_connector_extra_config.get("max_store_bytes", DEFAULT_MAX_STORE_BYTES)
 
-    @property
-    def kv_store_address(self) -> tuple[str, int]:
-        return parse_kv_store_url(self.kv_connector_extra_config["kv_store_url"])
-
     def with_namespace(self, engine_namespace: str) -> KVTransferConfig:
         user = self.kv_connector_extra_config.get("kv_store_namespace", "")
         return replace(self, namespace=f"{user}|{engine_namespace}")
@@ -78,6 +72,9 @@ class KVTransferConfig:
         if value is None or isinstance(value, KVTransferConfig):
             return value
         config = cls(**config_dict(value, "kv_transfer_config", cls))
+        if config.kv_connector in REPLACED:
+            raise ValueError(f"kv_transfer_config.kv_connector {config.kv_connector!r} was replaced by "
+                             f"{REPLACED[config.kv_connector]}")
         if config.kv_connector not in CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector must be one of {', '.join(CONNECTORS)}; "
                              f"got {config.kv_connector!r}")
@@ -102,27 +99,10 @@ def _check_extra(connector: str, extra: object) -> None:
         raise ValueError(f"{name}.max_store_bytes must be positive; got {extra['max_store_bytes']}")
     if extra.get("kv_store_timeout_s", 1) <= 0:
         raise ValueError(f"{name}.kv_store_timeout_s must be positive; got {extra['kv_store_timeout_s']}")
-    if connector == "TCPStoreConnector":
-        if "kv_store_url" not in extra:
-            raise ValueError(f"{name}.kv_store_url is required for TCPStoreConnector (e.g. tcp://10.0.0.5:8600, "
-                             "a `kvflow kv-store` server)")
-        parse_kv_store_url(extra["kv_store_url"])
     if connector == "RedisStoreConnector":
         if "kv_store_url" not in extra:
             raise ValueError(f"{name}.kv_store_url is required for RedisStoreConnector (e.g. redis://10.0.0.5:6379/0)")
         check_redis_url(extra["kv_store_url"])
-
-
-def parse_kv_store_url(url: str) -> tuple[str, int]:
-    """(host, port) of `tcp://host:port`; ValueError naming kv_store_url otherwise."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"kv_store_url {url!r} is not tcp://host:port: {e}") from None
-    if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path not in ("", "/"):
-        raise ValueError(f"kv_store_url must be tcp://host:port (a `kvflow kv-store` server); got {url!r}")
-    return parts.hostname, port
 
 
 def check_redis_url(url: str) -> None:

@@ -24,7 +24,7 @@ from kvflow.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_bench.py"
-CEILINGS = {"memory_bandwidth_gb_s": 1.0, "peak_flops": 1e9, "dtype": "bfloat16", "device": "cpu"}
+CEILINGS = {"memory_bandwidth_gb_s": 1.0, "peak_flops": 1e9, "dtype": "bfloat16", "device": "cpu", "peak_product": ""}
 WORKLOAD = ["--num-requests", "5", "--min-len", "3", "--max-len", "9", "--latency-input-len", "4",
             "--latency-output-len", "6", "--latency-iters", "1", "--hf-batch-size", "2"]
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)

@@ -133,6 +133,8 @@ def test_bad_kv_transfer_config_names_the_field(model_dir, tmp_path):
         DisaggregatedPrefillDecode(make_engine(model_dir, "kv_consumer", tmp_path),
                                    make_engine(model_dir, "kv_consumer", tmp_path))
     with pytest.raises(ValueError, match="kv_store_url is required"):
+        make_engine(model_dir, kv_transfer_config={"kv_connector": "RedisStoreConnector"})
+    with pytest.raises(ValueError, match="'TCPStoreConnector' was replaced by RedisStoreConnector"):
         make_engine(model_dir, kv_transfer_config={"kv_connector": "TCPStoreConnector"})
     with pytest.raises(ValueError, match="must share one KV store"):
         DisaggregatedPrefillDecode(make_engine(model_dir, "kv_producer", tmp_path / "a"),
@@ -143,3 +145,22 @@ def test_sliding_window_models_are_refused(tmp_path):
     make_tiny_model("mistral-window", tmp_path / "m")
     with pytest.raises(ValueError, match="sliding-window"):
         make_engine(str(tmp_path / "m"), "kv_both", tmp_path / "store")
+
+
+@pytest.mark.parametrize(("rope_scaling", "apart"), [
+    (None, False),
+    ({"rope_type": "dynamic", "factor": 2.0}, True),  # its base is grown for max_model_len
+])
+def test_a_length_dependent_rope_keeps_engines_of_other_lengths_apart(rope_scaling, apart):
+    """Keys rotated for another max_model_len are other bytes under equal hashes (longrope, dynamic)."""
+    from kvflow import EngineArgs
+    from kvflow.engine.llm_engine import with_kv_store_namespace
+    from kvflow.model.arch_config import ArchConfig
+
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 97, "hidden_size": 64,
+          "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 512, "rope_scaling": rope_scaling}
+    arch = ArchConfig.from_hf(hf)
+    namespaces = {with_kv_store_namespace(EngineArgs(max_model_len=n, kv_transfer_config={}).create_config(
+        arch.max_position_embeddings), arch).kv_transfer.namespace for n in (256, 512)}
+    assert len(namespaces) == (2 if apart else 1)

@@ -24,7 +24,6 @@ from redis_server import needs_redis, start_redis
 
 from kvflow.core.kv_connector import transfer_keys
 from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
-from kvflow.kv_store.tcp_server import KVStoreServer
 from kvflow.sampling_params import RequestOutputKind, SamplingParams
 
 SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True, logprobs=2,
@@ -119,29 +118,17 @@ def test_a_block_of_the_wrong_size_is_not_loaded(model_dir, store):
     _assert_baseline(pair.prefill, pair.decode)
 
 
-CONNECTORS = {"tcp": "TCPStoreConnector", "redis": "RedisStoreConnector"}
-REMOTE = ["tcp", pytest.param("redis", marks=needs_redis)]
-
-
-def _remote_pair(model_dir, kind: str, url: str, timeout_s: float) -> DisaggregatedPrefillDecode:
-    extra = {"kv_connector": CONNECTORS[kind],
+def _redis_pair(model_dir, url: str, timeout_s: float) -> DisaggregatedPrefillDecode:
+    extra = {"kv_connector": "RedisStoreConnector",
              "kv_connector_extra_config": {"kv_store_url": url, "kv_store_timeout_s": timeout_s}}
     return DisaggregatedPrefillDecode(make_engine(model_dir, kv_transfer_config={"kv_role": "kv_producer", **extra}),
                                       make_engine(model_dir, kv_transfer_config={"kv_role": "kv_consumer", **extra}))
 
 
-def _start_server(kind: str):
-    if kind == "redis":
-        return start_redis()
-    server = KVStoreServer("127.0.0.1", 0)
-    server.start_thread()
-    return server
-
-
-@pytest.mark.parametrize("kind", REMOTE)
-def test_a_store_that_goes_away_after_the_prefill_means_computing_here(model_dir, kind):
-    server = _start_server(kind)
-    pair = _remote_pair(model_dir, kind, server.url, timeout_s=2.0)
+@needs_redis
+def test_a_store_that_goes_away_after_the_prefill_means_computing_here(model_dir):
+    server = start_redis()
+    pair = _redis_pair(model_dir, server.url, timeout_s=2.0)
     prompts = {"a": random_tokens(B + 1, seed=6), "b": random_tokens(3 * B, seed=7)}
     for rid, prompt in prompts.items():
         _prefill(pair, rid, prompt)
@@ -154,12 +141,11 @@ def test_a_store_that_goes_away_after_the_prefill_means_computing_here(model_dir
     _assert_baseline(pair.prefill, pair.decode)
 
 
-@pytest.mark.parametrize("kind", REMOTE)
-def test_a_silent_store_costs_a_timeout_not_a_hang(model_dir, kind):
+def test_a_silent_store_costs_a_timeout_not_a_hang(model_dir):
     with socket.socket() as silent:  # accepts connections, never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        pair = _remote_pair(model_dir, kind, f"{kind}://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.2)
+        pair = _redis_pair(model_dir, f"redis://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.2)
         prompts = [random_tokens(n, seed=n) for n in (1, B + 1, 3 * B)]
         outputs = pair.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for out, ref in zip(outputs, reference(model_dir, prompts)):

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from disagg_stores import Store
 from live_server import parse_metrics, start_process, start_thread
+from redis_server import needs_redis
 from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
@@ -27,10 +28,10 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["directory", "tcp"])
+@pytest.fixture(scope="module", params=["directory", pytest.param("redis", marks=needs_redis)])
 def routed(request, model_dir, tmp_path_factory):
     """A router, a prefill and a decode server (processes) and the store they share: a directory,
-    or a `kvflow kv-store` server (here a thread of the test process; to the engines, another host)."""
+    or a Redis server (here on this host; to the engines, another)."""
     store = Store(request.param, tmp_path_factory.mktemp("kv-store"))
     common = ["--model", model_dir, "--dtype", "float32", "--block-size", "8", "--attention-backend", "torch_reference"]
     servers = [start_process([*common, "--kv-transfer-config", json.dumps(store.config(role))])

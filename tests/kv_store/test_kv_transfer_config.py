@@ -1,10 +1,11 @@
-"""`kv_transfer_config` for the two stores: good ones parse, bad ones name the field."""
+"""`kv_transfer_config` for the two stores (a directory, a Redis server): good ones parse, bad
+ones name the field."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvflow.kv_store import DirectoryKVStore, TCPKVStore, open_kv_block_store
+from kvflow.kv_store import DirectoryKVStore, RedisKVStore, open_kv_block_store
 from kvflow.kv_transfer_config import DEFAULT_MAX_STORE_BYTES, KVTransferConfig
 
 
@@ -14,27 +15,32 @@ def test_each_connector_opens_its_store(tmp_path):
     store = open_kv_block_store(directory).inner  # seen through the engine's namespace
     assert isinstance(store, DirectoryKVStore) and store.max_bytes == 1000
     assert KVTransferConfig.parse({}).max_store_bytes == DEFAULT_MAX_STORE_BYTES
-    tcp = KVTransferConfig.parse('{"kv_connector": "TCPStoreConnector", "kv_role": "kv_consumer", '
-                                 '"kv_connector_extra_config": {"kv_store_url": "tcp://10.1.2.3:8600", '
-                                 '"kv_store_timeout_s": 0.5}}')
-    store = open_kv_block_store(tcp).inner  # no connection yet: the store may start after the engines
-    assert isinstance(store, TCPKVStore) and (store.host, store.port, store.timeout_s) == ("10.1.2.3", 8600, 0.5)
-    assert store.location == "tcp://10.1.2.3:8600"
+    redis = KVTransferConfig.parse('{"kv_connector": "RedisStoreConnector", "kv_role": "kv_consumer", '
+                                   '"kv_connector_extra_config": {"kv_store_url": "redis://:pw@10.1.2.3:6380/2", '
+                                   '"kv_store_timeout_s": 0.5}}')
+    store = open_kv_block_store(redis).inner  # no connection yet: the store may start after the engines
+    assert isinstance(store, RedisKVStore) and store.location == "redis://10.1.2.3:6380/2"  # never the password
 
 
 @pytest.mark.parametrize("extra, message", [
     ({}, "kv_store_url is required"),
-    ({"kv_store_url": "http://h:8600"}, "kv_store_url must be tcp://host:port"),
-    ({"kv_store_url": "tcp://h"}, "kv_store_url must be tcp://host:port"),
-    ({"kv_store_url": "tcp://h:99999"}, "kv_store_url 'tcp://h:99999' is not tcp://host:port"),
-    ({"kv_store_url": 8600}, "kv_store_url must be tcp://host:port; got 8600"),
-    ({"kv_store_url": "tcp://h:1", "kv_store_timeout_s": 0}, "kv_store_timeout_s must be positive"),
-    ({"kv_store_url": "tcp://h:1", "kv_store_timeout_s": "5"}, "kv_store_timeout_s must be seconds"),
-    ({"kv_store_url": "tcp://h:1", "shared_storage_path": "/x"}, "unknown key 'shared_storage_path' for TCPStoreConnector"),
+    ({"kv_store_url": "http://h:6379"}, "kv_store_url must be redis://"),
+    ({"kv_store_url": "redis://h"}, "kv_store_url must be redis://"),
+    ({"kv_store_url": "redis://h:99999"}, "kv_store_url 'redis://h:99999' is not redis://"),
+    ({"kv_store_url": 6379}, "kv_store_url must be redis://.*; got 6379"),
+    ({"kv_store_url": "redis://h:1", "kv_store_timeout_s": 0}, "kv_store_timeout_s must be positive"),
+    ({"kv_store_url": "redis://h:1", "kv_store_timeout_s": "5"}, "kv_store_timeout_s must be seconds"),
+    ({"kv_store_url": "redis://h:1", "shared_storage_path": "/x"},
+     "unknown key 'shared_storage_path' for RedisStoreConnector"),
 ])
-def test_a_bad_tcp_store_config_names_the_field(extra, message):
+def test_a_bad_redis_store_config_names_the_field(extra, message):
     with pytest.raises(ValueError, match=message):
-        KVTransferConfig.parse({"kv_connector": "TCPStoreConnector", "kv_connector_extra_config": extra})
+        KVTransferConfig.parse({"kv_connector": "RedisStoreConnector", "kv_connector_extra_config": extra})
+
+
+def test_the_replaced_tcp_connector_says_what_took_its_place():
+    with pytest.raises(ValueError, match="'TCPStoreConnector' was replaced by RedisStoreConnector"):
+        KVTransferConfig.parse({"kv_connector": "TCPStoreConnector"})
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -42,7 +48,7 @@ def test_a_bad_tcp_store_config_names_the_field(extra, message):
     ({"max_store_bytes": "4GiB"}, "max_store_bytes must be a number of bytes"),
     ({"max_store_bytes": True}, "max_store_bytes must be a number of bytes"),
     ({"shared_storage_path": 3}, "shared_storage_path must be a directory path"),
-    ({"kv_store_url": "tcp://h:1"}, "unknown key 'kv_store_url' for SharedStorageConnector"),
+    ({"kv_store_url": "redis://h:1"}, "unknown key 'kv_store_url' for SharedStorageConnector"),
 ])
 def test_a_bad_directory_store_config_names_the_field(extra, message):
     with pytest.raises(ValueError, match=message):

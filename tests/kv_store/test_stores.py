@@ -1,7 +1,6 @@
-"""The `KVBlockStore` contract, kept alike by the directory store, the in-memory store, the TCP
-client of a `kvflow kv-store` server and a Redis server's: prefix lookups, batched put / get /
-delete; and, for kvflow's own stores, a size bound that evicts exactly the least recently written
-or used blocks (Redis' bound is its maxmemory, evicting approximately: tested through the engines)."""
+"""The `KVBlockStore` contract, kept alike by the directory store and a Redis server's: prefix
+lookups, batched put / get / delete; and, for the directory, a size bound that evicts exactly the
+least recently written or used blocks (Redis' bound is its maxmemory, evicting approximately)."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ import time
 import pytest
 from redis_server import needs_redis, start_redis
 
-from kvflow.kv_store import DirectoryKVStore, KVStoreError, RedisKVStore, TCPKVStore
-from kvflow.kv_store.tcp_server import KVStoreServer, MemoryKVStore
+from kvflow.kv_store import DirectoryKVStore, KVStoreError, RedisKVStore
 
 BLOCK = 100  # bytes per block in these tests
 
@@ -31,20 +29,13 @@ def _store_factory(kind: str, tmp_path, servers: list):
     def make(max_bytes: int = 1 << 20):
         if kind == "directory":
             return DirectoryKVStore(tmp_path / f"store{len(servers)}", max_bytes)
-        if kind == "memory":
-            return MemoryKVStore(max_bytes)
-        if kind == "redis":
-            servers.append(start_redis())
-            return RedisKVStore(servers[-1].url, timeout_s=5.0)
-        server = KVStoreServer("127.0.0.1", 0, max_bytes)
-        server.start_thread()
-        servers.append(server)
-        return TCPKVStore("127.0.0.1", server.port, timeout_s=5.0)
+        servers.append(start_redis())
+        return RedisKVStore(servers[-1].url, timeout_s=5.0)
 
     return make
 
 
-@pytest.fixture(params=["directory", "memory", "tcp", pytest.param("redis", marks=needs_redis)])
+@pytest.fixture(params=["directory", pytest.param("redis", marks=needs_redis)])
 def any_store(request, tmp_path):
     servers = []
     yield _store_factory(request.param, tmp_path, servers)
@@ -52,13 +43,10 @@ def any_store(request, tmp_path):
         server.stop()
 
 
-@pytest.fixture(params=["directory", "memory", "tcp"])
-def make_store(request, tmp_path):
-    """kvflow's own stores, whose bound is exact."""
-    servers = []
-    yield _store_factory(request.param, tmp_path, servers)
-    for server in servers:
-        server.stop()
+@pytest.fixture
+def make_store(tmp_path):
+    """The directory store, whose bound is exact."""
+    yield _store_factory("directory", tmp_path, [])
 
 
 def _settle() -> None:

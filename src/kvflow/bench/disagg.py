@@ -1,9 +1,8 @@
 """`kvflow bench disagg`: what disaggregated prefill/decode costs one request on one host.
 
 Three engines of one model: a single engine (the baseline), a prefill engine and a decode engine
-joined by a KV store: a directory (`--kv-store DIR`, default a fresh one under /dev/shm), a `kvflow
-kv-store` server (`--kv-store tcp://HOST:PORT`), or one started on a thread of this process (`--kv-
-store tcp`: its socket work then shares this process's interpreter). Each iteration times one fresh
+joined by a KV store: a directory (`--kv-store DIR`, default a fresh one under /dev/shm) or a Redis
+server (`--kv-store redis://HOST:PORT`). Each iteration times one fresh
 prompt (its own random tokens, so no prefix cache helps) on the baseline and on the pair,
 interleaved so that a noisy machine slows both alike; the median of each is reported:
 
@@ -35,7 +34,7 @@ def add_disagg_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-iters", type=int, default=5, help="measured runs of each; medians are reported")
     p.add_argument("--kv-store", default=None,
                    help="a directory the two engines share (default: a fresh one under /dev/shm, removed after), "
-                        "tcp://HOST:PORT (a `kvflow kv-store` server), or tcp (a server on a thread here)")
+                        "or redis://HOST:PORT (a Redis server)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_disagg)
@@ -66,7 +65,7 @@ def _time_pair(pair, prompt: list[int]) -> tuple[float, float, object, object]:
 
 
 def measure_disagg(args: argparse.Namespace, store: str) -> dict:
-    """`store`: a directory or a tcp:// URL."""
+    """`store`: a directory or a redis:// URL."""
     from kvflow.engine.disaggregated import DisaggregatedPrefillDecode
     from kvflow.engine.llm_engine import LLMEngine
 
@@ -93,7 +92,7 @@ def measure_disagg(args: argparse.Namespace, store: str) -> dict:
     mb = statistics.median(m.kv_transfer_bytes for m in loaded) / 1e6
     return {
         "input_len": args.input_len,
-        "kv_store": "tcp" if store.startswith("tcp://") else "directory",
+        "kv_store": "redis" if store.startswith(("redis://", "rediss://")) else "directory",
         "num_iters": args.num_iters,
         "dtype": str(baseline.config.model.dtype).removeprefix("torch."),
         "kv_mb_per_request": mb,
@@ -108,22 +107,13 @@ def measure_disagg(args: argparse.Namespace, store: str) -> dict:
 
 
 def _store_config(store: str) -> dict:
-    if store.startswith("tcp://"):
-        return {"kv_connector": "TCPStoreConnector", "kv_connector_extra_config": {"kv_store_url": store}}
+    if store.startswith(("redis://", "rediss://")):
+        return {"kv_connector": "RedisStoreConnector", "kv_connector_extra_config": {"kv_store_url": store}}
     return {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": {"shared_storage_path": store}}
 
 
 def run_disagg(args: argparse.Namespace) -> int:
-    if args.kv_store == "tcp":
-        from kvflow.kv_store.tcp_server import KVStoreServer
-
-        server = KVStoreServer("127.0.0.1", 0)
-        server.start_thread()
-        try:
-            result = measure_disagg(args, server.url)
-        finally:
-            server.stop()
-    elif args.kv_store is not None:
+    if args.kv_store is not None:
         result = measure_disagg(args, args.kv_store)
     else:
         with tempfile.TemporaryDirectory(prefix="kvflow-kv-", dir="/dev/shm") as store:

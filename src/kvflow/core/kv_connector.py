@@ -23,8 +23,8 @@ the partial block that ends there (`transfer_keys`).
 
 `KVStoreConnector` is the implementation: its blocks wait in a `KVBlockStore`
 (`kvflow.kv_store`) — a directory the engines of one host share (kv_connector
-"SharedStorageConnector"), or a `kvflow kv-store` server's memory for engines on different hosts
-("TCPStoreConnector"). A prefill engine (kv_role "kv_producer") saves; a decode engine
+"SharedStorageConnector"), or a Redis server for engines on different hosts
+("RedisStoreConnector"). A prefill engine (kv_role "kv_producer") saves; a decode engine
 ("kv_consumer") loads, and deletes what its requests used when they end; "kv_both" does both.
 
 The store may lose a block (a bounded store evicts the least recently used) or go away. A lookup
@@ -126,7 +126,7 @@ class KVConnectorScheduler:
 
 
 class KVStoreConnector(KVConnectorScheduler):
-    """Blocks in a `KVBlockStore` (a directory on one host, a `kvflow kv-store` server across hosts)."""
+    """Blocks in a `KVBlockStore` (a directory on one host, a Redis server across hosts)."""
 
     def __init__(self, store: KVBlockStore, kv_role: str, block_size: int, world_size: int = 1) -> None:
         """`world_size`: the tensor-parallel ranks, each of which stores its part of every block."""

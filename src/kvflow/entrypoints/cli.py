@@ -57,7 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.bench.memory import add_memory_parser
     from kvflow.bench.serve import add_serve_bench_parser
     from kvflow.bench.throughput import add_throughput_parser
-    from kvflow.entrypoints.kv_store import add_kv_store_parser
     from kvflow.entrypoints.plan_cli import add_plan_parser
     from kvflow.entrypoints.quantize_cli import add_quantize_parser
     from kvflow.entrypoints.router import add_router_parser
@@ -102,7 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     add_quantize_parser(sub)
     add_router_parser(sub)
-    add_kv_store_parser(sub)
     add_eval_parser(sub)
     return parser
 

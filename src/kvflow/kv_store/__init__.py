@@ -6,21 +6,17 @@ from kvflow.kv_store.base import KVBlockStore, KVStoreError
 from kvflow.kv_store.directory import DirectoryKVStore
 from kvflow.kv_store.namespaced import NamespacedStore
 from kvflow.kv_store.redis_store import RedisKVStore
-from kvflow.kv_store.tcp_client import TCPKVStore
 from kvflow.kv_transfer_config import KVTransferConfig
 
-__all__ = ["DirectoryKVStore", "KVBlockStore", "KVStoreError", "NamespacedStore", "RedisKVStore", "TCPKVStore",
-           "open_kv_block_store"]
+__all__ = ["DirectoryKVStore", "KVBlockStore", "KVStoreError", "NamespacedStore", "RedisKVStore", "open_kv_block_store"]
 
 
 def open_kv_block_store(config: KVTransferConfig) -> NamespacedStore:
     """The store `config.kv_connector` names, as its extra config describes it, seen through the
     engine's namespace (`config.namespace`: `kvflow.kv_store.namespaced`)."""
-    if config.kv_connector == "TCPStoreConnector":
-        host, port = config.kv_store_address
-        inner: KVBlockStore = TCPKVStore(host, port, timeout_s=config.kv_store_timeout_s)
-    elif config.kv_connector == "RedisStoreConnector":
-        inner = RedisKVStore(config.kv_connector_extra_config["kv_store_url"], timeout_s=config.kv_store_timeout_s)
+    if config.kv_connector == "RedisStoreConnector":
+        inner: KVBlockStore = RedisKVStore(config.kv_connector_extra_config["kv_store_url"],
+                                           timeout_s=config.kv_store_timeout_s)
     else:
         inner = DirectoryKVStore(config.shared_storage_path, config.max_store_bytes)
     return NamespacedStore(inner, config.namespace)

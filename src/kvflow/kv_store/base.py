@@ -33,7 +33,7 @@ class KVStoreError(OSError):
 
 
 class KVBlockStore(ABC):
-    #: what two engines must name alike to share blocks (a directory, a tcp:// URL)
+    #: what two engines must name alike to share blocks (a directory, a redis:// URL)
     location: str
 
     @abstractmethod
