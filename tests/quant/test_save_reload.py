@@ -51,7 +51,7 @@ def _char_tokenizer(directory, vocab_size: int) -> None:
 
 @pytest.mark.parametrize("method, recorded", [
     ("awq", {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
-             "embedding": "int8"}),
+             "embedding": "int8", "zeros": "float"}),
     ("w8a8", {"quant_method": "w8a8"}),
     ("fp8", {"quant_method": "fp8"}),
 ])
@@ -85,16 +85,15 @@ def _outlier_inputs():
 
 def test_awq_search_protects_salient_channels():
     """Inputs with a few large channels: the searched scale beats plain rounding (α = 0) on the
-    layer's output error, and never loses to it (α = 0 is in the grid)."""
-    from kvflow.quant.formats import int4_per_group
-
+    layer's output error as stored (quantize, then the runtime's weights), and never loses to it
+    (α = 0 is in the grid)."""
     w, x, inputs = _outlier_inputs()
-    s, alpha = AWQConfig(32).get_quant_method("linear", "w").search_scale(w, inputs, "w")
+    method = AWQConfig(32).get_quant_method("linear", "w")
+    s, alpha = method.search_scale(w, inputs, "w")
 
     def error(scale):
-        u, sc, mn = int4_per_group(w * scale, 32, "w")
-        dq = (u.view(256, 4, 32).float() * sc[..., None] + mn[..., None]).view(256, 128) / scale
-        return (x @ dq.t() - x @ w.t()).pow(2).mean().item()
+        run = method.runtime(method.quantize(w * scale, "w"), torch.float32, "w", dense_copy=False)
+        return (x @ (run.dequantize() / scale).t() - x @ w.t()).pow(2).mean().item()
 
     assert alpha > 0 and error(s) < 0.8 * error(torch.ones(128))
 

@@ -4,10 +4,18 @@ Input channels that see large activations matter more, so before rounding W to i
 scale those columns up by s (and divide the layer's input by s, which is folded into the op that
 produces it, so the model's function is unchanged): W·x = (W·diag(s)) · (x / s). With s =
 mean|x|^α, α is searched per layer on calibration activations for the smallest output error of
-the quantized layer (the pass, the folds and the order: quant/calibration.py).
+the layer as it will run: W·s in the layer's dtype, rounded exactly as int4 rounds (the same
+groups, scale and float minimum), dequantized as the runtime does, its input divided by s as the
+fold writes it (the pass, the folds and the order: quant/calibration.py). α = 0 (s = 1) is in the
+grid and is plain int4 bit for bit, so the search never chooses worse than int4 on its sample.
 
-Saved and loaded as AutoAWQ's GEMM layout: qweight int32 [K, N/8] and qzeros int32 [K/G, N/8]
-(eight 4-bit values per int32, in the order 0 2 4 6 1 3 5 7), scales [K/G, N]; w = (q − z)·s.
+Saved in AutoAWQ's GEMM layout: qweight int32 [K, N/8] (eight 4-bit values per int32, in the
+order 0 2 4 6 1 3 5 7) and scales [K/G, N]. The zero differs: AutoAWQ stores an integer zero
+point, qzeros int32 [K/G, N/8], w = (q − z)·s, and such checkpoints load; kvflow stores int4's
+float minimum, mins [K/G, N], w = s·q + min ("zeros": "float" in its config). An integer zero
+moves a group's grid by up to half a step: on the default model, whose weights come from Q4_1
+blocks (a float minimum each), that re-rounded every weight (8% RMS at G32, where int4 is exact)
+and cost +45% perplexity.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from torch import nn
 
 from kvflow.quant.calibration import ALPHAS, InputStats
 from kvflow.quant.formats import int4_per_group
+from kvflow.quant.int4 import DEFAULT_GROUP_SIZE, dequantize_as_run
 from kvflow.quant.int4pack import Int4Planes, planes_from_affine
 from kvflow.quant.int8 import Int8Method
 from kvflow.quant.online import CalibratedMethod, OnlineQuantConfig
@@ -26,14 +35,21 @@ _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k of an int32 holds column _AWQ_
 
 class AWQConfig(OnlineQuantConfig):
     """The embedding and head are int8 per row, as with int4 (kvflow's checkpoints say so with
-    "embedding": "int8"); AutoAWQ's own checkpoints keep them float."""
+    "embedding": "int8"); AutoAWQ's own checkpoints keep them float, and store integer zero points.
+    `float_zeros` unset: kvflow's checkpoints (int8 embedding) hold float minimums, as the registry
+    passes only the embedding's kind."""
 
     name = "awq"
     calibrates = True
 
-    def __init__(self, group_size: int | None = None, from_saved: bool = False, int8_embedding: bool = True) -> None:
-        super().__init__(group_size or 32, from_saved)
+    def __init__(self, group_size: int | None = None, from_saved: bool = False, int8_embedding: bool = True,
+                 float_zeros: bool | None = None) -> None:
+        super().__init__(group_size or DEFAULT_GROUP_SIZE, from_saved)
         self.int8_embedding = int8_embedding
+        self.float_zeros = int8_embedding if float_zeros is None else float_zeros
+        if not (from_saved or self.float_zeros):
+            raise ValueError("awq: float_zeros=False (AutoAWQ's integer zero points) is for loading its "
+                             "checkpoints; quantizing writes int4's float minimum")
 
     def get_quant_method(self, kind: str, prefix: str):
         if kind == "linear":
@@ -42,62 +58,82 @@ class AWQConfig(OnlineQuantConfig):
 
     def to_dict(self) -> dict:
         return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True, "version": "gemm",
-                "embedding": "int8" if self.int8_embedding else "float"}
+                "embedding": "int8" if self.int8_embedding else "float"} | ({"zeros": "float"} if self.float_zeros else {})
 
 
 class AWQMethod(CalibratedMethod):
     def __init__(self, config: AWQConfig) -> None:
         super().__init__(config)
-        self.stored_spec = {"qweight": (torch.int32, None), "qzeros": (torch.int32, None), "scales": (torch.float32, None)}
+        zeros = ("mins", torch.float32) if config.float_zeros else ("qzeros", torch.int32)
+        self.stored_spec = {"qweight": (torch.int32, None), zeros[0]: (zeros[1], None), "scales": (torch.float32, None)}
         self._g = config.group_size
+        self.dtype = torch.float32  # the layer's, once create_weights knows it: its fold and runtime round to it
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        self.dtype = params_dtype
         if not self.config.from_saved:
             return super().create_weights(layer, input_size, output_sizes, params_dtype)
         layer.quant_dtype, n, g = params_dtype, sum(output_sizes), self._g
         if input_size % g:
             raise ValueError(f"{layer.prefix}: group size {g} does not divide its {input_size} input channels")
-        shapes = {"qweight": (input_size, n // 8), "qzeros": (input_size // g, n // 8), "scales": (input_size // g, n)}
-        for name, shape in shapes.items():
-            dtype = torch.float32 if name == "scales" else torch.int32
-            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        shapes = {"qweight": (input_size, n // 8), "qzeros": (input_size // g, n // 8), "mins": (input_size // g, n),
+                  "scales": (input_size // g, n)}
+        for name, (dtype, _) in self.stored_spec.items():
+            param = nn.Parameter(torch.empty(shapes[name], dtype=dtype), requires_grad=False)
             param.output_dim, param.weight_loader = 1, layer.weight_loader
-            if name != "scales":
+            if dtype == torch.int32:  # qweight, qzeros: eight 4-bit values per element
                 param.packed_dim, param.packed_factor = 1, 8
             layer.register_parameter(name, param)
 
     def stored_tensors(self, layer):
-        return {name: (getattr(layer, name), 1, 1 if name == "scales" else 8) for name in self.stored_spec}
+        return {name: (getattr(layer, name), 1, 8 if dtype == torch.int32 else 1)
+                for name, (dtype, _) in self.stored_spec.items()}
 
     def search_scale(self, weight: torch.Tensor, inputs: InputStats, name: str) -> tuple[torch.Tensor, float]:
-        """s = mean|x|^α (normalised), α from `ALPHAS`, that minimises ‖x·Wᵀ − x·(Q(W·s)/s)ᵀ‖ on the
-        sample rows for round-to-nearest int4 Q with the configured group size."""
-        x, group = inputs.sample, self._g
+        """s = mean|x|^α (normalised), α from `ALPHAS`, that minimises ‖x·Wᵀ − x·W_α‖ on the sample
+        rows, W_α being what the layer will run with (`effective_weight`)."""
+        x = inputs.sample
         reference = x @ weight.t()
         best = (float("inf"), None, 0.0)
         for alpha in ALPHAS:
-            s = inputs.abs_mean.clamp(min=1e-4).pow(alpha)
-            s = s / (s.max() * s.min()).sqrt()
-            u, scale, minimum = int4_per_group(weight * s, group, name)
-            n, k = weight.shape
-            dq = (u.view(n, k // group, group).float() * scale[..., None] + minimum[..., None]).view(n, k) / s
-            err = (x @ dq.t() - reference).pow(2).mean().item()
-            if err < best[0]:
+            s = candidate_scale(inputs.abs_mean, alpha)
+            err = (x @ self.effective_weight(weight, s, name).t() - reference).pow(2).mean().item()
+            if err < best[0]:  # ties keep the smaller α: α = 0 (plain int4) unless another is better
                 best = (err, s, alpha)
         return best[1], best[2]
 
+    def effective_weight(self, weight: torch.Tensor, s: torch.Tensor, name: str) -> torch.Tensor:
+        """W [N, K] (float) as the layer multiplies its unscaled input once s is folded in: W·s in
+        the layer's dtype (as calibration writes it), rounded as `quantize` stores it, dequantized
+        as the runtime holds it, times the 1/s the fold gives the op that feeds it."""
+        scaled = weight.to(self.dtype) * s.to(self.dtype)
+        u, scale, minimum = int4_per_group(scaled, self._g, name)
+        stored = dequantize_as_run(u, scale, minimum, self._g, self.dtype).float()
+        return stored * (1 / s).to(self.dtype).float()
+
     def quantize(self, weight, name):
+        """int4's rounding (formats.int4_per_group), in AWQ's layout: the same weights as `-q int4`."""
         u, scale, minimum = int4_per_group(weight, self._g, name)
-        zeros = (-minimum / scale).round().clamp(0, 15)  # AWQ stores an integer zero point
-        u = ((weight.float().view(*scale.shape, -1) / scale[..., None]).round() + zeros[..., None]).clamp(0, 15)
-        return {"qweight": _pack_awq(u.view(weight.shape).to(torch.int32).t()),
-                "qzeros": _pack_awq(zeros.to(torch.int32).t()), "scales": scale.t().contiguous()}
+        return {"qweight": _pack_awq(u.to(torch.int32).t()), "mins": minimum.t().contiguous(),
+                "scales": scale.t().contiguous()}
 
     def runtime(self, stored, dtype, name, dense_copy=True):
         u = _unpack_awq(stored["qweight"]).t()  # [N, K]
-        zeros, scales = _unpack_awq(stored["qzeros"]).t().float(), stored["scales"].t().float()
-        return Int4Planes(planes_from_affine(u.to(torch.uint8), scales, -zeros * scales, 4), self._g, dtype, name,
-                          dense_copy)
+        scales = stored["scales"].t().float()
+        if "mins" in stored:
+            minimum = stored["mins"].t().float()
+        else:  # AutoAWQ: w = (q − z)·s
+            minimum = -_unpack_awq(stored["qzeros"]).t().float() * scales
+        return Int4Planes(planes_from_affine(u.to(torch.uint8), scales, minimum, 4), self._g, dtype, name, dense_copy)
+
+
+def candidate_scale(abs_mean: torch.Tensor, alpha: float) -> torch.Tensor:
+    """mean|x|^α per input channel, normalised so that its largest and smallest are reciprocal
+    (the weights and the norm keep their magnitudes); exactly 1 at α = 0, so that α is plain int4."""
+    if alpha == 0:
+        return torch.ones_like(abs_mean)
+    s = abs_mean.clamp(min=1e-4).pow(alpha)
+    return s / (s.max() * s.min()).sqrt()
 
 
 def _pack_awq(values: torch.Tensor) -> torch.Tensor:

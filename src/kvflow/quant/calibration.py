@@ -74,6 +74,10 @@ def calibrate_and_quantize(model: nn.Module, run_prompts: Callable[[list[list[in
     chosen = {}
     with torch.no_grad():
         pairs = [p for p in _scaling_pairs(model) if p[0] in layers and p[2].quant_method.folds_scale]
+        # Backwards: o_proj's and down_proj's folds rescale rows of qkv_proj and gate_up_proj, which
+        # come before them in a block; searched after those folds, each layer's search scores the
+        # weight it will store.
+        pairs.reverse()
         for done, (name, prev, linear) in enumerate(pairs, 1):
             scale, chosen[name] = linear.quant_method.search_scale(linear.weight.data.float(), stats[name], name)
             linear.weight.data.mul_(scale.to(linear.weight.dtype))

@@ -13,6 +13,17 @@ from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
 DEFAULT_GROUP_SIZE = 32
 
 
+def dequantize_as_run(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in `dtype` as `Int4Planes` built from (u, scale, min) holds it: its scale and zero
+    rounded to `dtype`, summed in float32, rounded once. AWQ's search scores this, not the float
+    grid, so that what it minimises is what the layer multiplies by (tests hold it to the module)."""
+    ((q, plane_scale, zero),) = planes_from_affine(u, scale, minimum, 4)
+    s, z = plane_scale.to(dtype).float()[..., None], zero.to(dtype).float()[..., None]
+    n, k = u.shape
+    return q.float().view(n, k // group, group).mul_(s).add_(z - 8 * s).view(n, k).to(dtype)
+
+
 class Int4Method(OnlineQuantMethod):
     def __init__(self, config) -> None:
         super().__init__(config)
