@@ -36,8 +36,8 @@ _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k of an int32 holds column _AWQ_
 class AWQConfig(OnlineQuantConfig):
     """The embedding and head are int8 per row, as with int4 (kvflow's checkpoints say so with
     "embedding": "int8"); AutoAWQ's own checkpoints keep them float, and store integer zero points.
-    `float_zeros` unset: kvflow's checkpoints (int8 embedding) hold float minimums, as the registry
-    passes only the embedding's kind."""
+    `float_zeros`: the checkpoint holds int4's float minimums (kvflow's since they say "zeros":
+    "float"), not integer zero points (AutoAWQ's, and kvflow's before); unset, as the embedding."""
 
     name = "awq"
     calibrates = True

@@ -40,8 +40,9 @@ def _config(name: str, group_size: int | None, stored: dict | None) -> Quantizat
         group_size = stored.get("group_size", group_size)
     if group_size is not None and name not in ("int4", "awq"):
         raise ValueError(f"group_size applies to int4 and awq, not {name}")
-    if name == "awq" and stored is not None:  # AutoAWQ's checkpoints keep the embedding float
-        return configs[name](group_size, True, int8_embedding=stored.get("embedding") == "int8")
+    if name == "awq" and stored is not None:  # AutoAWQ's checkpoints keep the embedding float, zero points integer
+        return configs[name](group_size, True, int8_embedding=stored.get("embedding") == "int8",
+                             float_zeros=stored.get("zeros") == "float")
     return configs[name](group_size=group_size, from_saved=stored is not None)
 
 
