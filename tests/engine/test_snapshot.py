@@ -177,7 +177,7 @@ class _Engine:
 
 def test_the_feed_builds_nothing_unasked_and_at_most_once_per_ask(model_dirs):
     engine = _Engine(_engine(model_dirs["llama-mha-tied"]))
-    feed = SnapshotFeed(linger_s=3600)
+    feed = SnapshotFeed(linger_s=3600, min_interval_s=0.0)
     stats = object()
     feed.serve(engine, stats)
     assert feed.latest is None and engine.step_log is None  # nobody asked: nothing built, nothing recorded
@@ -217,3 +217,19 @@ def test_an_idle_engine_answers_an_ask_with_its_current_state(model_dirs):
         assert derive_grid(done).count(CACHED_FREE) > 0
     finally:
         llm.shutdown()
+
+
+def test_however_fast_viewers_poll_a_snapshot_is_taken_at_most_once_per_interval(model_dirs):
+    engine = _Engine(_engine(model_dirs["llama-mha-tied"]))
+    feed = SnapshotFeed(linger_s=3600, min_interval_s=3600)
+    feed.ask()
+    feed.serve(engine, object())
+    first = feed.latest
+    for _ in range(5):  # asks within the interval: the same snapshot, nothing asked of the engine
+        assert feed.ask() is first and not feed.wanted
+        feed.serve(engine, object())
+    assert feed.latest is first
+    feed.min_interval_s = 0.0
+    assert feed.ask() is first and feed.wanted  # once it is old enough, the next step publishes anew
+    feed.serve(engine, object())
+    assert feed.latest.seq == 2

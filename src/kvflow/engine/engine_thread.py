@@ -164,7 +164,7 @@ class EngineThread:
         """The engine as of the last snapshot published (None before the first); the next
         iteration publishes a fresh one, waking the engine if it waits for work."""
         snapshot = self.snapshots.ask()
-        if self.idle:  # read after the ask: an engine going idle now sees the ask itself (_take)
+        if self.idle and self.snapshots.wanted:  # read after the ask: an engine going idle now sees it (_take)
             try:
                 self.submit(WakeCommand())
             except EngineDeadError:

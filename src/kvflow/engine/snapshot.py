@@ -3,11 +3,14 @@
 Watching must not slow a step, so the work is split three ways:
 - Nobody watching: each engine iteration reads one flag (`SnapshotFeed.wanted`), and the engine's
   `step_log` is None, so a step records nothing.
-- A viewer asks (`SnapshotFeed.ask`, any thread): it gets the latest published snapshot at once and
-  raises the flag. Between steps, the engine thread copies what the page needs into an immutable
-  `EngineSnapshot` (at most once a step, and only when asked since the last one) and publishes it
-  by reference. The copies are whole-list copies done in C (the pool's reference counts, the
-  cached blocks, each request's block tables): no per-block Python on the engine thread.
+- A viewer asks (`SnapshotFeed.ask`, any thread): it gets the latest published snapshot at once and,
+  if that one is older than `MIN_INTERVAL_S`, raises the flag. Between steps, the engine thread
+  copies what the page needs into an immutable `EngineSnapshot` (at most once a step, and only
+  when asked since the last one) and publishes it by reference. However fast viewers poll, the
+  engine and the server build and encode at most one snapshot per MIN_INTERVAL_S: faster polls
+  get the same one (each poll costs the server its HTTP answer, as /health does). The copies are
+  whole-list copies done in C (the pool's reference counts, the cached blocks, each request's
+  block tables): no per-block Python on the engine thread.
 - Everything per block (owners, sharing, states) is derived from the snapshot on the reader's
   thread (`derive_grid`), which never touches the scheduler's live structures.
 
@@ -37,6 +40,10 @@ if TYPE_CHECKING:
 STEP_RECORDS = 256  # steps the page's bars show
 LINGER_S = 30.0  # steps are recorded this long after a viewer's last look (a paused page comes back)
 MAX_QUEUED_SHOWN = 100  # not-running requests listed; the page gives the count of the rest
+# The most often a snapshot is taken. Polled at 10 Hz, a snapshot a step (and its encoding) cost
+# ~5% of W1's served throughput on a 2-core EPYC; at this interval, none measurable
+# (docs/performance-journal.md, "The live page's cost").
+MIN_INTERVAL_S = 0.25
 
 # Block states, as the page colours them.
 FREE, CACHED_FREE, HELD, SHARED = 0, 1, 2, 3
@@ -164,18 +171,22 @@ class SnapshotFeed:
 
     Only references cross threads: a flag, and the latest snapshot, replaced whole."""
 
-    def __init__(self, linger_s: float = LINGER_S) -> None:
+    def __init__(self, linger_s: float = LINGER_S, min_interval_s: float = MIN_INTERVAL_S) -> None:
         self.wanted = False
         self.latest: EngineSnapshot | None = None
         self.linger_s = linger_s
+        self.min_interval_s = min_interval_s
         self._last_asked = 0.0
         self._seq = itertools.count(1)
 
     def ask(self) -> EngineSnapshot | None:
-        """The latest snapshot (None before the first); a fresh one follows the next step."""
+        """The latest snapshot (None before the first); a fresh one follows the next step if this
+        one is `min_interval_s` old."""
+        latest = self.latest
         self._last_asked = time.monotonic()
-        self.wanted = True
-        return self.latest
+        if latest is None or self._last_asked - latest.taken_at >= self.min_interval_s:
+            self.wanted = True
+        return latest
 
     def serve(self, engine: Watched, stats: EngineStats) -> None:
         """After an engine iteration, on the engine thread: publish if asked, else (only while

@@ -63,7 +63,7 @@ def add_dashboard_routes(app: FastAPI, async_llm, registry: CollectorRegistry, m
     static = resources.files("kvflow.entrypoints.openai") / "static"
     for suffix, (name, media_type) in STATIC_FILES.items():
         _add_static(app, f"/dashboard{suffix}", (static / name).read_bytes(), media_type)
-    encoder = SnapshotEncoder()
+    encoder = SnapshotEncoder(registry)
 
     @app.get("/dashboard/state", dependencies=key_check)
     def dashboard_state() -> Response:  # a plain def: FastAPI runs it on its thread pool, off the event loop
@@ -71,10 +71,8 @@ def add_dashboard_routes(app: FastAPI, async_llm, registry: CollectorRegistry, m
             snapshot = async_llm.latest_snapshot()
         except SnapshotUnavailableError as e:
             raise APIError(501, str(e), code="dashboard_unavailable") from None
-        body = {"model": model_name, "alive": async_llm.is_alive(), "now": time.monotonic(),
-                "latency": latency_buckets(registry)}
-        engine = encoder.encode(snapshot) if snapshot is not None else b"null"
-        return Response(json.dumps(body)[:-1].encode() + b', "engine": ' + engine + b"}",
+        body = {"model": model_name, "alive": async_llm.is_alive(), "now": time.monotonic()}
+        return Response(json.dumps(body)[:-1].encode() + b", " + encoder.encode(snapshot) + b"}",
                         media_type="application/json", headers={"Cache-Control": "no-store"})
 
 
@@ -93,16 +91,20 @@ def _add_static(app: FastAPI, path: str, content: bytes, media_type: str) -> Non
 
 
 class SnapshotEncoder:
-    """A snapshot's JSON, made once however many viewers ask for it."""
+    """A snapshot's JSON members `"latency": ..., "engine": ...`, made once however many viewers
+    ask for it (the latency histograms read with it: they change as often as the page does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self._lock = threading.Lock()
-        self._last: tuple[EngineSnapshot, bytes] | None = None
+        self._last: tuple[EngineSnapshot | None, bytes] | None = None
 
-    def encode(self, snapshot: EngineSnapshot) -> bytes:
+    def encode(self, snapshot: EngineSnapshot | None) -> bytes:
         with self._lock:
-            if self._last is None or self._last[0] is not snapshot:
-                self._last = snapshot, json.dumps(engine_state(snapshot), separators=(",", ":")).encode()
+            if self._last is None or self._last[0] is not snapshot or snapshot is None:
+                engine = None if snapshot is None else engine_state(snapshot)
+                members = {"latency": latency_buckets(self.registry), "engine": engine}
+                self._last = snapshot, json.dumps(members, separators=(",", ":"))[1:-1].encode()
             return self._last[1]
 
 
