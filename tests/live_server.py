@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -149,3 +150,19 @@ def edit_finished_outputs(monkeypatch, engine, edit: Callable[[object], None]) -
         return outputs
 
     monkeypatch.setattr(engine, "step", edited_step)
+
+
+@contextmanager
+def served_engine(args, model_name: str) -> Iterator[tuple[ServerThread, object]]:
+    """An AsyncLLM of `args` (EngineArgs) served in this process: (the server, the engine), both
+    stopped when the block ends."""
+    from kvflow import AsyncLLM  # here: importing kvflow imports triton's kernels, after TRITON_INTERPRET
+    from kvflow.entrypoints.openai.api_server import build_app
+
+    engine = AsyncLLM.from_engine_args(args)
+    server = start_thread(build_app(engine, model_name))
+    try:
+        yield server, engine
+    finally:
+        server.stop()
+        engine.shutdown()

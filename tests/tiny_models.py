@@ -135,3 +135,11 @@ def write_tiny_tokenizer(directory: Path, chat_template: str = TINY_CHAT_TEMPLAT
     backend.save(str(directory / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "chat_template": chat_template}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def tiny_chat_model(directory: Path, name: str = "llama-gqa-llama3-rope") -> str:
+    """A tiny random model with the character tokenizer and chat template in `directory`: what a
+    server test serves. Returns the directory as a string (a `--model`)."""
+    make_tiny_model(name, directory)
+    write_tiny_tokenizer(directory)
+    return str(directory)

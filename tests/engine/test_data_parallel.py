@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 from live_server import start_thread, wait_until
-from tiny_models import make_tiny_model, write_tiny_tokenizer
+from tiny_models import tiny_chat_model
 
 from kvflow import LLM, EngineArgs, RequestOutputKind, SamplingParams
 from kvflow.engine.async_llm import EngineDeadError
@@ -35,10 +35,7 @@ TIMEOUT = 120  # seconds for any one asyncio.run: a regression fails instead of 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2")
-    make_tiny_model("qwen2-bias", path)
-    write_tiny_tokenizer(path)
-    return str(path)
+    return tiny_chat_model(tmp_path_factory.mktemp("qwen2"), "qwen2-bias")
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,9 @@ from __future__ import annotations
 import live_server
 import openai
 import pytest
-from tiny_models import make_tiny_model, write_tiny_tokenizer
+from tiny_models import tiny_chat_model
 
-from kvflow import LLM, AsyncLLM, BeamSearchParams, EngineArgs
-from kvflow.entrypoints.openai.api_server import build_app
+from kvflow import LLM, BeamSearchParams, EngineArgs
 
 MODEL = "tiny"
 PROMPT = "Once upon a time"
@@ -20,19 +19,13 @@ BEAM = {"use_beam_search": True}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("beam-server")
-    make_tiny_model("llama-gqa-llama3-rope", directory)
-    write_tiny_tokenizer(directory)
-    return directory
+    return tiny_chat_model(tmp_path_factory.mktemp("beam-server"))
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), dtype="float32", disable_log_stats=True))
-    server = live_server.start_thread(build_app(engine, MODEL))
-    yield server, engine
-    server.stop()
-    engine.shutdown()
+    with live_server.served_engine(EngineArgs(model=model_dir, dtype="float32", disable_log_stats=True), MODEL) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

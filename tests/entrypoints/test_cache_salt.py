@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from live_server import start_thread, wait_until
-from tiny_models import make_tiny_model, write_tiny_tokenizer
+from tiny_models import tiny_chat_model
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
@@ -22,10 +22,7 @@ ENGINE = dict(dtype="float32", block_size=16, disable_log_stats=True)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_model("llama-gqa-llama3-rope", path)
-    write_tiny_tokenizer(path)
-    return str(path)
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 def served(llm) -> tuple[httpx.Client, object]:

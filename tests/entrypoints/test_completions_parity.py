@@ -12,8 +12,7 @@ import live_server
 import openai
 import pytest
 
-from kvflow import AsyncLLM, EngineArgs
-from kvflow.entrypoints.openai.api_server import build_app
+from kvflow import EngineArgs
 
 pytestmark = pytest.mark.slow
 MODEL = "smol"
@@ -22,12 +21,9 @@ STORY = "Once upon a time, in a small village,"
 
 @pytest.fixture(scope="module")
 def server():
-    engine = AsyncLLM.from_engine_args(EngineArgs(max_model_len=1024, kv_cache_memory_gb=0.1, disable_log_stats=True,
-                                                  enable_prefix_caching=False))
-    server = live_server.start_thread(build_app(engine, MODEL))
-    yield server, engine
-    server.stop()
-    engine.shutdown()
+    args = EngineArgs(max_model_len=1024, kv_cache_memory_gb=0.1, disable_log_stats=True, enable_prefix_caching=False)
+    with live_server.served_engine(args, MODEL) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from fastapi.testclient import TestClient
 from headless_browser import INSTALL_HINT, Browser, find_browser
 from live_server import parse_metrics, start_thread, wait_until
 from prometheus_client import CollectorRegistry
-from tiny_models import make_tiny_model, write_tiny_tokenizer
+from tiny_models import tiny_chat_model
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
@@ -55,10 +55,7 @@ SHARED_GOLD = (0xF2, 0xC1, 0x4E)  # --shared in dashboard.css
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_model("llama-gqa-llama3-rope", path)
-    write_tiny_tokenizer(path)
-    return str(path)
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 @pytest.fixture(scope="module")

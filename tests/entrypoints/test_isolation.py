@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from live_server import parse_metrics, start_process, start_thread, wait_until
-from tiny_models import make_tiny_model, write_tiny_tokenizer
+from tiny_models import make_tiny_model, tiny_chat_model, write_tiny_tokenizer
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
@@ -29,10 +29,7 @@ LIMITS = ServerLimits(max_prompts_per_request=8, max_seqs_per_request=16, max_lo
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_model("llama-gqa-llama3-rope", path)
-    write_tiny_tokenizer(path)
-    return str(path)
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 def serve(model_dir: str, limits: ServerLimits = LIMITS, **engine_args):

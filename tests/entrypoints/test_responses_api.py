@@ -11,8 +11,7 @@ import live_server
 import openai
 import pytest
 
-from kvflow import AsyncLLM, EngineArgs
-from kvflow.entrypoints.openai.api_server import build_app
+from kvflow import EngineArgs
 
 pytestmark = pytest.mark.slow
 MODEL = "smol"
@@ -24,12 +23,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def client():
-    engine = AsyncLLM.from_engine_args(EngineArgs(max_model_len=1024, kv_cache_memory_gb=0.1, disable_log_stats=True,
-                                                  enable_prefix_caching=False))
-    server = live_server.start_thread(build_app(engine, MODEL))
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    server.stop()
-    engine.shutdown()
+    args = EngineArgs(max_model_len=1024, kv_cache_memory_gb=0.1, disable_log_stats=True, enable_prefix_caching=False)
+    with live_server.served_engine(args, MODEL) as (server, _):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_text_input_gives_chats_tokens(client):

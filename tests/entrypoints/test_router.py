@@ -12,7 +12,7 @@ import pytest
 from disagg_stores import Store
 from live_server import parse_metrics, start_process, start_thread
 from redis_server import needs_redis
-from tiny_models import make_tiny_model, write_tiny_tokenizer
+from tiny_models import tiny_chat_model
 
 from kvflow import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from kvflow.entrypoints.router import build_router_app
@@ -22,10 +22,7 @@ PROMPTS = ["hello world " * 9, "the quick brown fox", "a"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_model("llama-gqa-llama3-rope", path)
-    write_tiny_tokenizer(path)
-    return str(path)
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 @pytest.fixture(scope="module", params=["directory", pytest.param("redis", marks=needs_redis)])

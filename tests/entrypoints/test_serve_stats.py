@@ -10,7 +10,7 @@ import logging
 import re
 
 import pytest
-from tiny_models import make_tiny_model, write_tiny_tokenizer
+from tiny_models import tiny_chat_model
 
 from kvflow import EngineArgs, LLMEngine, SamplingParams
 from kvflow.engine.stats import EngineStats, StatsLogger
@@ -36,10 +36,7 @@ def test_a_paused_logger_logs_nothing_and_counts_from_the_end_of_the_pause():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_model("llama-gqa-llama3-rope", path)
-    write_tiny_tokenizer(path)
-    return str(path)
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 def test_the_warm_up_leaves_the_stats_line_nothing_to_count_from(model_dir, caplog):

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from live_server import KVFLOW, start_process, start_thread
-from tiny_models import make_tiny_model, write_tiny_tokenizer
+from tiny_models import tiny_chat_model
 
 from kvflow import EngineArgs, LLMEngine
 from kvflow.engine.async_llm import AsyncLLM
@@ -25,10 +25,7 @@ PAGE = "http://evil.example"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_model("llama-gqa-llama3-rope", path)
-    write_tiny_tokenizer(path)
-    return str(path)
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 @pytest.fixture(scope="module")

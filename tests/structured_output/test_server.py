@@ -13,8 +13,7 @@ import live_server
 import openai
 import pytest
 
-from kvflow import AsyncLLM, EngineArgs
-from kvflow.entrypoints.openai.api_server import build_app
+from kvflow import EngineArgs
 
 pytestmark = pytest.mark.slow
 own_server = live_server.own_server
@@ -43,11 +42,9 @@ PARAMETERS = {t["function"]["name"]: t["function"].get("parameters", {"type": "o
 
 @pytest.fixture(scope="module")
 def client():
-    engine = AsyncLLM.from_engine_args(EngineArgs(max_model_len=1024, kv_cache_memory_gb=0.25, disable_log_stats=True))
-    server = live_server.start_thread(build_app(engine, MODEL))
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-    server.stop()
-    engine.shutdown()
+    with live_server.served_engine(EngineArgs(max_model_len=1024, kv_cache_memory_gb=0.25, disable_log_stats=True),
+                                   MODEL) as (server, _):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def chat(client, **kwargs):
