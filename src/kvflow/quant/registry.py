@@ -6,6 +6,8 @@ from kvflow.quant.base import QuantizationConfig
 
 # Applied at load to a float checkpoint (or one saved by `kvflow quantize`, which names its method).
 QUANTIZATION_METHODS = ("int8", "int4", "fp8", "mxfp4", "awq", "w8a8")
+# Read from a checkpoint that holds them, never applied to a float one.
+CHECKPOINT_FORMATS = ("gptq",)
 
 
 def get_quantization_config(quantization: str | None, group_size: int | None,
@@ -19,13 +21,24 @@ def get_quantization_config(quantization: str | None, group_size: int | None,
     if stored is not None:
         if quantization is not None and quantization != stored:
             raise ValueError(f"quantization={quantization!r}, but the checkpoint is already quantized with {stored!r}")
+        if stored in CHECKPOINT_FORMATS:
+            return _checkpoint_config(stored, checkpoint_quant)
         if stored not in QUANTIZATION_METHODS:
-            raise ValueError(f"the checkpoint is quantized with {stored!r}, which kvflow cannot load "
-                             f"(supported: {', '.join(QUANTIZATION_METHODS)}, gguf)")
+            raise ValueError(f"the checkpoint's quantization_config.quant_method is {stored!r}, which kvflow cannot "
+                             f"load (supported: {', '.join(QUANTIZATION_METHODS + CHECKPOINT_FORMATS)}, gguf)")
         return _config(stored, group_size, checkpoint_quant)
     if quantization is None:
         return None
+    if quantization in CHECKPOINT_FORMATS:
+        raise ValueError(f"quantization={quantization!r} loads {quantization.upper()} checkpoints, and this one has no "
+                         "quantization_config; quantize a float checkpoint with int4, awq or fp8")
     return _config(quantization, group_size, None)
+
+
+def _checkpoint_config(name: str, stored: dict) -> QuantizationConfig:
+    from kvflow.quant.gptq_checkpoint import GPTQConfig
+
+    return {"gptq": GPTQConfig}[name](stored)
 
 
 def _config(name: str, group_size: int | None, stored: dict | None) -> QuantizationConfig:
