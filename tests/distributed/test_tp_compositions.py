@@ -100,6 +100,26 @@ def _logprobs(out) -> list[float]:
 
 
 @TP_TIMEOUT
+def test_beam_search_under_tensor_parallel_finds_the_beams_of_one_rank(model):
+    """The beams' requests (one token each, top logprobs, sharing blocks copy-on-write) are plain
+    requests to the engine: TP=2 ranks and scores them as TP=1 does."""
+    from kvflow import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    prompts = [p["prompt_token_ids"] for p in _prompts((5, 19))]
+    found = []
+    for tp in (1, 2):
+        llm = _llm(model[1], tp)
+        try:
+            found.append(llm.beam_search(prompts, params))
+        finally:
+            llm.llm_engine.shutdown()
+    for one, two in zip(*found):
+        assert [s.tokens for s in two.sequences] == [s.tokens for s in one.sequences]
+        assert [s.score for s in two.sequences] == pytest.approx([s.score for s in one.sequences], abs=1e-4)
+
+
+@TP_TIMEOUT
 def test_lora_adapters_are_sharded_like_their_layers(model, adapters):
     _, path = model
     prompts = _prompts([9, 23, 4, 14])
