@@ -359,8 +359,8 @@ class EngineArgs:
                        help="adapters kept in host memory (default: --max-loras); others are read from disk again")
         g.add_argument("--quantization", "-q", default=None,
                        help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
-                            "(default: run the checkpoint as stored; a GGUF on its own blocks; gptq: a GPTQ "
-                            "checkpoint, as its config.json already says)")
+                            "(default: run the checkpoint as stored; a GGUF on its own blocks; gptq, "
+                            "compressed-tensors: such a checkpoint, as its config.json already says)")
         g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
                        help="KV cache storage: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2 / int8 with a "

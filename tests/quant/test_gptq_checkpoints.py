@@ -5,19 +5,12 @@ greedy tokens). A checkpoint written with a wrong convention must fail that comp
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from quantized_checkpoints import NEAR_TIE, config_error, greedy_shortfall, logprob_error, pack_int32, write_quantized
 from safetensors.torch import load_file, save_file
-from tiny_models import make_tiny_model
 
-from kvflow import LLM, SamplingParams
-
-PROMPT = [3, 17, 42, 8, 61, 5, 29, 77, 12, 40, 2, 33]
-STEPS = 8
-NEAR_TIE = 0.05  # nats: bfloat16's error on these logits is ~0.02
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from kvflow import LLM
 
 
 def _round(w: torch.Tensor, bits: int, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -37,26 +30,13 @@ def _round(w: torch.Tensor, bits: int, group: int, sym: bool) -> tuple[torch.Ten
     return q.view(n, k).to(torch.int64), zero.to(torch.int64), scale
 
 
-def _pack(values: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
-    """Non-negative ints → int32, 32/bits consecutive values along `dim` per element, the first in the
-    lowest bits (`order`: which of them each slot holds, for the wrong-bit-order checkpoint)."""
-    per = 32 // bits
-    v = values.movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], -1, per)
-    if order is not None:
-        v = v[..., order]
-    packed = sum(v[..., i] << (bits * i) for i in range(per))
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-    return packed.movedim(-1, dim).contiguous()
-
-
 def _gptq_tensors(w, bits, group, sym, fmt, order=None) -> tuple[dict, torch.Tensor]:
     """A layer's qweight, qzeros, scales, g_idx as the format stores them, and the weight they hold."""
     n, k = w.shape
     g = group if group > 0 else k
     q, zero, scale = _round(w, bits, g, sym)
     stored_zero = (zero - 1) & (2**bits - 1) if fmt == "gptq" else zero  # v1: z − 1
-    tensors = {"qweight": _pack(q.t(), bits, 0, order), "qzeros": _pack(stored_zero.t(), bits, 1),
+    tensors = {"qweight": pack_int32(q.t(), bits, 0, order), "qzeros": pack_int32(stored_zero.t(), bits, 1),
                "scales": scale.t().half().contiguous(), "g_idx": (torch.arange(k) // g).to(torch.int32)}
     dequantized = ((q - zero.repeat_interleave(g, 1)) * scale.repeat_interleave(g, 1)).float()
     return tensors, dequantized
@@ -75,50 +55,8 @@ def _quant_config(bits, group, sym, fmt, desc_act=False) -> dict:
 def _write(tmp_path, bits=4, group=32, sym=True, fmt="gptq", declared=None, order=None, model="llama-mha-tied"):
     """The checkpoint directory and the HF float32 model holding its dequantized weights.
     `declared`: the format config.json claims (a wrong one for the negative tests)."""
-    hf = make_tiny_model(model, tmp_path / "float")
-    out = tmp_path / "gptq"
-    out.mkdir()
-    tensors = {}
-    for name, t in load_file(str(tmp_path / "float" / "model.safetensors")).items():
-        if name.rsplit(".", 2)[-2] in PROJECTIONS and name.endswith(".weight"):
-            stored, dequantized = _gptq_tensors(t.float(), bits, group, sym, fmt, order)
-            tensors |= {name.replace(".weight", f".{key}"): v for key, v in stored.items()}
-            hf.get_parameter(name).data.copy_(dequantized)
-        else:
-            tensors[name] = t
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((tmp_path / "float" / "config.json").read_text())
-    config["quantization_config"] = _quant_config(bits, group, sym, declared or fmt)
-    (out / "config.json").write_text(json.dumps(config))
-    return out, hf
-
-
-def _run(path, dtype: str):
-    llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, disable_log_stats=True)
-    params = SamplingParams(temperature=0, max_tokens=STEPS, prompt_logprobs=0, ignore_eos=True)
-    return llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
-
-
-def _hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
-
-
-def _logprob_error(path, hf) -> float:
-    """Largest |kvflow − HF| over the prompt's logprobs, kvflow in float32."""
-    out = _run(path, "float32")
-    ours = torch.tensor([out.prompt_logprobs[p][PROMPT[p]].logprob for p in range(1, len(PROMPT))])
-    ref = _hf_logprobs(hf, PROMPT)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
-    return (ours - ref).abs().max().item()
-
-
-def _greedy_shortfall(path, hf) -> float:
-    """kvflow's greedy tokens in bfloat16 (int4's kernel, the production path), each scored by HF on
-    kvflow's own sequence: the largest gap between HF's best logprob and the token's. 0 where every
-    token is HF's argmax; bfloat16 may only swap near-ties (a tiny random model has a few)."""
-    tokens = list(_run(path, "bfloat16").outputs[0].token_ids)
-    ref = _hf_logprobs(hf, PROMPT + tokens)[len(PROMPT) - 1:-1]
-    return (ref.amax(-1) - ref[torch.arange(len(tokens)), torch.tensor(tokens)]).max().item()
+    return write_quantized(tmp_path, model, lambda w: _gptq_tensors(w, bits, group, sym, fmt, order),
+                           _quant_config(bits, group, sym, declared or fmt))
 
 
 CASES = {  # name → (bits, group_size, sym, checkpoint_format[, model])
@@ -135,8 +73,8 @@ CASES = {  # name → (bits, group_size, sym, checkpoint_format[, model])
 def test_gptq_checkpoint_matches_transformers(case, tmp_path):
     bits, group, sym, fmt, *model = CASES[case]
     path, hf = _write(tmp_path, bits, group, sym, fmt, model=model[0] if model else "llama-mha-tied")
-    assert _logprob_error(path, hf) < 1e-4
-    assert _greedy_shortfall(path, hf) < NEAR_TIE
+    assert logprob_error(path, hf) < 1e-4
+    assert greedy_shortfall(path, hf) < NEAR_TIE
 
 
 @pytest.mark.parametrize("wrong", ["v1 declared v2", "v2 declared v1", "bit order"])
@@ -146,18 +84,13 @@ def test_a_wrong_convention_fails_the_comparison(wrong, tmp_path):
     kw = {"v1 declared v2": dict(fmt="gptq", declared="gptq_v2"), "v2 declared v1": dict(fmt="gptq_v2", declared="gptq"),
           "bit order": dict(order=list(range(7, -1, -1)))}[wrong]
     path, hf = _write(tmp_path, sym=False, **kw)
-    assert _logprob_error(path, hf) > 1e-3
-    assert _greedy_shortfall(path, hf) > NEAR_TIE
+    assert logprob_error(path, hf) > 1e-3
+    assert greedy_shortfall(path, hf) > NEAR_TIE
 
 
 def _config_error(tmp_path, **changes) -> str:
     path, _ = _write(tmp_path)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] |= changes
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError) as error:
-        LLM(str(path), dtype="float32", skip_tokenizer_init=True)
-    return str(error.value)
+    return config_error(path, **changes)
 
 
 @pytest.mark.parametrize("changes, field", [

@@ -68,6 +68,16 @@ def runtime_group(group: int, name: str) -> int:
     raise ValueError(f"{name}: gptq group_size={group} is not a multiple of a group int4's kernel runs {GROUP_SIZES}")
 
 
+def kernel_planes(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, dtype: torch.dtype,
+                  name: str, dense_copy: bool) -> Int4Planes:
+    """w = scale·u + min, u [N, K] of `bits`, scale and min [N, K/G], on int4's kernel: G split into the
+    largest group the kernel runs (scale and min repeated), `bits` > 4 into planes."""
+    group = runtime_group(u.shape[1] // scale.shape[1], name)
+    repeat = u.shape[1] // scale.shape[1] // group
+    scale, minimum = (t.repeat_interleave(repeat, dim=1) for t in (scale, minimum))
+    return Int4Planes(planes_from_affine(u, scale, minimum, bits), group, dtype, name, dense_copy)
+
+
 class GPTQMethod(OnlineQuantMethod):
     def __init__(self, config: GPTQConfig) -> None:
         super().__init__(config)
@@ -103,11 +113,7 @@ class GPTQMethod(OnlineQuantMethod):
                          "with -q int4, awq or fp8 (which rounds the GPTQ way)")
 
     def runtime(self, stored, dtype, name, dense_copy=True):
-        u, scale, minimum = self.affine(stored)
-        group = runtime_group(u.shape[1] // scale.shape[1], name)
-        repeat = u.shape[1] // scale.shape[1] // group
-        scale, minimum = (t.repeat_interleave(repeat, dim=1) for t in (scale, minimum))
-        return Int4Planes(planes_from_affine(u, scale, minimum, self.config.bits), group, dtype, name, dense_copy)
+        return kernel_planes(*self.affine(stored), self.config.bits, dtype, name, dense_copy)
 
     def affine(self, stored: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(u [N, K], s [N, K/G], min [N, K/G]) with w = s·u + min, i.e. min = −z·s."""

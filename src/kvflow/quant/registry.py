@@ -7,7 +7,7 @@ from kvflow.quant.base import QuantizationConfig
 # Applied at load to a float checkpoint (or one saved by `kvflow quantize`, which names its method).
 QUANTIZATION_METHODS = ("int8", "int4", "fp8", "mxfp4", "awq", "w8a8")
 # Read from a checkpoint that holds them, never applied to a float one.
-CHECKPOINT_FORMATS = ("gptq",)
+CHECKPOINT_FORMATS = ("gptq", "compressed-tensors")
 
 
 def get_quantization_config(quantization: str | None, group_size: int | None,
@@ -30,15 +30,16 @@ def get_quantization_config(quantization: str | None, group_size: int | None,
     if quantization is None:
         return None
     if quantization in CHECKPOINT_FORMATS:
-        raise ValueError(f"quantization={quantization!r} loads {quantization.upper()} checkpoints, and this one has no "
+        raise ValueError(f"quantization={quantization!r} loads {quantization} checkpoints, and this one has no "
                          "quantization_config; quantize a float checkpoint with int4, awq or fp8")
     return _config(quantization, group_size, None)
 
 
 def _checkpoint_config(name: str, stored: dict) -> QuantizationConfig:
+    from kvflow.quant.compressed_tensors import CompressedTensorsConfig
     from kvflow.quant.gptq_checkpoint import GPTQConfig
 
-    return {"gptq": GPTQConfig}[name](stored)
+    return {"gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig}[name](stored)
 
 
 def _config(name: str, group_size: int | None, stored: dict | None) -> QuantizationConfig:

@@ -1,0 +1,142 @@
+"""compressed-tensors checkpoints as llm-compressor writes them (`"quant_method": "compressed-tensors"`),
+`pack-quantized` integer weights only (W4A16, W8A16), run on int4's planes (`Int4Planes`).
+
+Per linear layer W [N, K], G input channels per group ("group" strategy; "channel": G = K):
+weight_packed int32 [N, K·bits/32], 32/bits consecutive input channels per int32, the first in the
+lowest bits; weight_scale [N, K/G]; weight_zero_point (asymmetric only) int32 [N·bits/32, K/G],
+packed the same way along the output channels; weight_shape [2] = (N, K). Values and zero points
+are signed, stored plus 2^(bits−1); w = (q − zp)·scale. The same planes and group splitting as
+GPTQ's (quant/gptq_checkpoint.py), of which this is a row-major transposition.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.quant.gptq_checkpoint import kernel_planes, runtime_group, unpack
+from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
+
+FORMAT = "pack-quantized"
+
+
+class CompressedTensorsConfig(OnlineQuantConfig):
+    """One config group of integer weights on every Linear; anything else is refused by field."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, stored: dict) -> None:
+        _check_top(stored)
+        weights = _only_group(stored)
+        self.bits = _weight_field(weights, "num_bits", (4, 8))
+        _weight_field(weights, "type", ("int",))
+        _weight_field(weights, "dynamic", (False,))
+        _weight_field(weights, "actorder", (None, "weight", "static"))  # "group" permutes g_idx per column
+        strategy = _weight_field(weights, "strategy", ("group", "channel"))
+        group = weights.get("group_size") if strategy == "group" else None
+        if strategy == "group" and (not isinstance(group, int) or group <= 0):
+            raise ValueError(f"compressed-tensors: weights.group_size={group!r} must be a positive number")
+        super().__init__(group, from_saved=True)
+        self.symmetric = bool(weights.get("symmetric", True))
+        self.stored = dict(stored)
+
+    def get_quant_method(self, kind: str, prefix: str):
+        return CompressedTensorsMethod(self) if kind == "linear" else None  # embedding, head: float
+
+    def to_dict(self) -> dict:
+        return self.stored
+
+
+def _check_top(stored: dict) -> None:
+    formats = {stored.get("format")} | {g.get("format") for g in (stored.get("config_groups") or {}).values()}
+    if formats - {FORMAT, None} or stored.get("format") is None:
+        raise ValueError(f"compressed-tensors: format={stored.get('format')!r} is not loadable (kvflow loads "
+                         f"{FORMAT!r}: integer weights packed in int32)")
+    checks = {"quantization_status": stored.get("quantization_status", "compressed") == "compressed",
+              "sparsity_config": not stored.get("sparsity_config"), "kv_cache_scheme": not stored.get("kv_cache_scheme"),
+              "transform_config": not stored.get("transform_config"),
+              "ignore": set(stored.get("ignore") or []) <= {"lm_head", "re:.*lm_head"}}  # the head is float anyway
+    for key, ok in checks.items():
+        if not ok:
+            raise ValueError(f"compressed-tensors: {key}={stored.get(key)!r} is not loadable")
+
+
+def _only_group(stored: dict) -> dict:
+    groups = list((stored.get("config_groups") or {}).values())
+    if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
+        raise ValueError("compressed-tensors: config_groups must be one group with targets ['Linear'] "
+                         f"(kvflow quantizes every linear alike); got {stored.get('config_groups')!r}")
+    group = groups[0]
+    for key in ("input_activations", "output_activations"):
+        if group.get(key):
+            raise ValueError(f"compressed-tensors: {key}={group[key]!r} is not loadable (weight-only W4A16/W8A16 is)")
+    return group.get("weights") or {}
+
+
+def _weight_field(weights: dict, key: str, allowed: tuple):
+    value = weights.get(key)
+    if value not in allowed:
+        raise ValueError(f"compressed-tensors: weights.{key}={value!r} is not loadable "
+                         f"(kvflow loads {', '.join(map(repr, allowed))})")
+    return value
+
+
+class CompressedTensorsMethod(OnlineQuantMethod):
+    def __init__(self, config: CompressedTensorsConfig) -> None:
+        super().__init__(config)
+        self.pack = 32 // config.bits
+        self.stored_spec = {"weight_packed": (torch.int32, None), "weight_scale": (torch.float32, None),
+                            "weight_shape": (torch.int64, None)}
+        if not config.symmetric:
+            self.stored_spec["weight_zero_point"] = (torch.int32, None)
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        layer.quant_dtype, n = params_dtype, sum(output_sizes)
+        group = self.config.group_size or input_size
+        if input_size % group or input_size % self.pack:
+            raise ValueError(f"{layer.prefix}: compressed-tensors group_size={group} does not divide its "
+                             f"{input_size} input channels")
+        runtime_group(group, layer.prefix)
+        shapes = {"weight_packed": (n, input_size // self.pack), "weight_scale": (n, input_size // group),
+                  "weight_zero_point": (n // self.pack, input_size // group), "weight_shape": (2,)}
+        for name, (dtype, _) in self.stored_spec.items():
+            param = nn.Parameter(torch.empty(shapes[name], dtype=dtype), requires_grad=False)
+            if name == "weight_shape":  # one per shard: (its rows, K), checked as it loads
+                param.weight_loader = _ShapeLoader(layer)
+            else:
+                param.weight_loader, param.output_dim, param.input_dim = layer.weight_loader, 0, 1
+            if name == "weight_zero_point":
+                param.packed_dim, param.packed_factor = 0, self.pack
+            layer.register_parameter(name, param)
+
+    def stored_tensors(self, layer):
+        raise ValueError(f"{layer.prefix}: a compressed-tensors checkpoint is not saved again; its directory loads as is")
+
+    def quantize(self, weight, name):
+        raise ValueError(f"{name}: quantization='compressed-tensors' loads llm-compressor checkpoints; a float "
+                         "checkpoint is quantized with -q int4, awq or fp8")
+
+    def runtime(self, stored, dtype, name, dense_copy=True):
+        bits, offset = self.config.bits, 2 ** (self.config.bits - 1)
+        u = unpack(stored["weight_packed"], bits, dim=1).to(torch.uint8)  # q + offset
+        scale = stored["weight_scale"].float()
+        zero = unpack(stored["weight_zero_point"], bits, dim=0) - offset if "weight_zero_point" in stored else 0
+        # w = (u − offset − zp)·scale = scale·u + min
+        return kernel_planes(u, scale, -(offset + zero) * scale, bits, dtype, name, dense_copy)
+
+
+class _ShapeLoader:
+    """weight_shape says each shard's (N, K): a checkpoint of another shape is refused by name."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        layer = self.layer
+        rows = layer.output_sizes[layer.shard_index(shard_id)]
+        if layer.tp_split == "output":
+            rows = layer.tp_shard_rows(layer.shard_index(shard_id))[0]
+        cols = layer.input_size * (layer.tp_size if layer.tp_split == "input" else 1)
+        if loaded.tolist() != [rows, cols]:
+            raise ValueError(f"(weight_shape) is {loaded.tolist()}, expected {[rows, cols]}")
+        param.data.copy_(loaded.to(param.dtype))
