@@ -5,6 +5,9 @@ honour is refused by name, and nothing is left holding KV blocks."""
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import live_server
 import openai
 import pytest
@@ -81,3 +84,28 @@ def test_what_beam_search_cannot_honour_is_refused_by_name(client, server, extra
     with pytest.raises(openai.BadRequestError, match=named):
         client.completions.create(model=MODEL, prompt=PROMPT, n=n, max_tokens=4, extra_body={**BEAM, **extra})
     assert live_server.wait_until(lambda: server[1].get_stats().kv_cache_usage == 0.0, timeout=10)
+
+
+def test_a_client_that_leaves_mid_search_leaves_nothing_running(server):
+    """The search stops with its client: the step in flight is aborted and no further step starts
+    (it would otherwise run to the end: ~0.5 s and every step's prompt tokens)."""
+    live, engine = server
+    body = {"model": MODEL, "prompt": PROMPT, "n": 4, "max_tokens": 400, "ignore_eos": True, "use_beam_search": True}
+    prompt_tokens = lambda: engine.get_stats().prompt_tokens_total  # noqa: E731
+    before = prompt_tokens()
+    assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).status_code == 200
+    whole_search = prompt_tokens() - before
+    before = prompt_tokens()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
+    assert live_server.wait_until(lambda: _settled(prompt_tokens), timeout=10)
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert prompt_tokens() - before < whole_search / 2
+
+
+def _settled(count) -> bool:
+    """`count()` stays the same for 0.3 s."""
+    then = count()
+    time.sleep(0.3)
+    return count() == then
