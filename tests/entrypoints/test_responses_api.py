@@ -58,6 +58,13 @@ def test_the_stream_is_the_apis_event_sequence(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text == events[-1].response.output_text
+    _final_items_are_the_streamed_ones(events)
+
+
+def _final_items_are_the_streamed_ones(events) -> None:
+    """The last event's output holds the items the stream closed: the same ids, the same content."""
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done and [item.model_dump() for item in events[-1].response.output] == [item.model_dump() for item in done]
 
 
 def test_a_named_function_call_and_its_result_fed_back(client):
@@ -81,6 +88,7 @@ def test_a_named_function_call_and_its_result_fed_back(client):
                                             max_output_tokens=40, stream=True))
     arguments = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
     assert arguments == call.arguments
+    _final_items_are_the_streamed_ones(streamed)
 
 
 def test_text_format_json_schema(client):

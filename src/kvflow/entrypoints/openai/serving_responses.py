@@ -27,7 +27,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from kvflow.entrypoints.openai.errors import APIError, from_validation
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIBody
-from kvflow.entrypoints.openai.responses import FunctionCall, ToolCall
+from kvflow.entrypoints.openai.responses import ToolCall
 from kvflow.entrypoints.openai.serving import EventStreamResponse, finish_reason
 from kvflow.entrypoints.openai.serving_chat import ChatServing
 
@@ -103,7 +103,7 @@ class ResponsesServing:
         if req.stream:
             return self.chat.event_stream(self._events(state, stream, messages), [stream])
         choice, content, calls = await self.chat.collect_whole(chat_req, stream)
-        state.finish(content, calls, choice.finish_reason, choice.prompt_tokens, len(choice.token_ids))
+        state.finish(_output_items(content, calls), choice.finish_reason, choice.prompt_tokens, len(choice.token_ids))
         self._keep(req, state, messages)
         return state.body()
 
@@ -124,7 +124,8 @@ class ResponsesServing:
                     yield event
         for event in events.close_all():
             yield event
-        state.finish(events.text, events.finished_calls(), reason, prompt_tokens, generated)
+        # The items as they were streamed (their ids, their text), not made anew.
+        state.finish(events.done_items() or _output_items("", []), reason, prompt_tokens, generated)
         self._keep(state.req, state, messages)
         yield events.send("response.incomplete" if state.status == "incomplete" else "response.completed",
                           response=state.body())
@@ -146,9 +147,8 @@ class _Response:
         self.usage: dict | None = None
         self.incomplete_details: dict | None = None
 
-    def finish(self, text: str, calls: list[ToolCall], reason: str | None, prompt_tokens: int, generated: int) -> None:
-        self.output = ([_message_item(f"msg_{uuid.uuid4().hex}", text)] if text or not calls else []) + [
-            _call_item(f"fc_{uuid.uuid4().hex}", c.id, c.function.name, c.function.arguments) for c in calls]
+    def finish(self, output: list[dict], reason: str | None, prompt_tokens: int, generated: int) -> None:
+        self.output = output
         self.status = "incomplete" if reason == "length" else "completed"
         self.incomplete_details = {"reason": "max_output_tokens"} if reason == "length" else None
         self.usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
@@ -182,10 +182,10 @@ class _EventWriter:
     def __init__(self, state: _Response) -> None:
         self.state = state
         self.sequence = 0
-        self.text = ""
+        self._text = ""  # the open message item's
         self._message: dict | None = None  # the open message item
         self._calls: dict[int, dict] = {}  # call index → its item (open until the end)
-        self._done_calls: list[ToolCall] = []
+        self._done: list[tuple[int, dict]] = []  # (output index, the item as its output_item.done sent it)
         self._items = 0
 
     def send(self, kind: str, **fields: Any) -> str:
@@ -204,7 +204,7 @@ class _EventWriter:
                                  item=_public(self._message, content=[])),
                        self.send("response.content_part.added", item_id=self._message["id"],
                                  output_index=self._message["output_index"], content_index=0, part=_text_part(""))]
-        self.text += text
+        self._text += text
         return events + [self.send("response.output_text.delta", item_id=self._message["id"],
                                    output_index=self._message["output_index"], content_index=0, delta=text)]
 
@@ -232,27 +232,29 @@ class _EventWriter:
             item["status"] = "completed"
             events += [self.send("response.function_call_arguments.done", item_id=item["id"],
                                  output_index=item["output_index"], arguments=item["arguments"]),
-                       self.send("response.output_item.done", output_index=item["output_index"], item=_public(item))]
-            self._done_calls.append(ToolCall(id=item["call_id"],
-                                             function=FunctionCall(name=item["name"], arguments=item["arguments"])))
+                       self._item_done(item["output_index"], _public(item))]
         self._calls.clear()
         return events
 
-    def finished_calls(self) -> list[ToolCall]:
-        return self._done_calls
+    def done_items(self) -> list[dict]:
+        """Every item closed so far, in output order."""
+        return [item for _, item in sorted(self._done, key=lambda done: done[0])]
+
+    def _item_done(self, index: int, item: dict) -> str:
+        self._done.append((index, item))
+        return self.send("response.output_item.done", output_index=index, item=item)
 
     def _close_message(self) -> list[str]:
         item = self._message
         if item is None:
             return []
-        self._message = None
+        text, self._message, self._text = self._text, None, ""
         index = item["output_index"]
         return [self.send("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                          text=self.text),
+                          text=text),
                 self.send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                          part=_text_part(self.text)),
-                self.send("response.output_item.done", output_index=index,
-                          item=_public(item, status="completed", content=[_text_part(self.text)]))]
+                          part=_text_part(text)),
+                self._item_done(index, _public(item, status="completed", content=[_text_part(text)]))]
 
     def _next_index(self) -> int:
         self._items += 1
@@ -265,6 +267,12 @@ def _public(item: dict, **changes: Any) -> dict:
 
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _output_items(text: str, calls: list[ToolCall]) -> list[dict]:
+    """A whole response's items: its message (also when it is empty and there is no call), then its calls."""
+    return ([_message_item(f"msg_{uuid.uuid4().hex}", text)] if text or not calls else []) + [
+        _call_item(f"fc_{uuid.uuid4().hex}", c.id, c.function.name, c.function.arguments) for c in calls]
 
 
 def _message_item(item_id: str, text: str) -> dict:
