@@ -211,8 +211,8 @@ class EngineThread:
         if self.engine.has_unfinished_requests():
             self._step()
         self.stats = self.engine.get_stats()
+        self._flush()  # the step's tokens go out before a viewer's snapshot is taken
         self.snapshots.serve(self.engine, self.stats)
-        self._flush()
         return None
 
     def _take(self, block: bool) -> list:

@@ -39,8 +39,8 @@ from kvflow.engine.snapshot import (
     SnapshotUnavailableError,
     derive_grid,
 )
-from kvflow.engine.stats import EngineStats
 from kvflow.entrypoints.openai.errors import APIError
+from kvflow.entrypoints.openai.metrics import stat_values
 
 MAX_RUNS_SHOWN = 48  # per block table: consecutive blocks are one run, then "and N more"
 LATENCY_HISTOGRAMS = {"ttft": "kvflow:time_to_first_token_seconds", "itl": "kvflow:inter_token_latency_seconds"}
@@ -114,7 +114,7 @@ def engine_state(snapshot: EngineSnapshot) -> dict:
     return {
         "seq": snapshot.seq, "taken_at": snapshot.taken_at, "num_blocks": snapshot.num_blocks,
         "block_size": snapshot.block_size, "sliding_windows": list(snapshot.sliding_windows),
-        "budget": snapshot.budget, "max_num_seqs": snapshot.max_num_seqs, "stats": stats_state(snapshot.stats),
+        "budget": snapshot.budget, "max_num_seqs": snapshot.max_num_seqs, "stats": stat_values(snapshot.stats),
         "blocks": {"free": grid.count(FREE), "cached_free": grid.count(CACHED_FREE), "held": grid.count(HELD),
                    "shared": grid.count(SHARED), "unaccounted": grid.unaccounted[:64]},
         "grid": grid_state(grid, len(snapshot.holders)),
@@ -124,20 +124,6 @@ def engine_state(snapshot: EngineSnapshot) -> dict:
         "num_queued": snapshot.num_queued,
         "adapters_in_use": snapshot.adapters_in_use,
         "steps": steps_state(snapshot),
-    }
-
-
-def stats_state(stats: EngineStats) -> dict:
-    """The numbers /metrics also gives (kvflow:<name>), as of the snapshot."""
-    spec = stats.spec_decoding
-    return {
-        "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
-        "kv_cache_usage_perc": stats.kv_cache_usage, "num_preemptions_total": stats.num_preemptions_total,
-        "prefix_cache_queries_total": stats.prefix_cache_queries_total,
-        "prefix_cache_hits_total": stats.prefix_cache_hits_total, "prompt_tokens_total": stats.prompt_tokens_total,
-        "generation_tokens_total": stats.generation_tokens_total,
-        "spec_decode_num_draft_tokens_total": None if spec is None else spec.num_draft_tokens,
-        "spec_decode_num_accepted_tokens_total": None if spec is None else spec.num_accepted_tokens,
     }
 
 

@@ -56,6 +56,15 @@ _SPEC_METRICS: dict[str, tuple[str, Callable[[SpecDecodingStats], float]]] = {
 }
 
 
+def stat_values(stats: EngineStats) -> dict[str, float | None]:
+    """The engine's gauges and counters by metric name without `kvflow:`, as /metrics has them;
+    the speculative ones None without speculation (the live page's numbers)."""
+    spec = stats.spec_decoding
+    values = {name: read(stats) for name, (_, read) in _ENGINE_METRICS.items()}
+    values |= {name: None if spec is None else read(spec) for name, (_, read) in _SPEC_METRICS.items()}
+    return {name.removeprefix("kvflow:"): value for name, value in values.items()}
+
+
 class EngineStatsCollector(Collector):
     def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
         self.get_stats = get_stats

@@ -29,7 +29,6 @@ from kvflow.entrypoints.openai.responses import (
 )
 from kvflow.entrypoints.openai.serving import MIN_LOGPROB, Choice, EventStreamResponse, Serving, finish_reason, sse
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
-from kvflow.entrypoints.openai.tool_calls import messages_for_template
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS, ChoiceOutput, NamedFunctionOutput, choice_output, whole_calls
 
 if TYPE_CHECKING:
@@ -62,11 +61,7 @@ class ChatServing(Serving):
 
     async def render_prompt(self, req: ChatCompletionRequest) -> list[int]:
         try:
-            tools = req.template_tools()
-            tokenizer = self.tokenizer.tokenizer
-            template = tokenizer.chat_template if tokenizer is not None else None
-            messages = messages_for_template([m.for_template() for m in req.messages], tools, template)
-            return await self.tokenizer.render_chat(messages, req.add_generation_prompt, tools)
+            return await self.tokenizer.render_conversation(req)
         except ValueError as e:  # no tokenizer or template, the template refused the conversation, too long
             raise bad_request(e) from None
 

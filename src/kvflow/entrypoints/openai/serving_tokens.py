@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from kvflow.entrypoints.openai.errors import bad_request
 from kvflow.entrypoints.openai.protocol import ChatMessage, OpenAIBody
 from kvflow.entrypoints.openai.tokenization import PromptTokenizer
-from kvflow.entrypoints.openai.tool_calls import ToolFields, messages_for_template
+from kvflow.entrypoints.openai.tool_calls import ToolFields
 
 
 class TokenizeRequest(OpenAIBody, ToolFields):
@@ -66,11 +66,8 @@ class TokenServing:
             raise bad_request(e) from None
 
     async def _render(self, req: TokenizeRequest) -> list[int]:
-        tools = req.template_tools()
+        ids = await self.tokenizer.render_conversation(req)
         tokenizer = self.tokenizer.tokenizer
-        template = tokenizer.chat_template if tokenizer is not None else None
-        messages = messages_for_template([m.for_template() for m in req.messages], tools, template)
-        ids = await self.tokenizer.render_chat(messages, req.add_generation_prompt, tools)
         bos = tokenizer.bos_token_id if tokenizer is not None else None
         if req.add_special_tokens and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]

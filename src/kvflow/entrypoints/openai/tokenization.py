@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from kvflow.entrypoints.openai.tool_calls import messages_for_template
 from kvflow.model.token_bound import longest_token_bytes
 from kvflow.model.tokenizer import Tokenizer
 
@@ -49,6 +50,14 @@ class PromptTokenizer:
         return await self._run(lambda: tokenizer.apply_chat_template(
             messages, add_generation_prompt, tokenize=True, tools=tools,
             escape_special_tokens=self.escape_special_tokens, check_text=self.check_bytes))
+
+    async def render_conversation(self, req) -> list[int]:
+        """The token ids of a request's `messages` (and `tools`) through the chat template, as chat
+        completions and /tokenize render them (req: a ChatCompletionRequest or TokenizeRequest)."""
+        tools = req.template_tools()
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        messages = messages_for_template([m.for_template() for m in req.messages], tools, template)
+        return await self.render_chat(messages, req.add_generation_prompt, tools)
 
     def check_bytes(self, text: str) -> None:
         if self.max_prompt_bytes is None or len(text) * 4 <= self.max_prompt_bytes:  # at most 4 bytes a character
