@@ -26,6 +26,8 @@ block) needs no copy.
 
 from __future__ import annotations
 
+from collections.abc import ItemsView
+
 from kvflow.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, hash_block
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.request import Request
@@ -88,6 +90,10 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> BlockTables:
         return self._block_tables.get(request_id) or self._empty_tables()
+
+    def all_block_tables(self) -> ItemsView[str, BlockTables]:
+        """(request id, its tables) of every request holding blocks (the live page's view)."""
+        return self._block_tables.items()
 
     def resumable_blocks(self, request: Request) -> list[int]:
         """The blocks, over all groups in order, holding the KV that computing on from
