@@ -11,6 +11,7 @@ of max_model_len tokens (`_AtLength`), which is not how HF rotates the short one
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -88,8 +89,9 @@ def test_yarn_and_linear_match_transformers(name, backend, tmp_path):
 def test_deepseek_softmax_mscale_is_checked(tmp_path, monkeypatch):
     """The oracle sees DeepSeek's mscale_all_dim correction: left out, the same run fails."""
     hf = make_tiny_model("deepseek-v3-yarn", tmp_path)
-    assert deepseek_v2.yarn_softmax_mscale(_arch(tmp_path).rope_scaling) == pytest.approx((0.1 * 1.0 * 3.6889 + 1) ** 2,
-                                                                                         rel=1e-4)
+    scaling = _arch(tmp_path).rope_scaling  # mscale(factor, mscale_all_dim)² = (0.1·mscale_all_dim·ln factor + 1)²
+    expected = (0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1) ** 2
+    assert deepseek_v2.yarn_softmax_mscale(scaling) == pytest.approx(expected, rel=1e-6)
     monkeypatch.setattr(deepseek_v2, "yarn_softmax_mscale", lambda scaling: 1.0)
     prompt = _prompts(hf.config.vocab_size, (40,))
     with pytest.raises(AssertionError):

@@ -31,6 +31,7 @@ from kvflow.executor import create_executor
 from kvflow.kv_store import open_kv_block_store
 from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
+from kvflow.model.layers.rotary import rope_type
 from kvflow.model.loader.resolve import load_checkpoint
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.phases import phase, progress
@@ -548,9 +549,9 @@ def with_kv_store_namespace(config: EngineConfig, arch: ArchConfig) -> EngineCon
     if config.kv_transfer is None:
         return config
     m, c, p = config.model, config.cache, config.parallel
-    rope = (arch.rope_scaling or {}).get("rope_type", (arch.rope_scaling or {}).get("type"))
     # longrope's factors and dynamic NTK's base are chosen for max_model_len (model/layers/rotary.py)
-    served = f"; rotated for {m.max_model_len} positions" if rope in ("longrope", "dynamic") else ""
+    length_dependent = rope_type(arch.rope_scaling) in ("longrope", "dynamic")
+    served = f"; rotated for {m.max_model_len} positions" if length_dependent else ""
     namespace = (f"{arch!r}; weights {m.dtype} {m.quantization} g{m.group_size}; KV {c.cache_dtype} in blocks of "
                  f"{c.block_size}; tp {p.tensor_parallel_size} pp {p.pipeline_parallel_size}{served}")
     return dataclasses.replace(config, kv_transfer=config.kv_transfer.with_namespace(namespace))

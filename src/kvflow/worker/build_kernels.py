@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvflow import cpu_extension
 from kvflow.attention import cpu_kv_write, cpu_paged, cpu_prompt
 from kvflow.model.layers import cpu_ops
 from kvflow.quant import int4_gemv, int8_rows, panel_linear
@@ -36,8 +35,7 @@ KERNELS: dict[str, Callable[[], str]] = {
     "int4 GEMV": lambda: _ready(int4_gemv.fast(), "unavailable (aten int4 kernel runs)"),
     "int8 rows (w8a8, int8)": lambda: _ready(int8_rows.load()),
     "panel linear (bf16 products)": lambda: _ready(panel_linear.available(), "unavailable (oneDNN runs)"),
-    "decode step": lambda: _ready(cpu_extension.load_library("kvflow_cpu_decode", cpu_decode.NATIVE_SOURCE,
-                                                             "the C++ decode step"), "unavailable (Python step)"),
+    "decode step": lambda: _ready(cpu_decode.load_native(), "unavailable (Python step)"),
 }
 
 

@@ -78,6 +78,11 @@ class _Step:
     native: tuple[list[torch.Tensor], list[int], int] | None  # tensors, (kind, bits, path) per product, act width
 
 
+
+def load_native() -> bool:
+    """The C++ decode step's library is loaded (built first if need be)."""
+    return cpu_extension.load_library("kvflow_cpu_decode", NATIVE_SOURCE, "the C++ decode step")
+
 class CpuDecodeLoop:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], native: bool = True) -> None:
         decoder = model.model
@@ -101,7 +106,7 @@ class CpuDecodeLoop:
         self.attend = torch.ops.kvflow_cpu.paged_attention
         self.batch_invariant = first.attn.backend.batch_invariant  # a TorchSDPABackend (_takes)
         # `native=False` keeps every step in Python (the tests hold the C++ step to it).
-        self.native = native and cpu_extension.load_library("kvflow_cpu_decode", NATIVE_SOURCE, "the C++ decode step")
+        self.native = native and load_native()
         self.steps: dict[int, _Step] = {}  # per row count, from its first step (`run`)
 
     @classmethod
