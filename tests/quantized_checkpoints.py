@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 
 from kvflow import LLM, SamplingParams
+from kvflow.quant.int4pack import pack
 
 PROMPT = [3, 17, 42, 8, 61, 5, 29, 77, 12, 40, 2, 33]
 STEPS = 8
@@ -25,15 +26,10 @@ LayerWriter = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tens
 def pack_int32(values: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
     """Non-negative ints → int32, 32/bits consecutive values along `dim` per element, the first in the
     lowest bits (`order`: which of them each slot holds, for wrong-bit-order checkpoints)."""
-    per = 32 // bits
-    v = values.to(torch.int64).movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], -1, per)
+    v = values.movedim(dim, -1)  # [R, C], packed along C
     if order is not None:
-        v = v[..., order]
-    packed = sum(v[..., i] << (bits * i) for i in range(per))
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-    return packed.movedim(-1, dim).contiguous()
-
+        v = v.reshape(v.shape[0], -1, 32 // bits)[..., order].flatten(1)
+    return pack(v, bits).movedim(-1, dim).contiguous()
 
 def write_quantized(tmp_path: Path, model: str, layer: LayerWriter, quant_config: dict):
     """The checkpoint directory (every projection written by `layer`, the rest as the float model has

@@ -13,7 +13,7 @@ from tiny_models import make_tiny_model, write_tiny_tokenizer
 
 from kvflow import LLM, SamplingParams
 from kvflow.quant import int4pack
-from kvflow.quant.awq import AWQConfig, _pack_awq
+from kvflow.quant.awq import AWQConfig, _pack_awq, candidate_scale
 from kvflow.quant.calibration import ALPHAS, InputStats
 from kvflow.quant.int4 import Int4Config
 
@@ -31,8 +31,8 @@ def _q4_1_grid(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _layer(kind: str, dtype: torch.dtype):
-    """A weight (already `dtype`'s values, as calibration hands it over), and inputs whose first 4
-    channels are 20× the others."""
+    """A weight (`dtype`'s values, in float32: the search is handed it in `dtype`, as the layer stores
+    it), and inputs whose first 4 channels are 20× the others."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(256, 128, generator=gen) if kind == "gaussian" else _q4_1_grid(256, 128, gen)
     x = torch.randn(512, 128, generator=gen)
@@ -62,14 +62,20 @@ def test_search_minimises_the_error_of_what_is_stored(kind, dtype):
     zero point: on Q4_1-like groups it kept α = 0, exact on its grid and ~8% RMS off as stored."""
     w, x, inputs = _layer(kind, dtype)
     method = AWQConfig(32).get_quant_method("linear", "w")
-    method.dtype = dtype  # what create_weights records for a layer of this dtype
-    s, alpha = method.search_scale(w, inputs, "w")
+    s, alpha = method.search_scale(w.to(dtype), inputs, "w")  # as the layer stores it
     errors = {a: _stored_error(method, w, x, _scale(inputs, a), dtype) for a in ALPHAS}
     assert torch.allclose(s, _scale(inputs, alpha))
     assert errors[alpha] <= min(errors.values()) * (1 + 1e-6), (alpha, errors)
     assert errors[alpha] <= errors[0.0]
     if kind == "gaussian":  # the outlier channels are worth protecting
         assert alpha > 0 and errors[alpha] < 0.8 * errors[0.0]
+
+
+def test_the_scale_at_alpha_zero_is_exactly_one():
+    """α = 0 is plain int4 only if its scale is 1 exactly (x^0 = 1 whatever the channel's mean), so that
+    W·s and x/s change nothing: the test below then holds the rest bit for bit."""
+    abs_mean = torch.tensor([0.0, 1e-9, 3e-4, 0.7, 1.0, 13.0, 4e5])
+    assert torch.equal(candidate_scale(abs_mean, 0.0), torch.ones_like(abs_mean))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -77,6 +77,18 @@ def test_gptq_checkpoint_matches_transformers(case, tmp_path):
     assert greedy_shortfall(path, hf) < NEAR_TIE
 
 
+def test_a_loaded_gptq_layer_holds_only_its_runtime(tmp_path):
+    """The checkpoint's tensors are read into int4's planes and then dropped: kept as buffers they were a
+    second int4-sized copy of every layer (a GPTQ checkpoint is never saved again, so none reads them)."""
+    path, _ = _write(tmp_path)
+    model = LLM(str(path), dtype="float32", skip_tokenizer_init=True).llm_engine.runner.model
+    layers = [m for m in model.modules() if hasattr(m, "quant_runtime")]
+    assert layers
+    for layer in layers:
+        kept = {name for name, _ in [*layer.named_buffers(recurse=False), *layer.named_parameters(recurse=False)]}
+        assert not kept & {"qweight", "qzeros", "scales", "g_idx"}, (layer.prefix, kept)
+
+
 @pytest.mark.parametrize("wrong", ["v1 declared v2", "v2 declared v1", "bit order"])
 def test_a_wrong_convention_fails_the_comparison(wrong, tmp_path):
     """The comparison above can fail: a zero point off by one (v1's z − 1 read as z, or the other

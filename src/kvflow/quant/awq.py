@@ -21,14 +21,13 @@ and cost +45% perplexity.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kvflow.quant.calibration import ALPHAS, InputStats
 from kvflow.quant.formats import int4_per_group
 from kvflow.quant.int4 import DEFAULT_GROUP_SIZE, dequantize_as_run
-from kvflow.quant.int4pack import Int4Planes, planes_from_affine
+from kvflow.quant.int4pack import Int4Planes, pack, planes_from_affine, unpack
 from kvflow.quant.int8 import Int8Method
-from kvflow.quant.online import CalibratedMethod, OnlineQuantConfig
+from kvflow.quant.online import CalibratedMethod, OnlineQuantConfig, register_stored
 
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k of an int32 holds column _AWQ_ORDER[k] of its 8
 
@@ -67,10 +66,8 @@ class AWQMethod(CalibratedMethod):
         zeros = ("mins", torch.float32) if config.float_zeros else ("qzeros", torch.int32)
         self.stored_spec = {"qweight": (torch.int32, None), zeros[0]: (zeros[1], None), "scales": (torch.float32, None)}
         self._g = config.group_size
-        self.dtype = torch.float32  # the layer's, once create_weights knows it: its fold and runtime round to it
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
-        self.dtype = params_dtype
         if not self.config.from_saved:
             return super().create_weights(layer, input_size, output_sizes, params_dtype)
         layer.quant_dtype, n, g = params_dtype, sum(output_sizes), self._g
@@ -78,12 +75,10 @@ class AWQMethod(CalibratedMethod):
             raise ValueError(f"{layer.prefix}: group size {g} does not divide its {input_size} input channels")
         shapes = {"qweight": (input_size, n // 8), "qzeros": (input_size // g, n // 8), "mins": (input_size // g, n),
                   "scales": (input_size // g, n)}
-        for name, (dtype, _) in self.stored_spec.items():
-            param = nn.Parameter(torch.empty(shapes[name], dtype=dtype), requires_grad=False)
-            param.output_dim, param.weight_loader = 1, layer.weight_loader
-            if dtype == torch.int32:  # qweight, qzeros: eight 4-bit values per element
-                param.packed_dim, param.packed_factor = 1, 8
-            layer.register_parameter(name, param)
+        by_output = dict(output_dim=1, weight_loader=layer.weight_loader)
+        packed = dict(packed_dim=1, packed_factor=8)  # qweight, qzeros: eight 4-bit values per element
+        register_stored(layer, {name: (dtype, shapes[name], by_output | (packed if dtype == torch.int32 else {}))
+                                for name, (dtype, _) in self.stored_spec.items()})
 
     def stored_tensors(self, layer):
         return {name: (getattr(layer, name), 1, 8 if dtype == torch.int32 else 1)
@@ -91,25 +86,26 @@ class AWQMethod(CalibratedMethod):
 
     def search_scale(self, weight: torch.Tensor, inputs: InputStats, name: str) -> tuple[torch.Tensor, float]:
         """s = mean|x|^α (normalised), α from `ALPHAS`, that minimises ‖x·Wᵀ − x·W_α‖ on the sample
-        rows, W_α being what the layer will run with (`effective_weight`)."""
-        x = inputs.sample
+        rows, W_α being what the layer will run with (`effective_weight`). `weight` as the layer stores it:
+        its dtype is the one the fold and the runtime round to."""
+        x, dtype, weight = inputs.sample, weight.dtype, weight.float()
         reference = x @ weight.t()
         best = (float("inf"), None, 0.0)
         for alpha in ALPHAS:
             s = candidate_scale(inputs.abs_mean, alpha)
-            err = (x @ self.effective_weight(weight, s, name).t() - reference).pow(2).mean().item()
+            err = (x @ self.effective_weight(weight, s, name, dtype).t() - reference).pow(2).mean().item()
             if err < best[0]:  # ties keep the smaller α: α = 0 (plain int4) unless another is better
                 best = (err, s, alpha)
         return best[1], best[2]
 
-    def effective_weight(self, weight: torch.Tensor, s: torch.Tensor, name: str) -> torch.Tensor:
+    def effective_weight(self, weight: torch.Tensor, s: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] (float) as the layer multiplies its unscaled input once s is folded in: W·s in
-        the layer's dtype (as calibration writes it), rounded as `quantize` stores it, dequantized
+        the layer's `dtype` (as calibration writes it), rounded as `quantize` stores it, dequantized
         as the runtime holds it, times the 1/s the fold gives the op that feeds it."""
-        scaled = weight.to(self.dtype) * s.to(self.dtype)
+        scaled = weight.to(dtype) * s.to(dtype)
         u, scale, minimum = int4_per_group(scaled, self._g, name)
-        stored = dequantize_as_run(u, scale, minimum, self._g, self.dtype).float()
-        return stored * (1 / s).to(self.dtype).float()
+        stored = dequantize_as_run(u, scale, minimum, self._g, dtype).float()
+        return stored * (1 / s).to(dtype).float()
 
     def quantize(self, weight, name):
         """int4's rounding (formats.int4_per_group), in AWQ's layout: the same weights as `-q int4`."""
@@ -129,22 +125,18 @@ class AWQMethod(CalibratedMethod):
 
 def candidate_scale(abs_mean: torch.Tensor, alpha: float) -> torch.Tensor:
     """mean|x|^α per input channel, normalised so that its largest and smallest are reciprocal
-    (the weights and the norm keep their magnitudes); exactly 1 at α = 0, so that α is plain int4."""
-    if alpha == 0:
-        return torch.ones_like(abs_mean)
+    (the weights and the norm keep their magnitudes); exactly 1 at α = 0 (x^0 = 1, so 1/√(1·1)), so
+    that α is plain int4."""
     s = abs_mean.clamp(min=1e-4).pow(alpha)
     return s / (s.max() * s.min()).sqrt()
 
 
 def _pack_awq(values: torch.Tensor) -> torch.Tensor:
     """[R, C] 4-bit values → [R, C/8] int32 in AWQ's interleaved order."""
-    v = values.view(values.shape[0], -1, 8)[..., _AWQ_ORDER].to(torch.int64)
-    packed = sum(v[..., k] << (4 * k) for k in range(8))
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return pack(values.view(values.shape[0], -1, 8)[..., _AWQ_ORDER].flatten(1), 4)
 
 
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    nibbles = (packed[..., None] >> shifts) & 0x0F  # [R, C/8, 8] in stored order
-    inverse = torch.argsort(torch.tensor(_AWQ_ORDER))
-    return nibbles[..., inverse].reshape(packed.shape[0], -1)
+    """`_pack_awq`'s inverse: the nibbles in stored order, put back in column order."""
+    nibbles = unpack(packed, 4, dim=1).view(packed.shape[0], -1, 8)
+    return nibbles[..., torch.argsort(torch.tensor(_AWQ_ORDER))].flatten(1)

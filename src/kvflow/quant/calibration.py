@@ -79,7 +79,7 @@ def calibrate_and_quantize(model: nn.Module, run_prompts: Callable[[list[list[in
         # weight it will store.
         pairs.reverse()
         for done, (name, prev, linear) in enumerate(pairs, 1):
-            scale, chosen[name] = linear.quant_method.search_scale(linear.weight.data.float(), stats[name], name)
+            scale, chosen[name] = linear.quant_method.search_scale(linear.weight.data, stats[name], name)
             linear.weight.data.mul_(scale.to(linear.weight.dtype))
             prev(1 / scale)
             progress(done, len(pairs), "layers' scales searched")

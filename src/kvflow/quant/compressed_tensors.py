@@ -6,7 +6,7 @@ weight_packed int32 [N, K·bits/32], 32/bits consecutive input channels per int3
 lowest bits; weight_scale [N, K/G]; weight_zero_point (asymmetric only) int32 [N·bits/32, K/G],
 packed the same way along the output channels; weight_shape [2] = (N, K). Values and zero points
 are signed, stored plus 2^(bits−1); w = (q − zp)·scale. The same planes and group splitting as
-GPTQ's (quant/gptq_checkpoint.py), of which this is a row-major transposition.
+GPTQ's (quant/gptq_checkpoint.py; the int4 machinery: quant/int4pack.py), of which this is a row-major transposition.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvflow.quant.gptq_checkpoint import kernel_planes, runtime_group, unpack
-from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
+from kvflow.quant.int4pack import check_group, kernel_planes, unpack
+from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod, register_stored
 
 FORMAT = "pack-quantized"
 
@@ -82,6 +82,8 @@ def _weight_field(weights: dict, key: str, allowed: tuple):
 
 
 class CompressedTensorsMethod(OnlineQuantMethod):
+    keeps_stored = False  # loads only (`stored_tensors` refuses): its runtime is all the layer needs
+
     def __init__(self, config: CompressedTensorsConfig) -> None:
         super().__init__(config)
         self.pack = 32 // config.bits
@@ -93,21 +95,15 @@ class CompressedTensorsMethod(OnlineQuantMethod):
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         layer.quant_dtype, n = params_dtype, sum(output_sizes)
         group = self.config.group_size or input_size
-        if input_size % group or input_size % self.pack:
-            raise ValueError(f"{layer.prefix}: compressed-tensors group_size={group} does not divide its "
-                             f"{input_size} input channels")
-        runtime_group(group, layer.prefix)
-        shapes = {"weight_packed": (n, input_size // self.pack), "weight_scale": (n, input_size // group),
-                  "weight_zero_point": (n // self.pack, input_size // group), "weight_shape": (2,)}
-        for name, (dtype, _) in self.stored_spec.items():
-            param = nn.Parameter(torch.empty(shapes[name], dtype=dtype), requires_grad=False)
-            if name == "weight_shape":  # one per shard: (its rows, K), checked as it loads
-                param.weight_loader = _ShapeLoader(layer)
-            else:
-                param.weight_loader, param.output_dim, param.input_dim = layer.weight_loader, 0, 1
-            if name == "weight_zero_point":
-                param.packed_dim, param.packed_factor = 0, self.pack
-            layer.register_parameter(name, param)
+        check_group(layer.prefix, "compressed-tensors", group, input_size, self.pack)
+        by_row = dict(weight_loader=layer.weight_loader, output_dim=0, input_dim=1)
+        shape_attrs = {"weight_packed": ((n, input_size // self.pack), by_row),
+                       "weight_scale": ((n, input_size // group), by_row),
+                       "weight_zero_point": ((n // self.pack, input_size // group),
+                                             by_row | dict(packed_dim=0, packed_factor=self.pack)),
+                       # one per shard: (its rows, K), checked as it loads
+                       "weight_shape": ((2,), dict(weight_loader=_ShapeLoader(layer)))}
+        register_stored(layer, {name: (dtype, *shape_attrs[name]) for name, (dtype, _) in self.stored_spec.items()})
 
     def stored_tensors(self, layer):
         raise ValueError(f"{layer.prefix}: a compressed-tensors checkpoint is not saved again; its directory loads as is")

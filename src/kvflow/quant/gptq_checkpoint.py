@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvflow.quant.int4pack import GROUP_SIZES, Int4Planes, planes_from_affine
-from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
+from kvflow.quant.int4pack import check_group, kernel_planes, unpack
+from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod, register_stored
 
 BITS = (4, 8)
 FORMATS = ("gptq", "gptq_v2")
@@ -60,25 +60,9 @@ def _field(stored: dict, key: str, default, allowed: tuple):
     return value
 
 
-def runtime_group(group: int, name: str) -> int:
-    """The largest group the int4 kernel runs that divides the checkpoint's: scales repeat into it."""
-    for g in sorted(GROUP_SIZES, reverse=True):
-        if group % g == 0:
-            return g
-    raise ValueError(f"{name}: gptq group_size={group} is not a multiple of a group int4's kernel runs {GROUP_SIZES}")
-
-
-def kernel_planes(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, dtype: torch.dtype,
-                  name: str, dense_copy: bool) -> Int4Planes:
-    """w = scale·u + min, u [N, K] of `bits`, scale and min [N, K/G], on int4's kernel: G split into the
-    largest group the kernel runs (scale and min repeated), `bits` > 4 into planes."""
-    group = runtime_group(u.shape[1] // scale.shape[1], name)
-    repeat = u.shape[1] // scale.shape[1] // group
-    scale, minimum = (t.repeat_interleave(repeat, dim=1) for t in (scale, minimum))
-    return Int4Planes(planes_from_affine(u, scale, minimum, bits), group, dtype, name, dense_copy)
-
-
 class GPTQMethod(OnlineQuantMethod):
+    keeps_stored = False  # loads only (`stored_tensors` refuses): its runtime is all the layer needs
+
     def __init__(self, config: GPTQConfig) -> None:
         super().__init__(config)
         self.stored_spec = {"qweight": (torch.int32, None), "qzeros": (torch.int32, None),
@@ -88,22 +72,14 @@ class GPTQMethod(OnlineQuantMethod):
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         layer.quant_dtype, n = params_dtype, sum(output_sizes)
         group = self.config.group_size or input_size
-        if input_size % group or input_size % self.pack:
-            raise ValueError(f"{layer.prefix}: gptq group_size={group} does not divide its {input_size} input channels")
-        layer.gptq_group = group
-        runtime_group(group, layer.prefix)  # refused at build, not after the weights are read
-        shapes = {"qweight": (input_size // self.pack, n), "qzeros": (input_size // group, n // self.pack),
-                  "scales": (input_size // group, n), "g_idx": (input_size,)}
-        for name, (dtype, _) in self.stored_spec.items():
-            param = nn.Parameter(torch.empty(shapes[name], dtype=dtype), requires_grad=False)
-            param.weight_loader, param.input_dim = layer.weight_loader, 0
-            if name == "g_idx":  # one per shard of a fused layer: each must be the plain k // G
-                param.weight_loader = _GIdxLoader(layer, group)
-            else:
-                param.output_dim = 1
-            if name == "qzeros":
-                param.packed_dim, param.packed_factor = 1, self.pack
-            layer.register_parameter(name, param)
+        check_group(layer.prefix, "gptq", group, input_size, self.pack)
+        by_output = dict(weight_loader=layer.weight_loader, input_dim=0, output_dim=1)
+        shape_attrs = {"qweight": ((input_size // self.pack, n), by_output),
+                       "qzeros": ((input_size // group, n // self.pack), by_output | dict(packed_dim=1, packed_factor=self.pack)),
+                       "scales": ((input_size // group, n), by_output),
+                       # one per shard of a fused layer: each must be the plain k // G
+                       "g_idx": ((input_size,), dict(weight_loader=_GIdxLoader(layer, group), input_dim=0))}
+        register_stored(layer, {name: (dtype, *shape_attrs[name]) for name, (dtype, _) in self.stored_spec.items()})
 
     def stored_tensors(self, layer):
         raise ValueError(f"{layer.prefix}: a GPTQ checkpoint is not saved again; its directory already loads as is")
@@ -124,16 +100,6 @@ class GPTQMethod(OnlineQuantMethod):
             zero = (zero + 1) & (2**bits - 1)
         scale = stored["scales"].float()
         return u.to(torch.uint8).contiguous(), scale.t().contiguous(), (-zero.float() * scale).t().contiguous()
-
-
-def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 [R, C] holding 32/bits values each along `dim` (the first in the lowest bits) → the values."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    if dim == 0:
-        values = (packed[:, None, :] >> shifts[None, :, None]) & (2**bits - 1)  # [R, 32/bits, C]
-        return values.reshape(-1, packed.shape[1])
-    values = (packed[..., None] >> shifts) & (2**bits - 1)  # [R, C, 32/bits]
-    return values.reshape(packed.shape[0], -1)
 
 
 class _GIdxLoader:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.quant.formats import int4_per_group, pack_nibbles, unpack_nibbles
-from kvflow.quant.int4pack import Int4Planes, planes_from_affine
+from kvflow.quant.int4pack import Int4Planes, planes_from_affine, planes_sum
 from kvflow.quant.int8 import Int8Method
 from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod
 
@@ -19,10 +19,7 @@ def dequantize_as_run(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
     rounded to `dtype`, summed in float32, rounded once. AWQ's search scores this, not the float
     grid, so that what it minimises is what the layer multiplies by (tests hold it to the module)."""
     ((q, plane_scale, zero),) = planes_from_affine(u, scale, minimum, 4)
-    s, z = plane_scale.to(dtype).float()[..., None], zero.to(dtype).float()[..., None]
-    n, k = u.shape
-    return q.float().view(n, k // group, group).mul_(s).add_(z - 8 * s).view(n, k).to(dtype)
-
+    return planes_sum([(q, plane_scale.to(dtype), zero.to(dtype))], group).to(dtype)
 
 class Int4Method(OnlineQuantMethod):
     def __init__(self, config) -> None:

@@ -67,6 +67,62 @@ def planes_from_affine(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     return planes
 
 
+def planes_sum(planes, group: int) -> torch.Tensor:
+    """Σ_p (q_p − 8)·scale_p + zero_p in float32 [R, K] from (q [R, K], scale, zero [R, K/group]) per
+    plane, as the kernel holds them: `Int4Planes` unpacks with it, and AWQ's search scores with it
+    what the layer will multiply by. In place in float32: a broadcast addcmul in bf16 is ~20× slower."""
+    acc = None
+    for q, scale, zero in planes:
+        r, k = q.shape
+        scale, zero = scale.float()[..., None], zero.float()[..., None]
+        plane = q.float().view(r, k // group, group).mul_(scale).add_(zero - 8 * scale)
+        acc = plane if acc is None else acc.add_(plane)
+    return acc.flatten(1)
+
+
+def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 [R, C] holding 32/bits values each along `dim` (the first in the lowest bits) → the values."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    if dim == 0:
+        values = (packed[:, None, :] >> shifts[None, :, None]) & (2**bits - 1)  # [R, 32/bits, C]
+        return values.reshape(-1, packed.shape[1])
+    values = (packed[..., None] >> shifts) & (2**bits - 1)  # [R, C, 32/bits]
+    return values.reshape(packed.shape[0], -1)
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """`unpack(·, bits, dim=1)`'s inverse: non-negative values [R, C] → int32 [R, C·bits/32]."""
+    v = values.to(torch.int64).reshape(values.shape[0], -1, 32 // bits)
+    packed = sum(v[..., i] << (bits * i) for i in range(32 // bits))
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def runtime_group(group: int, name: str) -> int:
+    """The largest group the int4 kernel runs that divides the checkpoint's: scales repeat into it."""
+    for g in sorted(GROUP_SIZES, reverse=True):
+        if group % g == 0:
+            return g
+    raise ValueError(f"{name}: group_size={group} is not a multiple of a group int4's kernel runs {GROUP_SIZES}")
+
+
+def check_group(name: str, fmt: str, group: int, input_size: int, pack_factor: int) -> None:
+    """A checkpoint's group and packing fit the layer's input channels, and the kernel runs the
+    group: refused when the layer is built, not after its weights are read."""
+    if input_size % group or input_size % pack_factor:
+        raise ValueError(f"{name}: {fmt} group_size={group} does not divide its {input_size} input channels")
+    runtime_group(group, name)
+
+
+def kernel_planes(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, dtype: torch.dtype,
+                  name: str, dense_copy: bool) -> Int4Planes:
+    """w = scale·u + min, u [N, K] of `bits`, scale and min [N, K/G], on int4's kernel: G split into the
+    largest group the kernel runs (scale and min repeated), `bits` > 4 into planes."""
+    group = runtime_group(u.shape[1] // scale.shape[1], name)
+    repeat = u.shape[1] // scale.shape[1] // group
+    scale, minimum = (t.repeat_interleave(repeat, dim=1) for t in (scale, minimum))
+    return Int4Planes(planes_from_affine(u, scale, minimum, bits), group, dtype, name, dense_copy)
+
+
 class Int4Planes(WeightsModule):
     """W [N, K] held as P packed 4-bit planes with per-group scales and zeros; with `dense_copy`,
     also dequantized once for products of many rows (the module's comment)."""
@@ -237,14 +293,9 @@ class Int4Planes(WeightsModule):
         return self._planes_sum(q, ids).to(self.scale_zero.dtype)
 
     def _planes_sum(self, q_per_plane, rows: slice | torch.Tensor) -> torch.Tensor:
-        """Σ_p (q_p − 8)·scale_p + zero_p in float32 [R, K], for rows `rows` given their 4-bit values
-        per plane [R, K]. In place in float32: a broadcast addcmul in bf16 is ~20× slower."""
-        k, g, acc = self.in_features, self.group, None
-        for q, sz in zip(q_per_plane, self.scale_zero):
-            scale, zero = (sz[:, rows, i].t().float()[..., None] for i in (0, 1))
-            plane = q.float().view(len(q), k // g, g).mul_(scale).add_(zero - 8 * scale)
-            acc = plane if acc is None else acc.add_(plane)
-        return acc.view(len(acc), k)
+        """`planes_sum` for rows `rows`, given their 4-bit values per plane [R, K]."""
+        return planes_sum(((q, sz[:, rows, 0].t(), sz[:, rows, 1].t()) for q, sz in zip(q_per_plane, self.scale_zero)),
+                          self.group)
 
     @property
     def nbytes(self) -> int:

@@ -21,9 +21,19 @@ from kvflow.quant.layouts import Layouts, merged
 from kvflow.quant.unquantized import UnquantizedMethod
 
 
+def register_stored(layer: nn.Module, tensors: dict[str, tuple[torch.dtype, tuple[int, ...], dict]]) -> None:
+    """name → (dtype, shape, weight attributes): an empty parameter each on `layer`, for the loader to fill."""
+    for name, (dtype, shape, attrs) in tensors.items():
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        layer.register_parameter(name, set_weight_attrs(param, **attrs))
+
+
 class OnlineQuantMethod(QuantMethod):
     # name → (dtype, columns as a function of input_size or None for a 1-D per-row tensor)
     stored_spec: dict[str, tuple[torch.dtype, object]] = {}
+    # Whether the stored tensors stay on the layer beside its runtime (for `stored_tensors` to save);
+    # a method that only loads another tool's format drops them: a second int4-sized copy per layer.
+    keeps_stored = True
 
     def __init__(self, config: OnlineQuantConfig) -> None:
         self.config = config
@@ -43,13 +53,13 @@ class OnlineQuantMethod(QuantMethod):
         layer.quant_dtype = params_dtype
         rows = sum(output_sizes)
         specs = self.stored_specs(input_size) if self.config.from_saved else {"weight": (params_dtype, input_size)}
+        tensors = {}
         for name, (dtype, cols) in specs.items():
-            shape = (rows,) if cols is None else (rows, cols)
-            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             attrs = dict(output_dim=0, weight_loader=layer.weight_loader)
             if cols is not None and cols == input_size:
                 attrs["input_dim"] = 1
-            layer.register_parameter(name, set_weight_attrs(param, **attrs))
+            tensors[name] = (dtype, (rows,) if cols is None else (rows, cols), attrs)
+        register_stored(layer, tensors)
 
     def stored_specs(self, input_size: int) -> dict[str, tuple[torch.dtype, int | None]]:
         return {name: (dtype, cols(input_size) if callable(cols) else cols)
@@ -63,12 +73,14 @@ class OnlineQuantMethod(QuantMethod):
         self.install(layer, stored)
 
     def install(self, layer: nn.Module, stored: dict[str, torch.Tensor]) -> None:
-        """The stored tensors replace the layer's parameters, and its runtime is built from them."""
+        """The stored tensors replace the layer's parameters (unless `keeps_stored` is off), and its runtime is
+        built from them."""
         for name in list(self.stored_spec) + ["weight"]:
             if name in layer._parameters:
                 del layer._parameters[name]
-        for name, tensor in stored.items():
-            layer.register_buffer(name, tensor)
+        if self.keeps_stored:
+            for name, tensor in stored.items():
+                layer.register_buffer(name, tensor)
         layer.quant_runtime = self.runtime(stored, layer.quant_dtype, layer.prefix,
                                            dense_copy=layer.kernels.weight_layouts == "fast")
 

@@ -72,8 +72,8 @@ class W8A8Method(CalibratedMethod, Int8Method):
 
     def search_scale(self, weight: torch.Tensor, inputs: InputStats, name: str) -> tuple[torch.Tensor, float]:
         """SmoothQuant's s for the α in `ALPHAS` (or none: α reported as -1) whose w8a8 product is
-        nearest x·Wᵀ on the sample rows."""
-        x = inputs.sample
+        nearest x·Wᵀ on the sample rows (`weight` as the layer stores it, searched in float32)."""
+        x, weight = inputs.sample, weight.float()
         reference = x @ weight.t()
         # max|x| over the sample rows, not over every calibration row: the rare tokens with huge
         # activations then do not set the smoothing of all the others (perplexity +0.84% against
