@@ -1,0 +1,148 @@
+"""Mamba-2 (transformers' `Mamba2ForCausalLM`): a stack of Mamba-2 mixers, no attention, no KV cache.
+
+    embeddings → N × (x + mixer(RMSNorm(x))) → norm_f → LM head (or the tied embedding)
+
+A request's memory is one `MambaState` per layer (`Mamba2State`), of a size fixed by the config;
+`forward` takes every request's state and returns the new ones (the mixer's contract,
+kvflow.model.layers.mamba2_mixer), so whoever runs the model holds them: a chunked prefill is
+several calls, each from the states the last returned.
+
+The residual stream is float32 when the config says `residual_in_fp32` (its default, as in every
+published checkpoint), as in HF: each layer's norm reads it rounded to the model dtype, and its
+mixer's output is added in float32.
+
+Parameter names are HF's (`backbone.embeddings`, `backbone.layers.N.norm`, `backbone.layers.N.mixer.*`,
+`backbone.norm_f`, `lm_head`), so a checkpoint loads by name; the older `backbone.embedding` is
+read as `backbone.embeddings`, as HF does. Not in the architecture table (model/registry.py) until
+the engine holds recurrent state: `LLM(...)` would build it and then have no KV cache to give it.
+One rank and one pipeline stage only (the mixer's docstring says why it does not shard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvflow.distributed.parallel_state import current_tensor_parallel
+from kvflow.distributed.pipeline import current_pipeline_stage
+from kvflow.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvflow.model.layers.mamba2_mixer import Mamba2Mixer, MambaState, MixerConfig
+from kvflow.model.layers.norm import RMSNorm
+from kvflow.model.loader.weights import load_named_weights
+from kvflow.quant.base import QuantizationConfig
+
+# One request's state: its MambaState in each layer, in layer order.
+Mamba2State = tuple[MambaState, ...]
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """The model's shape, read from an HF Mamba2 config.json dict."""
+
+    mixer: MixerConfig
+    vocab_size: int
+    num_layers: int
+    eps: float
+    residual_in_fp32: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, config: Mapping) -> Mamba2Config:
+        for key in ("vocab_size", "num_hidden_layers"):
+            if key not in config:
+                raise ValueError(f"config.json is missing {key!r}")
+        mixer = MixerConfig.from_hf(config)
+        return cls(mixer=mixer, vocab_size=int(config["vocab_size"]), num_layers=int(config["num_hidden_layers"]),
+                   eps=mixer.eps, residual_in_fp32=bool(config.get("residual_in_fp32", True)),
+                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+class Mamba2Layer(nn.Module):
+    def __init__(self, cfg: Mamba2Config, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.mixer.hidden_size, cfg.eps)
+        self.mixer = Mamba2Mixer(cfg.mixer, quant_config, f"{prefix}.mixer")
+
+
+class Mamba2Backbone(nn.Module):
+    def __init__(self, cfg: Mamba2Config, quant_config: QuantizationConfig | None) -> None:
+        super().__init__()
+        hidden = cfg.mixer.hidden_size
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, hidden, quant_config, "backbone.embeddings")
+        self.layers = nn.ModuleList(Mamba2Layer(cfg, quant_config, f"backbone.layers.{i}")
+                                    for i in range(cfg.num_layers))
+        self.norm_f = RMSNorm(hidden, cfg.eps)
+
+
+class Mamba2ForCausalLM(nn.Module):
+    def __init__(self, cfg: Mamba2Config, quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__()
+        _refuse_parallel()
+        self.config = cfg
+        self.backbone = Mamba2Backbone(cfg, quant_config)
+        self.lm_head = (self.backbone.embeddings if cfg.tie_word_embeddings
+                        else ParallelLMHead(cfg.vocab_size, cfg.mixer.hidden_size, quant_config, "lm_head"))
+
+    def initial_state(self, device: torch.device | str | None = None) -> Mamba2State:
+        """A request's state before its first token (conv state in the model dtype)."""
+        dtype = self.backbone.norm_f.weight.dtype
+        device = self.backbone.norm_f.weight.device if device is None else device
+        return tuple(MambaState.zeros(self.config.mixer, dtype, device) for _ in range(self.config.num_layers))
+
+    def forward(self, input_ids: torch.Tensor, states: Sequence[Mamba2State],
+                token_counts: Sequence[int]) -> tuple[torch.Tensor, list[Mamba2State]]:
+        """A flat batch of requests: input_ids [sum(token_counts)], request r's `token_counts[r]`
+        tokens in order, from `states[r]` (a prompt's first chunk from `initial_state()`). Returns
+        (the final norm's hidden states [T, hidden], each request's state after its tokens); the
+        given states are not changed."""
+        self._check_batch(input_ids, states, token_counts)
+        dtype = self.backbone.norm_f.weight.dtype
+        stream = self.backbone.embeddings(input_ids)
+        if self.config.residual_in_fp32:
+            stream = stream.float()
+        per_layer: list[list[MambaState]] = []
+        for i, layer in enumerate(self.backbone.layers):
+            out, layer_states = layer.mixer(layer.norm(stream.to(dtype)), [s[i] for s in states], token_counts)
+            stream = stream + out
+            per_layer.append(layer_states)
+        new_states = [tuple(layer_states[r] for layer_states in per_layer) for r in range(len(states))]
+        return self.backbone.norm_f(stream.to(dtype)), new_states
+
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """float32 logits, or the head's own dtype with `widen=False` (embedding.compute_logits)."""
+        return self.lm_head.compute_logits(hidden, widen)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = self.config.tie_word_embeddings
+        renamed = ((name.replace("backbone.embedding.", "backbone.embeddings.", 1), tensor) for name, tensor in weights)
+        load_named_weights(self, ((n, w) for n, w in renamed if not (tied and n == "lm_head.weight")), {})
+
+    def _check_batch(self, input_ids: torch.Tensor, states: Sequence[Mamba2State], token_counts: Sequence[int]) -> None:
+        """Errors naming the argument: counts that are not positive or do not add up to the
+        tokens, a state per request missing, or a state not of this model's shape."""
+        if len(states) != len(token_counts):
+            raise ValueError(f"states has {len(states)} entries but token_counts {len(token_counts)}: one per request")
+        if any(not isinstance(n, int) or n < 1 for n in token_counts):
+            raise ValueError(f"token_counts must be positive integers; got {list(token_counts)}")
+        if input_ids.dim() != 1 or input_ids.shape[0] != sum(token_counts):
+            raise ValueError(f"input_ids must be one flat row of sum(token_counts) = {sum(token_counts)} tokens; "
+                             f"got shape {tuple(input_ids.shape)}")
+        layers = self.backbone.layers
+        for r, state in enumerate(states):
+            if len(state) != len(layers):
+                raise ValueError(f"states[{r}] has {len(state)} layer states; the model has {len(layers)} layers")
+            for i, (layer_state, layer) in enumerate(zip(state, layers)):
+                layer.mixer.check_state(layer_state, f"states[{r}][{i}]")
+
+
+def _refuse_parallel() -> None:
+    tp, stage = current_tensor_parallel(), current_pipeline_stage()
+    if tp.size > 1:
+        raise ValueError(f"Mamba2ForCausalLM runs on one rank: tensor_parallel_size={tp.size} would split in_proj's "
+                         "interleaved per-head and per-group outputs, which it does not shard; use tensor_parallel_size=1")
+    if stage.size > 1:
+        raise ValueError(f"Mamba2ForCausalLM runs as one pipeline stage: pipeline_parallel_size={stage.size} "
+                         "is not supported for it; use pipeline_parallel_size=1")
