@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from kvflow.core.kv_eviction import NOT_COMPOSED, KVEviction
+from kvflow.core.kv_eviction import POLICIES as KV_EVICTION_POLICIES
 from kvflow.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, QUANTIZED_KV_CACHE_DTYPES
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.spec_decode.config import SpeculativeConfig
@@ -50,6 +52,9 @@ class CacheConfig:
     # vLLM's: the fraction of the device's memory (the host's on CPU) this engine may hold, the KV
     # pool taking what the loaded model and the activations' headroom leave; replaces kv_cache_memory_gb.
     gpu_memory_utilization: float | None = None
+    # Every request's KV budget unless it asks for its own (kvflow.core.kv_eviction).
+    kv_eviction_policy: str = "none"
+    kv_budget_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,10 @@ class EngineArgs:
     # for a batch job), "when-idle" (only while no step runs: a server's first requests keep both
     # cores; `kvflow serve`'s default), "off" (each page on its first write).
     kv_populate: str = "background"
+    # Token eviction (kvflow.core.kv_eviction): "none" or "sink_window" (StreamingLLM's sinks + the
+    # recent tokens), each request's KV bounded by kv_budget_tokens; requests may set their own.
+    kv_eviction_policy: str = "none"
+    kv_budget_tokens: int | None = None
     structured_outputs_backend: str = "auto"  # guidance (llguidance; what auto means) or xgrammar
     structured_outputs_compile_timeout: float = 10.0  # seconds
     structured_outputs_lenient_schemas: bool = False  # keys a JSON schema does not declare stay allowed
@@ -257,6 +266,7 @@ class EngineArgs:
                  "structured_outputs_backend", "auto, guidance or xgrammar")
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
         kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        self._check_kv_eviction(kv_transfer)
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         if self.kv_cache_dtype != "auto" and backend == "triton":
@@ -281,7 +291,7 @@ class EngineArgs:
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
                 self.swap_space_gb if self.preemption_mode == "swap" else 0.0, self.kv_cache_dtype,
-                self.kv_populate, self.gpu_memory_utilization,
+                self.kv_populate, self.gpu_memory_utilization, self.kv_eviction_policy, self.kv_budget_tokens,
             ),
             scheduler=SchedulerConfig(
                 self.max_num_batched_tokens if self.enable_chunked_prefill else max(self.max_num_batched_tokens, max_len),
@@ -307,6 +317,16 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             kernels=KernelConfig(self.custom_ops == "all", not self.enforce_eager, self.cpu_weight_layouts),
         )
+
+    def _check_kv_eviction(self, kv_transfer: KVTransferConfig | None) -> None:
+        """The engine's eviction default runs (a model's own limits are the engine's to check)."""
+        if KVEviction.resolve(self.kv_eviction_policy, self.kv_budget_tokens, self.block_size) is None:
+            _require(self.kv_budget_tokens is None, "kv_budget_tokens", "unset without a kv_eviction_policy")
+            return
+        for setting, why in ((self.speculative_config, "speculative_config"), (kv_transfer, "kv_transfer_config")):
+            if setting is not None:
+                raise ValueError(f"kv_eviction_policy={self.kv_eviction_policy!r} does not compose with {why} yet "
+                                 f"({NOT_COMPOSED[why]})")
 
     # -- CLI ---------------------------------------------------------------------------
     @staticmethod
@@ -366,6 +386,11 @@ class EngineArgs:
                        help="KV cache storage: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2 / int8 with a "
                             "bfloat16 scale per head and position: ~2x the tokens of bfloat16 in the same memory "
                             "(fp8_e5m2, for vLLM parity, rounds twice as coarsely as fp8)")
+        g.add_argument("--kv-eviction-policy", default=d.kv_eviction_policy, choices=KV_EVICTION_POLICIES,
+                       help="bound each request's KV to --kv-budget-tokens: sink_window keeps the first tokens and "
+                            "the most recent (StreamingLLM); requests may ask for their own")
+        g.add_argument("--kv-budget-tokens", type=int, default=None,
+                       help="the most KV tokens a request keeps under --kv-eviction-policy")
         g.add_argument("--kv-populate", default=d.kv_populate, choices=KV_POPULATE_MODES,
                        help="when the KV pool's pages are mapped in: background (ahead of the steps' writes, beside "
                             "them), when-idle (the whole pool, only while no step runs; kvflow serve's default), off "

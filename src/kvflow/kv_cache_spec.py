@@ -6,7 +6,10 @@ A layer declares one spec:
   that left the window can be freed while the request runs;
 - `MLAAttentionSpec`: multi-head latent attention keeps one compressed latent plus the decoupled
   RoPE key per position, shared by all heads;
-- `SharedKVSpec`: the layer reads an earlier layer's KV and writes none (cross-layer sharing).
+- `SharedKVSpec`: the layer reads an earlier layer's KV and writes none (cross-layer sharing);
+- `MambaStateSpec`: a recurrent layer's state (a state-space model's convolution inputs and scan
+  state): a fixed size per request whatever its length, so a request holds one block of a state
+  group, its *state slot*, from its first token to its end.
 
 Layers with equal specs form a *KV group* with its own block table per request. All groups draw
 from one pool of blocks, so every group's block must cost the same memory: a spec with L layers
@@ -96,7 +99,36 @@ class SharedKVSpec:
         return None  # it holds nothing, so there is nothing to cap
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedKVSpec
+@dataclass(frozen=True)
+class MambaStateSpec:
+    conv_dim: int  # channels of the causal convolution (x, B and C)
+    conv_kernel: int  # its width: the state keeps that many inputs per channel
+    num_heads: int
+    head_dim: int
+    state_size: int  # the scan state per head is head_dim x state_size
+
+    @property
+    def state_elements(self) -> int:
+        """float32 numbers of one request's state in one layer: the convolution's inputs, then the
+        scan state (kvflow.model.models.mamba2 lays them out)."""
+        return self.conv_dim * self.conv_kernel + self.num_heads * self.head_dim * self.state_size
+
+    @property
+    def elements_per_token(self) -> int:
+        return 0  # the state does not grow with the request
+
+    @property
+    def vectors_per_token(self) -> int:
+        return 0
+
+    @property
+    def sliding_window(self) -> int | None:
+        return None
+
+
+STATE_BYTES = 4  # states are float32 whatever the model's dtype: the scan sums every token into them
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedKVSpec | MambaStateSpec
 
 # `kv_cache_dtype` settings: "auto" keeps KV in the model's dtype; the others store one byte per
 # number plus a bfloat16 scale per vector, one head's K or V at one position
@@ -145,12 +177,24 @@ class KVLayout:
     def sliding_windows(self) -> tuple[int | None, ...]:
         return tuple(g.spec.sliding_window for g in self.groups)
 
+    @property
+    def state_groups(self) -> tuple[bool, ...]:
+        """Per group: whether it holds recurrent states (one block per request) rather than KV."""
+        return tuple(isinstance(g.spec, MambaStateSpec) for g in self.groups)
+
+    @property
+    def holds_state(self) -> bool:
+        return any(self.state_groups)
+
     def block_bytes(self, block_size: int, dtype_bytes: int, kv_cache_dtype: str = "auto",
                     layers: range | None = None) -> int:
         """Memory of one block: one slot's worth of KV in each of the group_size tensors (in those
         of `layers`' slots only, for a pipeline stage that holds those layers)."""
         num_slots = self.group_size if layers is None else len(self.slots(layers))
-        return int(num_slots * token_bytes(self.groups[0].spec, dtype_bytes, kv_cache_dtype) * block_size)
+        spec = self.groups[0].spec
+        if isinstance(spec, MambaStateSpec):
+            return num_slots * spec.state_elements * STATE_BYTES
+        return int(num_slots * token_bytes(spec, dtype_bytes, kv_cache_dtype) * block_size)
 
     def slots(self, layers: range) -> list[int]:
         """The pool tensors `layers` keep their KV in (a layer sharing another's KV, its target's)."""
@@ -170,6 +214,9 @@ def kv_layout(specs: list[KVCacheSpec]) -> KVLayout:
         raise ValueError("no layer keeps KV of its own")
     if len({isinstance(s, MLAAttentionSpec) for s in owners}) > 1:
         raise ValueError("latent (MLA) and K/V layers cannot share one block pool")
+    if len({isinstance(s, MambaStateSpec) for s in owners}) > 1:
+        raise ValueError("recurrent-state and attention layers in one model (a hybrid) are not served yet: their "
+                         "blocks would need one size")
     sizes = {s.elements_per_token for s in owners}
     if len(sizes) > 1:
         raise ValueError(f"layers keep different KV sizes per token ({sorted(sizes)} numbers): one block pool "

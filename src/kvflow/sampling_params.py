@@ -46,6 +46,10 @@ class SamplingParams:
     # token id → a number added to its logit before sampling (OpenAI's logit_bias: -100 bans the
     # token, +100 all but forces it); the logprobs reported are the model's, before it.
     logit_bias: dict[int, float] | None = None
+    # A KV budget for this request (kvflow.core.kv_eviction); None: the engine's
+    # kv_eviction_policy / kv_budget_tokens.
+    kv_eviction_policy: str | None = None
+    kv_budget_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +102,10 @@ class SamplingParams:
                                                     for t, b in self.logit_bias.items())),
                "logit_bias", f"a map of at most {MAX_LOGIT_BIAS} token ids >= 0 to numbers in [-100, 100]",
                self.logit_bias)
+        _check(self.kv_eviction_policy is None or isinstance(self.kv_eviction_policy, str),
+               "kv_eviction_policy", "a policy name (or None)", self.kv_eviction_policy)
+        _check(self.kv_budget_tokens is None or (_is_int(self.kv_budget_tokens) and self.kv_budget_tokens >= 1),
+               "kv_budget_tokens", "an integer >= 1 (or None)", self.kv_budget_tokens)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "a StructuredOutputsParams (or None)", self.structured_outputs)
 

@@ -100,6 +100,20 @@ def _logprobs(out) -> list[float]:
 
 
 @TP_TIMEOUT
+def test_token_eviction_under_tensor_parallel_gives_the_tokens_of_one_rank(model):
+    """A KV budget's compacted tables and evicted counts travel in the step message: every rank
+    drops the same blocks and rotates by the same positions."""
+    prompts = _prompts((70, 9))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    args = dict(kv_eviction_policy="sink_window", kv_budget_tokens=48, max_num_batched_tokens=24)
+    (one, _), (two, _) = (_run(model[1], tp, prompts, params, args) for tp in (1, 2))
+    for a, b in zip(one, two):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: p.logprob for t, p in y.items()} == pytest.approx({t: p.logprob for t, p in x.items()}, abs=1e-4)
+
+
+@TP_TIMEOUT
 def test_beam_search_under_tensor_parallel_finds_the_beams_of_one_rank(model):
     """The beams' requests (one token each, top logprobs, sharing blocks copy-on-write) are plain
     requests to the engine: TP=2 ranks and scores them as TP=1 does."""

@@ -15,6 +15,16 @@ reuses the whole prompt and recomputes only its last token, which it needs for l
 that is a cached prompt plus one token (a beam of beam search extending the beam it came from)
 finds that prompt's tail too, and computes only its new token.
 
+A state group (a state-space model's layers: `MambaStateSpec`) gives each request one block, its
+state slot, from its first chunk to its end, whatever its length; the worker reads and writes the
+request's state there, and a request computing from position 0 starts from zeros in it. Such
+models run without the prefix cache (the engine turns it off).
+
+A request with a KV budget (`core/kv_eviction.py`) drops its oldest non-sink blocks at fixed
+points; its table then holds only the survivors, compacted, and its positions past the first
+point are `num_evicted_tokens` ahead of their KV indices. It neither reads nor fills the prefix
+cache.
+
 Two rules keep shared memory correct (copy-on-write): content the cache promises is never
 overwritten, and a block another request holds is never written. A write into a cached block's
 covered slots (a request recomputing the last token of a prompt it found whole), or into a
@@ -42,10 +52,14 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_windows: tuple[int | None, ...] = (None,)) -> None:
-        """`sliding_windows`: one entry per KV group, None for groups that keep every position."""
+                 sliding_windows: tuple[int | None, ...] = (None,), state_groups: tuple[bool, ...] | None = None) -> None:
+        """`sliding_windows`: one entry per KV group, None for groups that keep every position;
+        `state_groups`: per group, whether it holds one state block per request (default: none)."""
         self.block_size = block_size
         self.sliding_windows = tuple(sliding_windows)
+        self.state_groups = tuple(state_groups or (False,) * len(self.sliding_windows))
+        if any(self.state_groups) and enable_caching:
+            raise ValueError("a model with recurrent state runs without the prefix cache")
         self.pool = BlockPool(num_blocks, enable_caching)
         self._block_tables: dict[str, BlockTables] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading full blocks already registered
@@ -76,8 +90,8 @@ class KVCacheManager:
         """The most blocks, over all groups, a request may hold at once while it caches
         `num_tokens` positions in chunks of at most `max_chunk` tokens."""
         full = self.blocks_needed(num_tokens)
-        return sum(full if w is None else min(full, cdiv(w - 1 + max_chunk, self.block_size) + 1)
-                   for w in self.sliding_windows)
+        return sum(1 if state else full if w is None else min(full, cdiv(w - 1 + max_chunk, self.block_size) + 1)
+                   for w, state in zip(self.sliding_windows, self.state_groups))
 
     def max_chunk(self, num_tokens: int, budget: int) -> int:
         """The largest chunk (at most `budget`) with which a request caching `num_tokens`
@@ -98,9 +112,10 @@ class KVCacheManager:
     def resumable_blocks(self, request: Request) -> list[int]:
         """The blocks, over all groups in order, holding the KV that computing on from
         `num_computed_tokens` reads: what a swap saves and restores."""
-        tables, start = self.block_ids(request.request_id), request.num_computed_tokens
+        tables, start = self.block_ids(request.request_id), request.num_computed_tokens - request.num_evicted_tokens
         end = self.blocks_needed(start)
-        return [b for w, table in zip(self.sliding_windows, tables) for b in table[self._first_live(w, start):end]]
+        return [b for w, state, table in zip(self.sliding_windows, self.state_groups, tables)
+                for b in (table if state else table[self._first_live(w, start):end])]
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
@@ -180,18 +195,22 @@ class KVCacheManager:
     # -- allocation ------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_computed: int, num_new: int, cached_blocks: BlockTables = ()) -> bool:
         """Make room to compute tokens [num_computed, num_computed + num_new), each table starting
-        with its group's `cached_blocks` if given. Blocks that left a sliding window are given
-        back first; beyond that, False with nothing changed if the pool is too small."""
+        with its group's `cached_blocks` if given. Blocks that left a sliding window, or that an
+        eviction point drops, are given back first (they are due whatever follows); beyond that,
+        False with nothing changed if the pool is too small."""
         rid = request.request_id
         tables = self._block_tables.get(rid) or self._empty_tables()
         cached = cached_blocks or self._empty_tables()
+        if request.eviction is not None:
+            self._evict(request, tables, num_computed)
+            num_computed -= request.num_evicted_tokens  # from here on, KV indices
         self._drop_out_of_window(tables, num_computed)
         end = self.blocks_needed(num_computed + num_new)
         first, offset = divmod(num_computed, self.block_size)
         plans, need = [], 0
-        for window, table, hits in zip(self.sliding_windows, tables, cached):
+        for window, state, table, hits in zip(self.sliding_windows, self.state_groups, tables, cached):
             existing = [*table, *hits]
-            missing = max(0, end - max(len(existing), self._first_live(window, num_computed)))
+            missing = max(0, (1 if state else end) - max(len(existing), self._first_live(window, num_computed)))
             copy = first < len(existing) and self._must_copy(existing[first], offset, held=first < len(table))
             need += missing + copy + sum(1 for b in hits if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
             plans.append(copy)
@@ -204,17 +223,33 @@ class KVCacheManager:
         for hits in cached:  # every group's hits leave the free list before any group allocates
             self.pool.take([b for b in hits if b != NULL_BLOCK])
         grew = False
-        for window, table, hits, copy in zip(self.sliding_windows, tables, cached, plans):
+        for window, state, table, hits, copy in zip(self.sliding_windows, self.state_groups, tables, cached, plans):
             table.extend(hits)
             if copy:
                 self._copy_on_write(table, first)
             table.extend([NULL_BLOCK] * (self._first_live(window, num_computed) - len(table)))
-            if end > len(table):
-                table.extend(self.pool.allocate(end - len(table)))
+            length = 1 if state else end
+            if length > len(table):
+                table.extend(self.pool.allocate(length - len(table)))
                 grew = True
         if grew:
             self._mark_in_flight(request, len(tables[0]))
         return True
+
+    def _evict(self, request: Request, tables: BlockTables, num_computed: int) -> None:
+        """At an eviction point, drop the oldest blocks after the sinks down to the policy's count
+        (again at the same point: nothing). Every group keeps one full-attention table."""
+        eviction = request.eviction
+        if num_computed % eviction.interval:
+            return
+        drop = (eviction.evicted_at(num_computed) - request.num_evicted_tokens) // self.block_size
+        if drop <= 0:
+            return
+        first = eviction.sink_tokens // self.block_size
+        for table in tables:
+            self.pool.release(table[first:first + drop])
+            del table[first:first + drop]
+        request.num_evicted_tokens += drop * self.block_size
 
     def _drop_out_of_window(self, tables: BlockTables, num_computed: int) -> None:
         for window, table in zip(self.sliding_windows, tables):
@@ -244,7 +279,7 @@ class KVCacheManager:
         prompt is done, findable (in every group that still holds them)."""
         rid = request.request_id
         tables = self._block_tables.get(rid)
-        if tables is None or not self.pool.enable_caching:
+        if tables is None or not self.pool.enable_caching or request.eviction is not None:
             return
         hashes = self.block_hashes(request)
         full = min(request.num_computed_tokens // self.block_size, len(hashes))
@@ -275,7 +310,7 @@ class KVCacheManager:
             self.pool.release([b for b in reversed(table) if b != NULL_BLOCK])
 
     def _mark_in_flight(self, request: Request, num_table_blocks: int) -> None:
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or request.eviction is not None:
             return
         hashes = self._next_hashes(request)
         for i in range(self._num_cached_blocks[request.request_id], min(num_table_blocks, len(hashes))):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvflow.core.block_hash import cache_extra_keys
+from kvflow.core.kv_eviction import KVEviction
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class Request:
     host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
     spec_token_ids: list[int] = field(default_factory=list)  # proposed to follow its last token, not yet verified
     max_chunk_tokens: int = 1 << 62  # set at admission: the largest chunk whose KV blocks fit the pool
+    eviction: KVEviction | None = None  # a KV budget (core/kv_eviction.py); None: keeps all its KV
+    num_evicted_tokens: int = 0  # positions past the sinks whose KV left: KV index = position - this
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

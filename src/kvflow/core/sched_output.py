@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class ScheduledChunk:
     request_id: str
     token_ids: list[int]  # the tokens computed this step
-    start_pos: int  # position of token_ids[0] == tokens already in the KV cache
+    start_pos: int  # position of token_ids[0] == tokens computed before it
     block_ids: tuple[list[int], ...]  # one block table per KV group
     sample: bool  # the chunk reaches the last known token: produce the next one
     sampling_params: SamplingParams
@@ -37,6 +37,9 @@ class ScheduledChunk:
     lora_request: LoRARequest | None = None  # the adapter its rows run with
     num_spec_tokens: int = 0  # the last this-many of token_ids are proposals to verify (then sample is True)
     num_lookahead_tokens: int = 0  # tokens to propose after sampling, for the next step
+    # Positions whose KV a budget evicted (core/kv_eviction.py): token_ids[0]'s KV index is
+    # start_pos - this, its rotary position start_pos.
+    num_evicted_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

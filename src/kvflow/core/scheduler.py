@@ -29,6 +29,9 @@ at once: a request in flight is neither scheduled again (its next tokens are not
 preempted, and one that ends meanwhile (an abort) keeps its blocks until its batch lands, since
 later pipeline stages may still write its KV. A synchronous engine lands each batch before the next schedule, so nothing
 there ever sees a request in flight.
+
+A request with a KV budget (`core/kv_eviction.py`) computes no chunk across an eviction point,
+and is preempted by recompute (its evictions happen again at the same points).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvflow.config import SchedulerConfig
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_connector import KVConnectorScheduler
+from kvflow.core.kv_eviction import KVEviction
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput
 from kvflow.core.waiting_queue import WaitingQueue
@@ -84,12 +88,18 @@ class Scheduler:
         return (request.priority if self.config.policy == "priority" else 0, request.arrival_seq)
 
     # -- admission -------------------------------------------------------------------------
-    def admission_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+    def admission_error(self, num_prompt_tokens: int, max_tokens: int, eviction: KVEviction | None = None) -> str | None:
         """Why a request of this size can never run, or None if it can."""
         total = num_prompt_tokens + max_tokens
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
             return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
                     f"exceeds max_model_len ({self.max_model_len})")
+        if eviction is not None:
+            blocks = self.kv_cache.blocks_needed(min(total - 1, eviction.budget_tokens))
+            if blocks > self.kv_cache.num_blocks:
+                return (f"kv_budget_tokens ({eviction.budget_tokens}) needs {blocks} KV blocks but the whole cache "
+                        f"has {self.kv_cache.num_blocks}; lower kv_budget_tokens or raise {self.pool_size_setting}")
+            return None
         # The last sampled token is never written to the cache; a sliding-window group holds
         # only the blocks of its window (and of the chunk being computed).
         if self._max_chunk(total) == 0:
@@ -102,12 +112,14 @@ class Scheduler:
         return self.kv_cache.max_chunk(total_tokens - 1, self.config.max_num_batched_tokens)
 
     def add_request(self, request: Request) -> None:
-        error = self.admission_error(request.num_prompt_tokens, request.max_tokens)
+        error = self.admission_error(request.num_prompt_tokens, request.max_tokens, request.eviction)
         if error:
             raise ValueError(error)
         # On a sliding-window model a chunk's blocks must fit beside the window's: a request whose
-        # whole context exceeds the pool still runs, in chunks that fit.
-        request.max_chunk_tokens = self._max_chunk(request.num_prompt_tokens + request.max_tokens)
+        # whole context exceeds the pool still runs, in chunks that fit. With a KV budget, chunks
+        # end at eviction points (_chunk_limit).
+        if request.eviction is None:
+            request.max_chunk_tokens = self._max_chunk(request.num_prompt_tokens + request.max_tokens)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_seq = next(self._arrivals)
@@ -141,7 +153,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING or request.request_id in self.in_flight:
                 continue  # preempted earlier in this loop, or its last batch has not landed
-            num_new = min(request.num_uncomputed_tokens, budget, request.max_chunk_tokens)
+            num_new = min(request.num_uncomputed_tokens, budget, self._chunk_limit(request))
             if request.request_id in held and num_new == request.num_uncomputed_tokens:
                 num_new -= 1  # up to the token that would sample
                 if num_new == 0:
@@ -177,6 +189,14 @@ class Scheduler:
             ended = self._free_when_landed.pop(chunk.request_id, None)
             if ended is not None:
                 self.kv_cache.free(ended)
+
+    @staticmethod
+    def _chunk_limit(request: Request) -> int:
+        """The longest chunk the request may compute next: what fits the pool, and never past an
+        eviction point."""
+        if request.eviction is not None:
+            return request.eviction.chunk_limit(request.num_computed_tokens)
+        return request.max_chunk_tokens
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.num_batched_tokens
@@ -222,9 +242,10 @@ class Scheduler:
     @staticmethod
     def _reuses_cache(request: Request) -> bool:
         """A swapped request brings its own KV; one that still owes prompt logprobs must compute
-        every prompt position (its blocks are still cached for others)."""
+        every prompt position (its blocks are still cached for others); one with a KV budget
+        computes its own (past the first eviction point its KV is not the full context's)."""
         owes_prompt_logprobs = request.sampling_params.prompt_logprobs is not None and request.status is RequestStatus.WAITING
-        return request.status is not RequestStatus.SWAPPED and not owes_prompt_logprobs
+        return request.status is not RequestStatus.SWAPPED and not owes_prompt_logprobs and request.eviction is None
 
     def _start_running(self, request: Request, start: int, num_external: int, num_new: int,
                        out: SchedulerOutput) -> None:
@@ -263,7 +284,7 @@ class Scheduler:
         """Blocks for the external tokens and the first chunk; returns the chunk's length (0: no
         room). Under the priority policy a waiting request may preempt running ones behind it."""
         # Loaded tokens spend no budget, but their blocks are allocated with the chunk's.
-        num_new = min(request.num_tokens - num_cached - num_external, self._budget_left(out), request.max_chunk_tokens)
+        num_new = min(request.num_tokens - num_cached - num_external, self._budget_left(out), self._chunk_limit(request))
         while not self.kv_cache.allocate_slots(request, num_cached, num_external + num_new, cached):
             victim = self._victim()
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
@@ -292,7 +313,7 @@ class Scheduler:
         yield up to k + 1 tokens) and free blocks allow, all or none; never a preemption."""
         if not request.spec_token_ids or num_new != request.num_uncomputed_tokens:
             return []
-        room = min(budget, request.max_chunk_tokens) - num_new
+        room = min(budget, self._chunk_limit(request)) - num_new
         drafts = request.spec_token_ids[:min(room, request.num_tokens_allowed - 1)]
         if drafts and self.kv_cache.allocate_slots(request, request.num_computed_tokens, num_new + len(drafts)):
             return drafts
@@ -316,11 +337,11 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         request.spec_token_ids = []
-        if self.config.preemption_mode == "swap" and self._swap_out(request, out):
+        if self.config.preemption_mode == "swap" and request.eviction is None and self._swap_out(request, out):
             request.status = RequestStatus.SWAPPED
         else:
             request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
+            request.num_computed_tokens = request.num_evicted_tokens = 0
         self.kv_cache.free(request)
         self.num_preemptions_total += 1
         out.preempted_request_ids.append(request.request_id)
@@ -359,6 +380,7 @@ class Scheduler:
             lora_request=request.lora_request,
             num_spec_tokens=len(drafts),
             num_lookahead_tokens=lookahead,
+            num_evicted_tokens=request.num_evicted_tokens,
         )
 
     # -- after the model ran ---------------------------------------------------------------
@@ -406,7 +428,7 @@ class Scheduler:
             self.running.remove(request)
             self.kv_cache.free(request)
             self.kv_connector.request_load_failed(request)
-            request.num_computed_tokens = request.num_cached_tokens = 0
+            request.num_computed_tokens = request.num_cached_tokens = request.num_evicted_tokens = 0
             request.status = RequestStatus.WAITING
             out.drop(request_id)
             self._enqueue(request)

@@ -18,6 +18,7 @@ from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_connector import KVStoreConnector
+from kvflow.core.kv_eviction import NOT_COMPOSED, KVEviction
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
@@ -71,6 +72,10 @@ class LLMEngine:
         if getattr(self.quant_config, "needs_calibration", False):  # before any worker starts
             self._check_calibration()
         self._check_kv_transfer()  # before any weight is read
+        if self.arch.kv_layout.holds_state:
+            self.config = self._for_recurrent_state(self.config)
+        if self.config.cache.kv_eviction_policy != "none":
+            self._check_kv_groups_evict(self.config.cache.kv_eviction_policy)
         # The workers load the model and size and allocate the KV pool; the engine schedules.
         with phase("loaded the model and allocated the KV cache") as done:
             self.model_executor = create_executor(self.config, self.arch, self.quant_config, checkpoint)
@@ -84,7 +89,8 @@ class LLMEngine:
         self.speculation = None if self.config.speculative is None else AdaptiveSpeculation(self.config.speculative)
         self.scheduler = Scheduler(
             self.config.scheduler,
-            KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, layout.sliding_windows),
+            KVCacheManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, layout.sliding_windows,
+                           layout.state_groups),
             self.config.model.max_model_len,
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None,
             max_loras=None if self.config.lora is None else self.config.lora.max_loras,
@@ -145,6 +151,19 @@ class LLMEngine:
         with phase(f"calibrated and quantized ({self.quant_config.name}, {len(windows)} windows of text)", announce=True):
             self.model_executor.calibrate(run, windows)
         self.reset_prefix_cache()  # those blocks hold the float model's keys and values
+
+    def _for_recurrent_state(self, config: EngineConfig) -> EngineConfig:
+        """A state-space model: without the prefix cache (a state is the whole past, not a block of
+        it; caching states at block ends is not built yet), refusing what needs per-position KV."""
+        refused = {"speculative_config": config.speculative, "kv_transfer_config": config.kv_transfer,
+                   "kv_eviction_policy": config.cache.kv_eviction_policy != "none" or None}
+        for name, setting in refused.items():
+            if setting is not None:
+                raise ValueError(f"{name}: {self.arch.architecture} keeps a recurrent state, not per-position KV; "
+                                 f"it does not compose with {name} yet")
+        if config.cache.enable_prefix_caching:
+            logger.info("%s keeps a recurrent state: prefix caching is off", self.arch.architecture)
+        return dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
 
     def _check_kv_transfer(self) -> None:
         if self.config.kv_transfer is not None and self.arch.kv_layout.sliding_windows != (None,):
@@ -214,9 +233,10 @@ class LLMEngine:
         self._check_params(params)
         if lora_request is not None:
             self.add_lora(lora_request)
+        eviction = self._eviction(params)
         text, token_ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or max(1, self.config.model.max_model_len - len(token_ids))
-        error = self.scheduler.admission_error(len(token_ids), max_tokens)
+        error = self.scheduler.admission_error(len(token_ids), max_tokens, eviction)
         if error:
             raise ValueError(error)
         if params.structured_outputs is None:
@@ -231,7 +251,8 @@ class LLMEngine:
                 child_params = params if params.n == 1 else params.clone(
                     n=1, seed=None if params.seed is None else _child_seed(params.seed, index))
                 request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival,
-                                  priority=priority, cache_salt=cache_salt, lora_request=lora_request)
+                                  priority=priority, cache_salt=cache_salt, lora_request=lora_request,
+                                  eviction=eviction)
                 self.scheduler.add_request(request)
                 queued.append(child_id)
                 if grammar is not None:  # forgotten once the request finishes
@@ -494,6 +515,28 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > cap:
                 raise ValueError(f"{name} must be at most {cap} (max_logprobs); got {value}")
+
+    def _eviction(self, params: SamplingParams) -> KVEviction | None:
+        """The request's KV budget: its own policy and budget, each defaulting to the engine's."""
+        cache = self.config.cache
+        policy = cache.kv_eviction_policy if params.kv_eviction_policy is None else params.kv_eviction_policy
+        budget = cache.kv_budget_tokens if params.kv_budget_tokens is None else params.kv_budget_tokens
+        eviction = KVEviction.resolve(policy, budget, cache.block_size)
+        if eviction is None and params.kv_budget_tokens is not None:
+            raise ValueError("kv_budget_tokens applies with a kv_eviction_policy (sink_window)")
+        if eviction is not None and params.kv_eviction_policy is not None:
+            self._check_kv_groups_evict(policy)
+            for why, setting in (("speculative_config", self.config.speculative),
+                                 ("kv_transfer_config", self.config.kv_transfer)):
+                if setting is not None:
+                    raise ValueError(f"kv_eviction_policy={policy!r} does not compose with this engine's {why} "
+                                     f"yet ({NOT_COMPOSED[why]})")
+        return eviction
+
+    def _check_kv_groups_evict(self, policy: str) -> None:
+        if self.arch.kv_layout.sliding_windows != (None,) or self.arch.kv_layout.holds_state:
+            raise ValueError(f"kv_eviction_policy={policy!r} does not compose with {self.arch.architecture} yet "
+                             f"({NOT_COMPOSED['kv_groups']})")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A dict may carry both: the text (for outputs) and its token ids (not tokenized again)."""

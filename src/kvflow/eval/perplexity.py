@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from kvflow.config import EngineArgs
 from kvflow.data import ENGLISH_TEXT, english_text
+from kvflow.eval.passkey import add_passkey_parser
 from kvflow.sampling_params import SamplingParams
 
 
@@ -61,6 +62,7 @@ def add_eval_parser(sub) -> None:
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     EngineArgs.add_cli_args(ppl)
     ppl.set_defaults(func=run_ppl)
+    add_passkey_parser(eval_sub)
 
 
 def run_ppl(args: argparse.Namespace) -> int:
@@ -70,7 +72,9 @@ def run_ppl(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     result = perplexity(engine, args.max_tokens, args.context, progress=not args.json)
     if args.json:
-        print(json.dumps(asdict(result) | {"model": args.model, "quantization": args.quantization}))
+        print(json.dumps(asdict(result) | {"model": args.model, "quantization": args.quantization,
+                                           "kv_eviction_policy": args.kv_eviction_policy,
+                                           "kv_budget_tokens": args.kv_budget_tokens}))
     else:
         print(f"perplexity {result.perplexity:.3f} (nll {result.nll:.4f} nats/token over {result.tokens} tokens, "
               f"{result.windows} windows of {result.context})")

@@ -9,6 +9,7 @@ Torch-free, so the planner can read it without loading torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,6 +19,7 @@ from kvflow.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheSpec,
     KVLayout,
+    MambaStateSpec,
     MLAAttentionSpec,
     SharedKVSpec,
     SlidingWindowSpec,
@@ -35,7 +37,13 @@ FAMILY_DEFAULTS: Mapping[str, Mapping] = MappingProxyType({
     "mixtral": MappingProxyType(dict(norm_topk_prob=True)),  # Mixtral always renormalises its top-k
     "deepseek_v2": MappingProxyType(dict(scoring_func="softmax", topk_method="greedy")),
     "deepseek_v3": MappingProxyType(dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)),
+    "mamba2": MappingProxyType(dict(  # Mamba2Config's defaults
+        head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=256, expand=2, layer_norm_epsilon=1e-5,
+        use_bias=False, use_conv_bias=True, hidden_act="silu", time_step_limit=(0.0, math.inf))),
 })
+# A state-space model has no positions: its state is one size however long the request. The engine
+# still bounds a request (prompt + max_tokens) by max_model_len, this by default.
+STATE_MODEL_CONTEXT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class ArchConfig:
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     num_kv_shared_layers: int = 0  # the last n layers read an earlier layer's KV (cross-layer sharing)
+    recurrent_state: MambaStateSpec | None = None  # a state-space model's per-layer state (Mamba-2)
     # The engine's context when a model is built for one (`worker.rank_model`): the length that
     # longrope and dynamic RoPE scale for (`kvflow.model.layers.rotary`). None: max_position_embeddings.
     max_model_len: int | None = field(default=None, compare=False)
@@ -98,6 +107,8 @@ class ArchConfig:
     def from_hf(cls, config: Mapping) -> ArchConfig:
         cfg = _with_defaults(config)
         arch = (cfg.get("architectures") or [""])[0]  # "": the planner may read such a config, the engine not
+        if cfg.get("model_type") == "mamba2":
+            return cls._from_mamba2(cfg, arch)
         heads = _get(cfg, "num_attention_heads")
         hidden = _get(cfg, "hidden_size")
         layers = _get(cfg, "num_hidden_layers")
@@ -124,12 +135,28 @@ class ArchConfig:
             attention_bias=cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe")),
             sliding_windows=_sliding_windows(cfg, arch, layers),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            eos_token_ids=_eos_ids(eos),
             mla=_mla(cfg),
             moe=_moe(cfg, layers),
             num_kv_shared_layers=shared,
             hf=MappingProxyType(cfg),
         )
+
+    @classmethod
+    def _from_mamba2(cls, cfg: Mapping, arch: str) -> ArchConfig:
+        """Mamba-2: no attention; each layer keeps a state (the sizes kvflow.model.layers.mamba2_mixer
+        reads from the same dict)."""
+        heads, head_dim, state = int(_get(cfg, "num_heads")), int(cfg["head_dim"]), int(cfg["state_size"])
+        inner = heads * head_dim
+        spec = MambaStateSpec(inner + 2 * int(cfg["n_groups"]) * state, int(cfg["conv_kernel"]), heads, head_dim, state)
+        layers = int(_get(cfg, "num_hidden_layers"))
+        return cls(architecture=arch, model_type="mamba2", vocab_size=_get(cfg, "vocab_size"),
+                   hidden_size=_get(cfg, "hidden_size"), intermediate_size=inner, num_layers=layers, num_heads=heads,
+                   num_kv_heads=heads, head_dim=head_dim, rms_norm_eps=cfg["layer_norm_epsilon"], rope_theta=0.0,
+                   rope_scaling=None, max_position_embeddings=STATE_MODEL_CONTEXT,
+                   tie_word_embeddings=cfg.get("tie_word_embeddings", False), attention_bias=False,
+                   sliding_windows=(None,) * layers, bos_token_id=cfg.get("bos_token_id"),
+                   eos_token_ids=_eos_ids(cfg.get("eos_token_id")), recurrent_state=spec, hf=MappingProxyType(cfg))
 
     @property
     def rope_serve_len(self) -> int:
@@ -143,6 +170,8 @@ class ArchConfig:
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """What each layer keeps in the KV cache. With `num_kv_shared_layers` = n the last n
         layers read the KV of the last earlier layer of the same kind (Gemma 3n's rule)."""
+        if self.recurrent_state is not None:
+            return [self.recurrent_state] * self.num_layers
         if self.mla is not None:
             specs: list[KVCacheSpec] = [MLAAttentionSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)] * self.num_layers
         else:
@@ -164,6 +193,10 @@ def _with_defaults(config: Mapping) -> dict:
     model_type = str(cfg.get("model_type", ""))
     defaults = FAMILY_DEFAULTS.get("gemma3_text" if model_type == "gemma3" else model_type, {})
     return {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
+
+
+def _eos_ids(eos) -> tuple[int, ...]:
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def _get(cfg: Mapping, key: str):

@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "OlmoeForCausalLM": Architecture("olmoe", "OlmoeForCausalLM"),
     "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": Architecture("deepseek_v2", "DeepseekV3ForCausalLM"),
+    "Mamba2ForCausalLM": Architecture("mamba2", "ServedMamba2ForCausalLM"),
 }
 
 

@@ -33,12 +33,17 @@ import torch
 
 from kvflow.attention import kv_quant
 from kvflow.config import CacheConfig
-from kvflow.kv_cache_spec import KVCacheSpec, KVLayout, MLAAttentionSpec, SharedKVSpec
+from kvflow.kv_cache_spec import KVCacheSpec, KVLayout, MambaStateSpec, MLAAttentionSpec, SharedKVSpec
 
 
 def kv_cache_shape(spec: KVCacheSpec, num_blocks: int, block_size: int, quantized: bool = False) -> tuple[int, ...]:
     if isinstance(spec, SharedKVSpec):
         raise ValueError("a layer that shares KV has no cache of its own")
+    if isinstance(spec, MambaStateSpec):  # a block is one request's state: float32, whatever kv_cache_dtype says
+        if quantized:
+            raise ValueError("kv_cache_dtype fp8/int8 does not apply to a model with recurrent state (its states "
+                             "are float32); use kv_cache_dtype=auto")
+        return (1, num_blocks, spec.state_elements)
     if isinstance(spec, MLAAttentionSpec):
         if quantized:
             raise ValueError("kv_cache_dtype fp8/int8 is not implemented for multi-head latent attention (MLA) "
@@ -81,7 +86,8 @@ def pool_blocks(cache: CacheConfig, layout: KVLayout, dtype_bytes: int, max_mode
     on a pipeline stage): the budget, capped by what max_num_seqs requests of max_model_len tokens
     could hold in every group and by `available_bytes` (`num_kv_blocks`)."""
     block_bytes = layout.block_bytes(cache.block_size, dtype_bytes, cache.cache_dtype, layers)
-    useful = -(-max_model_len // cache.block_size) * max_num_seqs * len(layout.groups)
+    per_request = 1 if layout.holds_state else -(-max_model_len // cache.block_size)  # a state is one block
+    useful = per_request * max_num_seqs * len(layout.groups)
     return (num_kv_blocks(cache, block_bytes, useful, available_bytes),
             int(cache.swap_space_gb * 1024**3) // block_bytes)
 
@@ -138,6 +144,8 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     quantized = codes is not None
     first = layout.groups[0].spec
     held = range(layout.group_size) if layers is None else layout.slots(layers)
+    if isinstance(first, MambaStateSpec):
+        codes = torch.float32
     pool = {slot: zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device)
             for slot in held}
     # One thread for every layer's pool: a thread each (30 for SmolLM2) made the start wait ~75 ms

@@ -51,11 +51,13 @@ class ModelRunner:
                  decode_graphs: DecodeGraphs | CpuDecodeLoop | None = None, *, lora: LoRAManager | None = None,
                  kv_connector: KVStoreConnectorWorker | None = None,
                  build_speculator: Callable[[ModelRunner], Speculator] | None = None,
-                 stage: PipelineStage = WHOLE) -> None:
+                 stage: PipelineStage = WHOLE, state_groups: tuple[bool, ...] = ()) -> None:
         """`lora`: the adapters' slots (the model's linear layers already wrapped); `kv_connector`: KV
         moving between engines; `build_speculator`: the runner builds its drafter with it, since the
         drafter shares the runner's sampler and flat-batch builder (and, for layer skip, its model);
-        `stage`: the pipeline stage this runner runs (only the last samples)."""
+        `stage`: the pipeline stage this runner runs (only the last samples); `state_groups`: per KV
+        group, whether its table is a request's one state block (kv_cache_spec.MambaStateSpec)."""
+        self.state_groups = state_groups
         self.model = model
         self.stage = stage
         self.lora = lora
@@ -178,23 +180,24 @@ class ModelRunner:
         # requests is ~20 operations on tiny arrays, which cost ~15 µs each as torch calls.
         query_lens = [c.num_tokens for c in chunks]
         lens = np.array(query_lens, dtype=np.int64)
-        starts = np.array([c.start_pos for c in chunks], dtype=np.int64)
+        # A request with a KV budget keeps its survivors compacted: KV index = position - evicted.
+        kv_starts = np.array([c.start_pos - c.num_evicted_tokens for c in chunks], dtype=np.int64)
         query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int64)
         np.cumsum(lens, out=query_start_loc[1:])
         row_request = np.repeat(np.arange(len(chunks)), lens)
-        positions = starts[row_request] + np.arange(row_request.size) - query_start_loc[row_request]
-        # Every position a chunk writes must lie in its block tables: past them, padding would
-        # name another request's block. The scheduler guarantees it; a bug must not write silently.
-        assert all(c.start_pos + c.num_tokens <= len(t) * self.block_size for c in chunks for t in c.block_ids), \
-            "a chunk writes past its block table"
+        kv_index = kv_starts[row_request] + np.arange(row_request.size) - query_start_loc[row_request]
+        # Every slot a chunk writes must lie in its block tables: past them, padding would name
+        # another request's block. The scheduler guarantees it; a bug must not write silently.
+        assert all(int(s) + c.num_tokens <= len(t) * self.block_size for c, s in zip(chunks, kv_starts)
+                   for g, t in enumerate(c.block_ids) if not self._holds_state(g)), "a chunk writes past its block table"
         width = max(len(t) for c in chunks for t in c.block_ids) + 1  # one more column: where an overrun lands
         # [groups, requests, width]. Writes pad with -1, a slot that writes nothing. Reads see block 0
         # there (masked by seq_lens) and where a sliding window gave a block back (NULL_BLOCK, -1;
         # the window mask hides it).
         slot_tables = np.array([[c.block_ids[g] + [-1] * (width - len(c.block_ids[g])) for c in chunks]
                                 for g in range(len(chunks[0].block_ids))], dtype=np.int64)
-        block_index, in_block = np.minimum(positions // self.block_size, width - 1), positions % self.block_size
-        seq_lens_cpu = [c.start_pos + c.num_tokens for c in chunks]
+        block_index, in_block = np.minimum(kv_index // self.block_size, width - 1), kv_index % self.block_size
+        seq_lens_cpu = (kv_starts + lens).tolist()
         lora = None if self.lora is None else self.lora.prepare([c.lora_request for c in chunks], query_lens)
         query_start_loc_t, seq_lens = _tensor(query_start_loc, dev), torch.tensor(seq_lens_cpu, device=dev)
         attn = tuple(AttentionMetadata(
@@ -207,7 +210,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_cpu,
             lora=lora,
         ) for slots in slot_tables)
-        positions = _tensor(positions, dev)
+        positions = _tensor(kv_index + np.repeat(np.array([c.num_evicted_tokens for c in chunks]), lens), dev)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
         batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})
         offset = 0
@@ -219,6 +222,9 @@ class ModelRunner:
                 self._add_prompt_rows(batch, chunk, offset)
             offset += q_len
         return batch
+
+    def _holds_state(self, group: int) -> bool:
+        return group < len(self.state_groups) and self.state_groups[group]
 
     @staticmethod
     def _add_prompt_rows(batch: FlatBatch, chunk: ScheduledChunk, offset: int) -> None:

@@ -47,6 +47,7 @@ class NewRequestData:
     lora_request: LoRARequest | None = None
     spec_token_ids: tuple[int, ...] = ()  # proposals verified after the chunk's known tokens
     num_lookahead_tokens: int = 0
+    num_evicted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class CachedRequestData:
     nulled: tuple[tuple[int, ...], ...]  # per KV group, table entries now NULL_BLOCK
     spec_token_ids: tuple[int, ...] = ()
     num_lookahead_tokens: int = 0
+    num_evicted_tokens: int = 0
 
 
 @dataclass
@@ -109,7 +111,7 @@ class StepEncoder:
             self._sent[c.request_id] = _Sent(len(c.output_token_ids), tuple(list(t) for t in c.block_ids))
             return NewRequestData(c.request_id, c.prompt_token_ids, list(c.output_token_ids), c.sampling_params,
                                   c.eos_token_ids, c.block_ids, c.start_pos, known, c.sample, c.lora_request,
-                                  spec, c.num_lookahead_tokens)
+                                  spec, c.num_lookahead_tokens, c.num_evicted_tokens)
         new_blocks, nulled = diff
         for table, blocks, gone in zip(sent.tables, new_blocks, nulled):
             table.extend(blocks)
@@ -118,7 +120,7 @@ class StepEncoder:
         new_outputs = c.output_token_ids[sent.num_outputs:]
         sent.num_outputs = len(c.output_token_ids)
         return CachedRequestData(c.request_id, c.start_pos, known, c.sample, new_outputs, new_blocks, nulled, spec,
-                                 c.num_lookahead_tokens)
+                                 c.num_lookahead_tokens, c.num_evicted_tokens)
 
 
 def _table_diff(old: tuple[list[int], ...], new: tuple[list[int], ...]):
@@ -187,4 +189,5 @@ class StepDecoder:
         tokens = prompt[start:end] + outputs[max(0, start - len(prompt)):max(0, end - len(prompt))]
         return ScheduledChunk(d.request_id, tokens + list(d.spec_token_ids), start, state.block_ids, d.sample,
                               state.sampling_params, prompt, outputs, state.eos_token_ids, state.lora_request,
-                              num_spec_tokens=len(d.spec_token_ids), num_lookahead_tokens=d.num_lookahead_tokens)
+                              num_spec_tokens=len(d.spec_token_ids), num_lookahead_tokens=d.num_lookahead_tokens,
+                              num_evicted_tokens=d.num_evicted_tokens)

@@ -138,7 +138,7 @@ class Worker:
     def _bare_runner(self) -> ModelRunner:
         kv_caches, host_caches, _ = self._pools
         return ModelRunner(self.model, kv_caches, self.config.cache.block_size, self.device, self.config.model.seed,
-                           host_caches, stage=self.stage)
+                           host_caches, stage=self.stage, state_groups=self.local_arch.kv_layout.state_groups)
 
     def _build_runner(self) -> ModelRunner:
         """The runner and what a step runs beside the model, in the order each needs the others:
@@ -156,16 +156,18 @@ class Worker:
             lambda runner: build_speculator(cfg, self.arch, runner, num_blocks))
         return ModelRunner(self.model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, host_caches,
                            self._fast_step(kv_caches), lora=self.lora, kv_connector=connector,
-                           build_speculator=speculator, stage=self.stage)
+                           build_speculator=speculator, stage=self.stage,
+                           state_groups=self.local_arch.kv_layout.state_groups)
 
     def _fast_step(self, kv_caches: list[torch.Tensor]) -> DecodeGraphs | CpuDecodeLoop | None:
         """Decode steps replayed from captured CUDA graphs, or run by the CPU decode step; None:
         through the modules. A mixture of experts sizes its per-expert matmuls from the routing, on
         the host: not capturable. LoRA's per-step slots are not captured yet. The CPU step calls the
         fused kernels itself: not with `custom_ops="none"`, nor with `enforce_eager`. A pipeline
-        stage runs part of the model: through its modules."""
+        stage runs part of the model: through its modules. A model with recurrent state reads
+        and writes its states by the step's request list: through its modules."""
         cfg = self.config
-        if self.stage.size > 1:
+        if self.stage.size > 1 or self.local_arch.kv_layout.holds_state:
             return None
         if cfg.use_cuda_graphs and self.arch.moe is None:
             graphs = DecodeGraphs(self.model, kv_caches, cfg.cache.block_size, cfg.scheduler.max_num_seqs,

@@ -102,6 +102,9 @@ class SamplingFields(OpenAIBody, StructuredOutputFields):
     # vLLM's: the n best beams (kvflow.engine.beam_search) instead of n samples; length_penalty ranks them.
     use_beam_search: bool = False
     length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
+    # kvflow's: a KV budget for this request (kvflow.core.kv_eviction); absent: the server's.
+    kv_eviction_policy: str | None = Field(None, max_length=32)
+    kv_budget_tokens: int | None = Field(None, ge=1)
 
     @field_validator("stop")
     @classmethod

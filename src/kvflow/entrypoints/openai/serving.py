@@ -101,6 +101,7 @@ class Serving:
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, output_kind=RequestOutputKind.DELTA,
                 structured_outputs=req.structured_outputs_params(), logit_bias=req.token_logit_bias(),
+                kv_eviction_policy=req.kv_eviction_policy, kv_budget_tokens=req.kv_budget_tokens,
             )
         except ValueError as e:
             raise bad_request(e) from None

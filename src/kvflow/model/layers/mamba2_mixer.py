@@ -45,12 +45,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
-from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.model.arch_config import FAMILY_DEFAULTS
 from kvflow.model.layers.linear import ReplicatedLinear
 from kvflow.quant.base import QuantizationConfig
 
@@ -58,9 +58,7 @@ from kvflow.quant.base import QuantizationConfig
 Scan = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 # Mamba2Config's defaults (transformers), for fields a config.json leaves out.
-_DEFAULTS: Mapping = MappingProxyType(dict(
-    head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=256, expand=2, layer_norm_epsilon=1e-5,
-    use_bias=False, use_conv_bias=True, hidden_act="silu", time_step_limit=(0.0, math.inf)))
+_DEFAULTS: Mapping = FAMILY_DEFAULTS["mamba2"]
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,11 @@ mixer's output is added in float32.
 
 Parameter names are HF's (`backbone.embeddings`, `backbone.layers.N.norm`, `backbone.layers.N.mixer.*`,
 `backbone.norm_f`, `lm_head`), so a checkpoint loads by name; the older `backbone.embedding` is
-read as `backbone.embeddings`, as HF does. Not in the architecture table (model/registry.py) until
-the engine holds recurrent state: `LLM(...)` would build it and then have no KV cache to give it.
-One rank and one pipeline stage only (the mixer's docstring says why it does not shard).
+read as `backbone.embeddings`, as HF does. One rank and one pipeline stage only (the mixer's
+docstring says why it does not shard).
+
+The engine serves it as `ServedMamba2ForCausalLM`: each request's states live in its block of the
+pool's state group (kv_cache_spec.MambaStateSpec), read before the step and written after it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvflow.attention.metadata import AttentionMetadata
 from kvflow.distributed.parallel_state import current_tensor_parallel
-from kvflow.distributed.pipeline import current_pipeline_stage
+from kvflow.distributed.pipeline import PipelineStage, current_pipeline_stage
+from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.model.layers.mamba2_mixer import Mamba2Mixer, MambaState, MixerConfig
 from kvflow.model.layers.norm import RMSNorm
@@ -136,6 +140,47 @@ class Mamba2ForCausalLM(nn.Module):
                 raise ValueError(f"states[{r}] has {len(state)} layer states; the model has {len(layers)} layers")
             for i, (layer_state, layer) in enumerate(zip(state, layers)):
                 layer.mixer.check_state(layer_state, f"states[{r}][{i}]")
+
+
+class ServedMamba2ForCausalLM(nn.Module):
+    """Mamba2ForCausalLM as the engine runs a model: `forward(input_ids, positions, kv_caches, attn)`.
+    Request r's states are in block `attn[0].block_tables[r, 0]` of every layer's pool tensor
+    [1, blocks, elements], float32: the convolution's inputs [conv_dim, conv_kernel], then the
+    scan state [heads, head_dim, state_size]. A request computing from position 0 (its chunk is
+    its whole sequence so far) starts from zeros, whatever its block held before. Positions are
+    not read: the state is all the model knows of the past."""
+
+    def __init__(self, arch: ArchConfig, backend=None, quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__()
+        self.mamba = Mamba2ForCausalLM(Mamba2Config.from_hf(arch.hf), quant_config)
+        self.conv_elements = arch.recurrent_state.conv_dim * arch.recurrent_state.conv_kernel
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn: tuple[AttentionMetadata, ...]) -> torch.Tensor:
+        meta = attn[0]
+        slots = meta.block_tables[:, 0]
+        fresh = torch.tensor([q == n for q, n in zip(meta.query_lens_cpu, meta.seq_lens_cpu)], device=slots.device)
+        rows = [torch.where(fresh[:, None], 0.0, cache[0, slots]) for cache in kv_caches]  # per layer [R, elements]
+        hidden, states = self.mamba(input_ids, [self._state(rows, r) for r in range(len(slots))], meta.query_lens_cpu)
+        for i, cache in enumerate(kv_caches):
+            cache[0, slots] = torch.stack([torch.cat((s[i].conv.float().flatten(), s[i].ssm.flatten())) for s in states])
+        return hidden
+
+    def _state(self, rows: list[torch.Tensor], r: int) -> Mamba2State:
+        """Request r's states, one per layer, from the rows read out of the pool."""
+        mixer, dtype = self.mamba.config.mixer, self.mamba.backbone.norm_f.weight.dtype
+        return tuple(MambaState(row[r, :self.conv_elements].view(mixer.conv_dim, mixer.conv_kernel).to(dtype),
+                                row[r, self.conv_elements:].view(mixer.num_heads, mixer.head_dim, mixer.state_size))
+                     for row in rows)
+
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        return self.mamba.compute_logits(hidden, widen)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.mamba.load_weights(weights)
+
+    def keep_stage(self, stage: PipelineStage) -> None:
+        """One stage only: Mamba2ForCausalLM refuses more when built."""
 
 
 def _refuse_parallel() -> None:
