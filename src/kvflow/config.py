@@ -37,6 +37,7 @@ class ModelConfig:
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
     quantization: str | None = None  # None: the checkpoint as stored (a GGUF's own blocks)
     group_size: int | None = None  # int4/awq: input channels per scale
+    quantization_rotation: bool = True  # w4a8/w4a4: rotate the model first (QuaRot)
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,11 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
-    quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8 (kvflow.quant.registry)
-    group_size: int | None = None  # int4/awq: input channels sharing a scale (32, 64 or 128)
+    quantization: str | None = None  # int8, int4, fp8, mxfp4, awq, w8a8, bitsandbytes, w4a8, w4a4 (kvflow.quant.registry)
+    group_size: int | None = None  # int4/awq/w4a8/w4a4: input channels sharing a scale (32, 64 or 128)
+    # w4a8/w4a4: Hadamard-rotate the model before rounding (QuaRot; quant/rotation.py); False: the
+    # same bits on the unrotated model, the comparison the method is measured by.
+    quantization_rotation: bool = True
     kv_cache_dtype: str = "auto"  # vLLM's name: fp8 (or fp8_e4m3), fp8_e5m2 or int8 stores KV in one byte per number plus scales
     # When the KV pool's pages are mapped in: "background" (from the start, beside the steps: best
     # for a batch job), "when-idle" (only while no step runs: a server's first requests keep both
@@ -267,6 +271,9 @@ class EngineArgs:
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
         kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
         self._check_kv_eviction(kv_transfer)
+        if self.enable_lora and self.quantization in ("w4a8", "w4a4") and self.quantization_rotation:
+            raise ValueError(f"enable_lora: adapters add to the residual stream as trained, and quantization="
+                             f"{self.quantization!r} rotates it; use --no-quantization-rotation or another method")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
         if self.kv_cache_dtype != "auto" and backend == "triton":
@@ -287,6 +294,7 @@ class EngineArgs:
                 max_logprobs=self.max_logprobs,
                 quantization=self.quantization,
                 group_size=self.group_size,
+                quantization_rotation=self.quantization_rotation,
             ),
             cache=CacheConfig(
                 self.block_size, self.kv_cache_memory_gb, self.num_kv_blocks, self.enable_prefix_caching,
@@ -378,10 +386,13 @@ class EngineArgs:
         g.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept in host memory (default: --max-loras); others are read from disk again")
         g.add_argument("--quantization", "-q", default=None,
-                       help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8 "
-                            "(default: run the checkpoint as stored; a GGUF on its own blocks; gptq, "
-                            "compressed-tensors: such a checkpoint, as its config.json already says)")
-        g.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
+                       help="quantize a float checkpoint at load: int8, int4, fp8, mxfp4, awq, w8a8, bitsandbytes "
+                            "(LLM.int8()), w4a8, w4a4 (rotated first, QuaRot) (default: run the checkpoint as stored; a "
+                            "GGUF on its own blocks; gptq, compressed-tensors (incl. NVFP4), bitsandbytes 8-bit: such a "
+                            "checkpoint, as its config.json already says)")
+        g.add_argument("--quantization-rotation", action=argparse.BooleanOptionalAction, default=True,
+                       help="w4a8/w4a4: Hadamard-rotate the model before rounding (--no-...: the same bits unrotated)")
+        g.add_argument("--group-size", type=int, default=None, help="int4/awq/w4a8/w4a4: input channels per scale (32, 64, 128)")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
                        help="KV cache storage: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2 / int8 with a "
                             "bfloat16 scale per head and position: ~2x the tokens of bfloat16 in the same memory "

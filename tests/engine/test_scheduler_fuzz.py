@@ -1,9 +1,10 @@
 """The scheduler and KV cache manager, tried with random workloads and engine settings (block
 sizes 1-64, token budgets down to 1, pools from an exact fit up, swap or recompute, priorities,
-prefix caching, n > 1, aborts and mid-run arrivals): every request's greedy tokens equal its
-tokens alone, every step is bounded (a hang is a failure), and afterwards no block, table or
-queue entry is left. float32, so a token never depends on the batch it lands in. Seeded: the same
-examples run every time (derandomize), and the two defects this kind of search found are pinned
+prefix caching, n > 1, aborts, mid-run arrivals and KV budgets): every request's greedy tokens
+equal its tokens alone (with its budget, in an engine of its block size), every step is bounded
+(a hang is a failure), and afterwards no block, table or queue entry is left. float32, so a token
+never depends on the batch it lands in. Seeded: the same examples run every time (derandomize),
+and the two defects this kind of search found are pinned
 as their own tests."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from tiny_models import make_tiny_model
 
 from kvflow import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from kvflow.core.kv_eviction import SINK_TOKENS
 
 VOCAB = 97
 PREFIXES = [[], [11, 12, 13, 14, 15, 16, 17], list(range(20, 52))]  # shared prefixes: cache hits
@@ -30,15 +32,21 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def alone(model_dir):
-    """Greedy tokens of a prompt run by itself in a roomy engine, memoised across examples."""
-    llm = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, disable_log_stats=True)
-    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    """Greedy tokens of a prompt run by itself in a roomy engine, memoised across examples. With a
+    KV budget (kv_budget_tokens), in an engine of the block size the budget's blocks are counted in."""
+    engines: dict[int, LLM] = {}
+    memo: dict[tuple, list[int]] = {}
 
-    def tokens(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
+    def tokens(prompt: list[int], max_tokens: int, budget: int | None = None, block_size: int = 16) -> list[int]:
+        block_size = block_size if budget else 16
+        key = (tuple(prompt), max_tokens, budget, block_size)
         if key not in memo:
-            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-            memo[key] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            if block_size not in engines:
+                engines[block_size] = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, disable_log_stats=True,
+                                          block_size=block_size)
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                    kv_eviction_policy="sink_window" if budget else None, kv_budget_tokens=budget)
+            memo[key] = engines[block_size].generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         return memo[key]
 
     return tokens
@@ -52,6 +60,11 @@ class Job:
     priority: int
     arrives: int  # the step before which it is added
     aborts: int | None  # the step before which it is aborted, if it is still running
+    budget_blocks: int | None = None  # a sink_window KV budget: the sinks and this many blocks
+
+    def budget(self, block_size: int) -> int | None:
+        sinks = -(-SINK_TOKENS // block_size) * block_size
+        return None if self.budget_blocks is None else sinks + self.budget_blocks * block_size
 
 
 jobs = st.builds(
@@ -63,6 +76,7 @@ jobs = st.builds(
     priority=st.integers(0, 2),
     arrives=st.integers(0, 8),
     aborts=st.none() | st.integers(0, 20),
+    budget_blocks=st.none() | st.integers(2, 5),
 )
 scenarios = st.fixed_dictionaries({
     "jobs": st.lists(jobs, min_size=1, max_size=5),
@@ -77,7 +91,8 @@ scenarios = st.fixed_dictionaries({
 
 
 def blocks_for(job: Job, block_size: int) -> int:
-    return -(-(len(job.prompt) + job.max_tokens - 1) // block_size)
+    tokens = len(job.prompt) + job.max_tokens - 1
+    return -(-min(tokens, job.budget(block_size) or tokens) // block_size)
 
 
 def run_scenario(model_dir: str, scenario: dict) -> tuple[LLMEngine, dict[str, list[list[int]]], set[str]]:
@@ -95,8 +110,10 @@ def run_scenario(model_dir: str, scenario: dict) -> tuple[LLMEngine, dict[str, l
     for step in range(bound):
         for i, job in enumerate(jobs_):
             if job.arrives == step:
+                budget = job.budget(block_size)
                 params = SamplingParams(temperature=0, max_tokens=job.max_tokens, ignore_eos=True, n=job.n,
-                                        output_kind=RequestOutputKind.FINAL_ONLY)
+                                        output_kind=RequestOutputKind.FINAL_ONLY, kv_budget_tokens=budget,
+                                        kv_eviction_policy="sink_window" if budget else None)
                 engine.add_request(str(i), job.prompt, params, priority=job.priority)
             if job.aborts == step and job.arrives <= step and str(i) not in finished:
                 engine.abort_request(str(i))
@@ -127,7 +144,8 @@ def test_random_workloads_give_every_request_its_tokens_alone(model_dir, alone, 
     for i, job in enumerate(scenario["jobs"]):
         if str(i) in aborted and str(i) not in finished:
             continue
-        assert finished[str(i)] == [alone(job.prompt, job.max_tokens)] * job.n, (i, scenario)
+        expected = alone(job.prompt, job.max_tokens, job.budget(scenario["block_size"]), scenario["block_size"])
+        assert finished[str(i)] == [expected] * job.n, (i, scenario)
     assert_nothing_left(engine)
 
 

@@ -63,7 +63,8 @@ class LLMEngine:
         with phase("read the checkpoint"):
             checkpoint = load_checkpoint(args.model, load_tokenizer=not args.skip_tokenizer_init,
                                          load_weights=not dummy, native_gguf=args.quantization is None)
-        self.quant_config = get_quantization_config(args.quantization, args.group_size, checkpoint.quant_config)
+        self.quant_config = get_quantization_config(args.quantization, args.group_size, checkpoint.quant_config,
+                                                    args.quantization_rotation)
         self.arch = ArchConfig.from_hf(checkpoint.hf_config)
         self.hf_config = checkpoint.hf_config
         self.config: EngineConfig = with_kv_store_namespace(args.create_config(self.arch.max_position_embeddings),

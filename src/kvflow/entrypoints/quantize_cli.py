@@ -8,14 +8,14 @@ import argparse
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.model.loader.save import save_checkpoint
-from kvflow.quant.registry import QUANTIZATION_METHODS
+from kvflow.quant.registry import NOT_SAVED, QUANTIZATION_METHODS
 
 
 def add_quantize_parser(sub) -> None:
     p = sub.add_parser("quantize", help="quantize a float checkpoint and save it (safetensors + config.json)")
     p.add_argument("model", help="HF directory or .gguf file (a GGUF is dequantized first); 'default' for SmolLM2")
     p.add_argument("out", help="directory to write")
-    p.add_argument("--method", required=True, choices=QUANTIZATION_METHODS)
+    p.add_argument("--method", required=True, choices=[m for m in QUANTIZATION_METHODS if m not in NOT_SAVED])
     p.add_argument("--group-size", type=int, default=None, help="int4/awq: input channels per scale (32, 64, 128)")
     p.add_argument("--dtype", default="float32", help="dtype of the float tensors left (norms, biases)")
     p.set_defaults(func=run_quantize)

@@ -96,6 +96,11 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_quant_method(self, kind: str, prefix: str) -> QuantMethod | None: ...
 
+    def prepare_model(self, model: nn.Module) -> None:
+        """A pass over the whole loaded float model before any layer is rounded (w4a8 and w4a4
+        rotate it: quant/rotation.py); most methods need none."""
+        return None
+
 
 def set_weight_attrs(param: nn.Parameter, **attrs) -> nn.Parameter:
     for key, value in attrs.items():

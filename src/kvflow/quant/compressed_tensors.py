@@ -7,6 +7,7 @@ lowest bits; weight_scale [N, K/G]; weight_zero_point (asymmetric only) int32 [N
 packed the same way along the output channels; weight_shape [2] = (N, K). Values and zero points
 are signed, stored plus 2^(bits−1); w = (q − zp)·scale. The same planes and group splitting as
 GPTQ's (quant/gptq_checkpoint.py; the int4 machinery: quant/int4pack.py), of which this is a row-major transposition.
+NVFP4 weights (`"format": "nvfp4-pack-quantized"`) are quant/nvfp4.py's, with the same checks of the config.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvflow.quant.int4pack import check_group, kernel_planes, unpack
 from kvflow.quant.online import OnlineQuantConfig, OnlineQuantMethod, register_stored
 
 FORMAT = "pack-quantized"
+NVFP4_FORMAT = "nvfp4-pack-quantized"
 
 
 class CompressedTensorsConfig(OnlineQuantConfig):
@@ -26,13 +28,15 @@ class CompressedTensorsConfig(OnlineQuantConfig):
     name = "compressed-tensors"
 
     def __init__(self, stored: dict) -> None:
-        _check_top(stored)
-        weights = _only_group(stored)
-        self.bits = _weight_field(weights, "num_bits", (4, 8))
-        _weight_field(weights, "type", ("int",))
-        _weight_field(weights, "dynamic", (False,))
-        _weight_field(weights, "actorder", (None, "weight", "static"))  # "group" permutes g_idx per column
-        strategy = _weight_field(weights, "strategy", ("group", "channel"))
+        check_top(stored, FORMAT)
+        scheme = only_group(stored)
+        refuse_activations(scheme, ("input_activations", "output_activations"))
+        weights = scheme.get("weights") or {}
+        self.bits = weight_field(weights, "num_bits", (4, 8))
+        weight_field(weights, "type", ("int",))
+        weight_field(weights, "dynamic", (False,))
+        weight_field(weights, "actorder", (None, "weight", "static"))  # "group" permutes g_idx per column
+        strategy = weight_field(weights, "strategy", ("group", "channel"))
         group = weights.get("group_size") if strategy == "group" else None
         if strategy == "group" and (not isinstance(group, int) or group <= 0):
             raise ValueError(f"compressed-tensors: weights.group_size={group!r} must be a positive number")
@@ -47,11 +51,13 @@ class CompressedTensorsConfig(OnlineQuantConfig):
         return self.stored
 
 
-def _check_top(stored: dict) -> None:
-    formats = {stored.get("format")} | {g.get("format") for g in (stored.get("config_groups") or {}).values()}
-    if formats - {FORMAT, None} or stored.get("format") is None:
-        raise ValueError(f"compressed-tensors: format={stored.get('format')!r} is not loadable (kvflow loads "
-                         f"{FORMAT!r}: integer weights packed in int32)")
+def check_top(stored: dict, fmt: str) -> None:
+    """The checkpoint's top-level fields: one format throughout (`fmt`), nothing but weights compressed."""
+    in_groups = {g.get("format") for g in (stored.get("config_groups") or {}).values()} - {None}
+    if stored.get("format") != fmt or in_groups - {fmt}:
+        raise ValueError(f"compressed-tensors: format={stored.get('format')!r} (config_groups: {sorted(in_groups)}) "
+                         f"is not loadable (kvflow loads {FORMAT!r}: integer weights packed in int32, and "
+                         f"{NVFP4_FORMAT!r}, each alone)")
     checks = {"quantization_status": stored.get("quantization_status", "compressed") == "compressed",
               "sparsity_config": not stored.get("sparsity_config"), "kv_cache_scheme": not stored.get("kv_cache_scheme"),
               "transform_config": not stored.get("transform_config"),
@@ -61,19 +67,22 @@ def _check_top(stored: dict) -> None:
             raise ValueError(f"compressed-tensors: {key}={stored.get(key)!r} is not loadable")
 
 
-def _only_group(stored: dict) -> dict:
+def only_group(stored: dict) -> dict:
     groups = list((stored.get("config_groups") or {}).values())
     if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
         raise ValueError("compressed-tensors: config_groups must be one group with targets ['Linear'] "
                          f"(kvflow quantizes every linear alike); got {stored.get('config_groups')!r}")
-    group = groups[0]
-    for key in ("input_activations", "output_activations"):
+    return groups[0]
+
+
+def refuse_activations(group: dict, keys: tuple[str, ...]) -> None:
+    for key in keys:
         if group.get(key):
-            raise ValueError(f"compressed-tensors: {key}={group[key]!r} is not loadable (weight-only W4A16/W8A16 is)")
-    return group.get("weights") or {}
+            raise ValueError(f"compressed-tensors: {key}={group[key]!r} is not loadable (weight-only W4A16/W8A16 "
+                             "and NVFP4A16 are; NVFP4's input_activations run unquantized)")
 
 
-def _weight_field(weights: dict, key: str, allowed: tuple):
+def weight_field(weights: dict, key: str, allowed: tuple):
     value = weights.get(key)
     if value not in allowed:
         raise ValueError(f"compressed-tensors: weights.{key}={value!r} is not loadable "

@@ -5,16 +5,24 @@ from __future__ import annotations
 from kvflow.quant.base import QuantizationConfig
 
 # Applied at load to a float checkpoint (or one saved by `kvflow quantize`, which names its method).
-QUANTIZATION_METHODS = ("int8", "int4", "fp8", "mxfp4", "awq", "w8a8")
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "mxfp4", "awq", "w8a8", "bitsandbytes", "w4a8", "w4a4")
+# Applied at load only: `kvflow quantize` cannot write them yet (w4a8/w4a4's rotation and untied
+# head are not a checkpoint; LLM.int8()'s fused layers would need one weight_format per part).
+NOT_SAVED = ("bitsandbytes", "w4a8", "w4a4")
+ROTATED = ("w4a8", "w4a4")  # quantized after a Hadamard rotation of the model (quant/rotation.py)
 # Read from a checkpoint that holds them, never applied to a float one.
 CHECKPOINT_FORMATS = ("gptq", "compressed-tensors")
 
 
 def get_quantization_config(quantization: str | None, group_size: int | None,
-                            checkpoint_quant: dict | None) -> QuantizationConfig | None:
+                            checkpoint_quant: dict | None, rotation: bool = True) -> QuantizationConfig | None:
     """`quantization` is what the user asked for (None: run the checkpoint as stored);
     `checkpoint_quant` is how the checkpoint stores its weights (a GGUF's blocks, or the
-    "quantization_config" of a quantized checkpoint)."""
+    "quantization_config" of a quantized checkpoint); `rotation`: w4a8/w4a4 rotate the model first."""
+    if not rotation and quantization not in ROTATED:
+        raise ValueError(f"quantization_rotation applies to {' and '.join(ROTATED)}; quantization is {quantization!r}")
+    if quantization in ROTATED and checkpoint_quant is None:
+        return _online_configs()[quantization](group_size=group_size, rotate=rotation)
     stored = (checkpoint_quant or {}).get("quant_method")
     if stored == "gguf":
         return _config("gguf", None, checkpoint_quant)
@@ -36,9 +44,12 @@ def get_quantization_config(quantization: str | None, group_size: int | None,
 
 
 def _checkpoint_config(name: str, stored: dict) -> QuantizationConfig:
-    from kvflow.quant.compressed_tensors import CompressedTensorsConfig
+    from kvflow.quant.compressed_tensors import NVFP4_FORMAT, CompressedTensorsConfig
     from kvflow.quant.gptq_checkpoint import GPTQConfig
+    from kvflow.quant.nvfp4 import Nvfp4Config
 
+    if name == "compressed-tensors" and stored.get("format") == NVFP4_FORMAT:  # FP4 weights, not packed integers
+        return Nvfp4Config(stored)
     return {"gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig}[name](stored)
 
 
@@ -57,15 +68,20 @@ def _config(name: str, group_size: int | None, stored: dict | None) -> Quantizat
     if name == "awq" and stored is not None:  # AutoAWQ's checkpoints keep the embedding float, zero points integer
         return configs[name](group_size, True, int8_embedding=stored.get("embedding") == "int8",
                              float_zeros=stored.get("zeros") == "float")
+    if name == "bitsandbytes" and stored is not None:  # transformers' checkpoint: its threshold, its float layers
+        return configs[name].from_checkpoint(stored)
     return configs[name](group_size=group_size, from_saved=stored is not None)
 
 
 def _online_configs() -> dict:
     from kvflow.quant.awq import AWQConfig
+    from kvflow.quant.bnb_int8 import BnbInt8Config
     from kvflow.quant.fp8 import Fp8Config
     from kvflow.quant.int4 import Int4Config
     from kvflow.quant.int8 import Int8Config
     from kvflow.quant.mxfp4 import Mxfp4Config
+    from kvflow.quant.w4a import W4A4Config, W4A8Config
     from kvflow.quant.w8a8 import W8A8Config
 
-    return {c.name: c for c in (Int8Config, Int4Config, Fp8Config, Mxfp4Config, AWQConfig, W8A8Config)}
+    return {c.name: c for c in (Int8Config, Int4Config, Fp8Config, Mxfp4Config, AWQConfig, W8A8Config, BnbInt8Config,
+                                W4A8Config, W4A4Config)}

@@ -44,6 +44,8 @@ def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint:
         model.load_weights(checkpoint.weights)
     method = getattr(quant_config, "name", None)
     with phase(f"prepared the weights ({method})", announce=True) if method else contextlib.nullcontext():
+        if quant_config is not None:
+            quant_config.prepare_model(model)
         process_weights_after_loading(model)
     if config.batch_invariant:
         make_batch_invariant(model)

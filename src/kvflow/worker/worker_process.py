@@ -98,7 +98,8 @@ def _serve(config: EngineConfig, init: DistributedInit, store) -> None:
                                  load_weights=config.model.load_format != "dummy",
                                  native_gguf=config.model.quantization is None)
     arch = ArchConfig.from_hf(checkpoint.hf_config)
-    quant_config = get_quantization_config(config.model.quantization, config.model.group_size, checkpoint.quant_config)
+    quant_config = get_quantization_config(config.model.quantization, config.model.group_size, checkpoint.quant_config,
+                                           config.model.quantization_rotation)
     if config.parallel.pipeline_parallel_size > 1:
         stage, tp = pipeline_stage(config, groups)
         worker = Worker(config, arch, quant_config, tp, stage)
