@@ -41,7 +41,6 @@ POLICIES = ("none", "sink_window")
 # The seeds' dynamic policies, named so a request for one says it is not built yet.
 PLANNED_POLICIES = ("h2o", "snapkv", "pyramid")
 SINK_TOKENS = 4  # StreamingLLM's four sinks; a whole block is kept
-MIN_BUDGET_BLOCKS = 3  # a sink block, a block kept between points, a block of new tokens
 # Settings eviction does not compose with yet, and why.
 NOT_COMPOSED = {
     "speculative_config": "a verification's tokens may cross an eviction point, and a rejection would have to "
@@ -74,15 +73,16 @@ class KVEviction:
             raise ValueError(f"kv_eviction_policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         if policy == "none":
             return None
-        smallest = MIN_BUDGET_BLOCKS * block_size
+        sinks = -(-SINK_TOKENS // block_size) * block_size
+        smallest = sinks + 2 * block_size  # the sinks, a block kept between points, a block of new tokens
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < smallest:
-            raise ValueError(f"kv_budget_tokens must be an integer >= {smallest} (three blocks of {block_size} "
-                             f"tokens) with kv_eviction_policy={policy!r}; got {budget!r}")
+            raise ValueError(f"kv_budget_tokens must be an integer >= {smallest} (the sinks' {sinks} tokens and two "
+                             f"blocks of {block_size}) with kv_eviction_policy={policy!r}; got {budget!r}")
         budget -= budget % block_size
         # Points a quarter of the budget apart: the kept context stays within 3/4..1 of the budget,
         # and a prompt's chunks are at most that long.
         interval = max(block_size, budget // 4 // block_size * block_size)
-        return cls(policy, budget, -(-SINK_TOKENS // block_size) * block_size, interval)
+        return cls(policy, budget, sinks, interval)
 
     def evicted_at(self, point: int) -> int:
         """Tokens evicted once the point at position `point` is passed."""
