@@ -59,6 +59,20 @@ def test_the_rule_keeps_sinks_and_the_recent_run_within_the_budget():
     assert (sinks, recent) == (range(16), range(128, 201))
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
+def test_every_budget_keeps_the_sinks_apart_from_the_recent_run(block_size):
+    """Down to the smallest budget of every block size (4 sink tokens outgrow a block of 1 or 2)."""
+    smallest = KVEviction.resolve("sink_window", 10_000, block_size).sink_tokens + 2 * block_size
+    with pytest.raises(ValueError, match=f">= {smallest}"):
+        KVEviction.resolve("sink_window", smallest - 1, block_size)
+    for budget in range(smallest, smallest + 40):
+        eviction = KVEviction.resolve("sink_window", budget, block_size)
+        for p in range(200):
+            sinks, recent = eviction.visible(p)
+            assert len(sinks) + len(recent) <= eviction.budget_tokens and recent.stop == p + 1
+            assert recent.start >= min(eviction.sink_tokens, p + 1)
+
+
 @pytest.mark.parametrize(("policy", "budget", "message"), [
     ("h2o", 64, "not implemented yet"),
     ("lru", 64, "kv_eviction_policy must be one of none, sink_window"),
