@@ -9,7 +9,10 @@ manager on --num-requests identical-length requests (a stand-in runner samples a
 no model runs) and reports the most requests that ran at once, the blocks held and the
 preemptions. "flat" treats every layer as full attention (one table for all layers, as before
 per-group KV); "per-group" is the engine's own layout, where sliding groups free blocks that left
-their window.
+their window; with --kv-budget-tokens N, "sink_window N" gives every request that KV budget
+(kvflow.core.kv_eviction; models with one full-attention KV group).
+
+    python benchmarks/kv_capacity.py --model .cache/hf-smollm2-135m --prompt-len 4096 --kv-budget-tokens 1024
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from kvflow.analysis.model_spec import ModelSpec
 from kvflow.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.kv_eviction import KVEviction
 from kvflow.core.request import Request
 from kvflow.core.scheduler import Scheduler
 from kvflow.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, kv_layout
@@ -37,12 +41,12 @@ def arch_of(model: str) -> ArchConfig:
     return ArchConfig.from_hf(load_checkpoint(model, load_tokenizer=False, load_weights=False).hf_config)
 
 
-def run(windows: tuple, num_blocks: int, args) -> dict:
+def run(windows: tuple, num_blocks: int, args, eviction: KVEviction | None = None) -> dict:
     kv = KVCacheManager(num_blocks, args.block_size, False, windows)
     scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.num_requests), kv, 1 << 30)
     for i in range(args.num_requests):
         scheduler.add_request(Request(str(i), [i] * args.prompt_len, SamplingParams(max_tokens=args.output_len),
-                                      args.output_len, frozenset()))
+                                      args.output_len, frozenset(), eviction=eviction))
     most, peak_blocks, steps = 0, 0, 0
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
@@ -64,6 +68,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-budget-tokens", type=int, default=None, help="also run with this sink_window budget")
     args = parser.parse_args()
     arch = arch_of(args.model)
     specs = arch.kv_cache_specs()
@@ -77,6 +82,11 @@ def main() -> None:
         blocks = budget // block_bytes
         report[name] = {"groups": len(layout.groups), "block_bytes": block_bytes, "pool_blocks": blocks,
                         **run(layout.sliding_windows, blocks, args)}
+    if args.kv_budget_tokens:
+        eviction = KVEviction.resolve("sink_window", args.kv_budget_tokens, args.block_size)
+        report[f"sink_window {eviction.budget_tokens}"] = {
+            "pool_blocks": report["per-group"]["pool_blocks"],
+            **run(kv_layout(specs).sliding_windows, report["per-group"]["pool_blocks"], args, eviction)}
     print(json.dumps(report, indent=2))
 
 
