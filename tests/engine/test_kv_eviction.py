@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 from hf_oracle import assert_matches_oracle
-from tiny_models import COMMON
+from tiny_models import COMMON, make_tiny_model
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineArgs
@@ -30,8 +30,9 @@ def tiny_llama(tmp_path_factory):
     return str(directory), hf
 
 
-def evicting_oracle(hf, eviction: KVEviction):
-    """transformers' model, each query attending to the positions `eviction.visible` gives it."""
+def evicting_oracle(hf, eviction: KVEviction, sliding_window: int | None = None):
+    """transformers' model, each query attending to the positions `eviction.visible` gives it; with
+    `sliding_window`, Gemma 3's sliding layers attending to their window instead."""
     def forward(input_ids: torch.Tensor):
         length = input_ids.shape[1]
         seen = torch.zeros(length, length, dtype=torch.bool)
@@ -39,6 +40,11 @@ def evicting_oracle(hf, eviction: KVEviction):
             for run in eviction.visible(p):
                 seen[p, run.start:run.stop] = True
         mask = torch.zeros(1, 1, length, length).masked_fill_(~seen, float("-inf"))
+        if sliding_window is not None:
+            pos = torch.arange(length)
+            window = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < sliding_window)
+            local = torch.zeros(1, 1, length, length).masked_fill_(~window, float("-inf"))
+            mask = {"full_attention": mask, "sliding_attention": local}
         return hf(input_ids, attention_mask=mask)
     return forward
 
@@ -154,35 +160,25 @@ def test_a_request_asks_for_its_own_budget_and_the_others_keep_all(tiny_llama):
         llm.generate([prompt], SamplingParams(**common, kv_budget_tokens=64))
 
 
-def test_what_eviction_does_not_compose_with_is_refused_with_the_reason(tiny_llama, tmp_path):
+def test_what_eviction_does_not_compose_with_is_refused_with_the_reason(tiny_llama):
     directory, _ = tiny_llama
     with pytest.raises(ValueError, match="does not compose with speculative_config yet"):
         LLM(directory, skip_tokenizer_init=True, kv_eviction_policy="sink_window", kv_budget_tokens=64,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="kv_budget_tokens must be unset without a kv_eviction_policy"):
         LLM(directory, skip_tokenizer_init=True, kv_budget_tokens=64)
-    config = transformers.MistralConfig(**COMMON, num_attention_heads=2, num_key_value_heads=1, sliding_window=32)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=16)
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, kv_eviction_policy="sink_window", kv_budget_tokens=64))
-    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
 
 
-def test_an_evicting_request_neither_reads_nor_spoils_the_prefix_cache(tiny_llama):
-    """A prompt cached by one request, then run with a budget (it computes its own KV, drops blocks,
-    caches nothing), then again without: the last one finds the first one's blocks intact."""
-    directory, hf = tiny_llama
-    llm = LLM(directory, dtype="float32", skip_tokenizer_init=True, block_size=BLOCK, num_kv_blocks=32,
-              max_num_batched_tokens=64)
-    prompt = _prompts((160,), seed=9)[0]
-    common = dict(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
-    kv = llm.llm_engine.scheduler.kv_cache
-    llm.generate([prompt], SamplingParams(**common))
-    hits = kv.prefix_cache_hits
-    evicted = llm.generate([prompt], SamplingParams(**common, kv_eviction_policy="sink_window", kv_budget_tokens=64))[0]
-    assert kv.prefix_cache_hits == hits  # it looked nothing up
-    again = llm.generate([prompt], SamplingParams(**common))[0]
-    assert kv.prefix_cache_hits > hits
-    assert_matches_oracle(evicting_oracle(hf, KVEviction.resolve("sink_window", 64, BLOCK)), prompt, evicted, 16)
-    assert_matches_oracle(hf, prompt, again, 16)
+def test_on_gemma3_the_budget_bounds_the_global_layers_and_windows_stay(tmp_path):
+    """Gemma 3 (5 sliding layers : 1 global): the global layers' table is compacted, the sliding
+    layers keep their window of 8 by position. The oracle: transformers with the eviction's mask
+    on the global layers and the window's on the others."""
+    hf = make_tiny_model("gemma3", tmp_path)
+    eviction = KVEviction.resolve("sink_window", 48, BLOCK)
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, block_size=BLOCK, num_kv_blocks=96,
+              max_num_batched_tokens=40)
+    oracle = evicting_oracle(hf, eviction, sliding_window=8)
+    prompt = _prompts((100,), seed=11)[0]
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=0, prompt_logprobs=0, ignore_eos=True,
+                            kv_eviction_policy="sink_window", kv_budget_tokens=48)
+    assert_matches_oracle(oracle, prompt, llm.generate([prompt], params)[0], 30)

@@ -40,6 +40,7 @@ from collections.abc import ItemsView
 
 from kvflow.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, hash_block
 from kvflow.core.block_pool import BlockPool
+from kvflow.core.kv_eviction import KVEviction
 from kvflow.core.request import Request
 
 NULL_BLOCK = -1  # a table entry whose block left the sliding window and was given back
@@ -93,6 +94,15 @@ class KVCacheManager:
         return sum(1 if state else full if w is None else min(full, cdiv(w - 1 + max_chunk, self.block_size) + 1)
                    for w, state in zip(self.sliding_windows, self.state_groups))
 
+    def max_blocks_held_within(self, num_tokens: int, eviction: KVEviction) -> int:
+        """The most blocks a request with a KV budget holds while it caches `num_tokens` positions:
+        the budget's in full-attention groups, a window and a chunk (chunks end at eviction
+        points) in sliding ones."""
+        full = self.blocks_needed(num_tokens)
+        held = min(full, self.blocks_needed(eviction.budget_tokens))
+        return sum(held if w is None else min(full, cdiv(w - 1 + eviction.interval, self.block_size) + 1)
+                   for w in self.sliding_windows)
+
     def max_chunk(self, num_tokens: int, budget: int) -> int:
         """The largest chunk (at most `budget`) with which a request caching `num_tokens`
         positions fits in the whole pool; 0 if none does."""
@@ -111,8 +121,9 @@ class KVCacheManager:
 
     def resumable_blocks(self, request: Request) -> list[int]:
         """The blocks, over all groups in order, holding the KV that computing on from
-        `num_computed_tokens` reads: what a swap saves and restores."""
-        tables, start = self.block_ids(request.request_id), request.num_computed_tokens - request.num_evicted_tokens
+        `num_computed_tokens` reads: what a swap saves and restores (a request with a KV budget is
+        recomputed instead, never swapped)."""
+        tables, start = self.block_ids(request.request_id), request.num_computed_tokens
         end = self.blocks_needed(start)
         return [b for w, state, table in zip(self.sliding_windows, self.state_groups, tables)
                 for b in (table if state else table[self._first_live(w, start):end])]
@@ -203,14 +214,15 @@ class KVCacheManager:
         cached = cached_blocks or self._empty_tables()
         if request.eviction is not None:
             self._evict(request, tables, num_computed)
-            num_computed -= request.num_evicted_tokens  # from here on, KV indices
         self._drop_out_of_window(tables, num_computed)
-        end = self.blocks_needed(num_computed + num_new)
-        first, offset = divmod(num_computed, self.block_size)
+        # Where position num_computed lies in each group's table (a budget compacts full-attention tables).
+        starts = [num_computed - self._evicted_in(g, request) for g in range(self.num_groups)]
         plans, need = [], 0
-        for window, state, table, hits in zip(self.sliding_windows, self.state_groups, tables, cached):
+        for g, (window, table, hits) in enumerate(zip(self.sliding_windows, tables, cached)):
             existing = [*table, *hits]
-            missing = max(0, (1 if state else end) - max(len(existing), self._first_live(window, num_computed)))
+            first, offset = divmod(starts[g], self.block_size)
+            missing = max(0, self._table_length(g, starts[g] + num_new)
+                          - max(len(existing), self._first_live(window, starts[g])))
             copy = first < len(existing) and self._must_copy(existing[first], offset, held=first < len(table))
             need += missing + copy + sum(1 for b in hits if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
             plans.append(copy)
@@ -223,12 +235,12 @@ class KVCacheManager:
         for hits in cached:  # every group's hits leave the free list before any group allocates
             self.pool.take([b for b in hits if b != NULL_BLOCK])
         grew = False
-        for window, state, table, hits, copy in zip(self.sliding_windows, self.state_groups, tables, cached, plans):
+        for g, (window, table, hits, copy) in enumerate(zip(self.sliding_windows, tables, cached, plans)):
             table.extend(hits)
             if copy:
-                self._copy_on_write(table, first)
-            table.extend([NULL_BLOCK] * (self._first_live(window, num_computed) - len(table)))
-            length = 1 if state else end
+                self._copy_on_write(table, starts[g] // self.block_size)
+            table.extend([NULL_BLOCK] * (self._first_live(window, starts[g]) - len(table)))
+            length = self._table_length(g, starts[g] + num_new)
             if length > len(table):
                 table.extend(self.pool.allocate(length - len(table)))
                 grew = True
@@ -236,9 +248,18 @@ class KVCacheManager:
             self._mark_in_flight(request, len(tables[0]))
         return True
 
+    def _table_length(self, group: int, num_tokens: int) -> int:
+        """Entries a group's table needs to hold `num_tokens` positions (a state group: its one block)."""
+        return 1 if self.state_groups[group] else self.blocks_needed(num_tokens)
+
+    def _evicted_in(self, group: int, request: Request) -> int:
+        """Positions a KV budget took out of this group's table: full-attention groups are compacted;
+        a sliding group keeps its window by position, never longer than it was."""
+        return request.num_evicted_tokens if self.sliding_windows[group] is None else 0
+
     def _evict(self, request: Request, tables: BlockTables, num_computed: int) -> None:
         """At an eviction point, drop the oldest blocks after the sinks down to the policy's count
-        (again at the same point: nothing). Every group keeps one full-attention table."""
+        from every full-attention table (again at the same point: nothing)."""
         eviction = request.eviction
         if num_computed % eviction.interval:
             return
@@ -246,9 +267,10 @@ class KVCacheManager:
         if drop <= 0:
             return
         first = eviction.sink_tokens // self.block_size
-        for table in tables:
-            self.pool.release(table[first:first + drop])
-            del table[first:first + drop]
+        for window, table in zip(self.sliding_windows, tables):
+            if window is None:
+                self.pool.release(table[first:first + drop])
+                del table[first:first + drop]
         request.num_evicted_tokens += drop * self.block_size
 
     def _drop_out_of_window(self, tables: BlockTables, num_computed: int) -> None:

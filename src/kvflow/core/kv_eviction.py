@@ -26,9 +26,12 @@ recent blocks: every block but the last full), so the attention kernels read a s
 sequence; the chunk says how many tokens it has evicted, and the runner tells the KV index of a
 token (its position less that) from its rotary position.
 
-What does not compose yet, and says so when asked for: a model with sliding-window or several
-KV groups (their windows are kept in positions, not in table entries), speculative decoding (a
-verification's tokens may cross an interval point), a KV connector (it moves blocks by position).
+On a model with sliding-window layers (Gemma 3) the budget bounds the full-attention layers; a
+sliding layer keeps its own window, by position, as without a budget (its table is not compacted).
+
+What does not compose yet, and says so when asked for: a model with recurrent state, speculative
+decoding (a verification's tokens may cross an interval point), a KV connector (it moves blocks by
+position).
 An evicting request skips the prefix cache (its KV after the first point is not the full
 context's) and is preempted by recompute, never swapped.
 """
@@ -47,8 +50,7 @@ NOT_COMPOSED = {
                           "give evicted blocks back",
     "kv_transfer_config": "the connector moves a request's blocks by position, and an evicting request's table is "
                           "compacted",
-    "kv_groups": "sliding-window layers and several KV groups keep their windows by position, not in the compacted "
-                 "table eviction leaves",
+    "recurrent_state": "a state-space layer keeps no per-position KV to evict",
 }
 
 

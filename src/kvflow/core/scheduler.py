@@ -95,7 +95,7 @@ class Scheduler:
             return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
                     f"exceeds max_model_len ({self.max_model_len})")
         if eviction is not None:
-            blocks = self.kv_cache.blocks_needed(min(total - 1, eviction.budget_tokens))
+            blocks = self.kv_cache.max_blocks_held_within(total - 1, eviction)
             if blocks > self.kv_cache.num_blocks:
                 return (f"kv_budget_tokens ({eviction.budget_tokens}) needs {blocks} KV blocks but the whole cache "
                         f"has {self.kv_cache.num_blocks}; lower kv_budget_tokens or raise {self.pool_size_setting}")

@@ -535,9 +535,9 @@ class LLMEngine:
         return eviction
 
     def _check_kv_groups_evict(self, policy: str) -> None:
-        if self.arch.kv_layout.sliding_windows != (None,) or self.arch.kv_layout.holds_state:
+        if self.arch.kv_layout.holds_state:
             raise ValueError(f"kv_eviction_policy={policy!r} does not compose with {self.arch.architecture} yet "
-                             f"({NOT_COMPOSED['kv_groups']})")
+                             f"({NOT_COMPOSED['recurrent_state']})")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A dict may carry both: the text (for outputs) and its token ids (not tokenized again)."""

@@ -20,6 +20,7 @@ from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.core.sched_output import ScheduledChunk, SchedulerOutput, StepGrammar
 from kvflow.distributed.pipeline import WHOLE, PipelineStage
+from kvflow.kv_cache_spec import KVLayout
 from kvflow.lora.manager import LoRAManager
 from kvflow.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvflow.worker.cpu_decode import CpuDecodeLoop
@@ -51,13 +52,16 @@ class ModelRunner:
                  decode_graphs: DecodeGraphs | CpuDecodeLoop | None = None, *, lora: LoRAManager | None = None,
                  kv_connector: KVStoreConnectorWorker | None = None,
                  build_speculator: Callable[[ModelRunner], Speculator] | None = None,
-                 stage: PipelineStage = WHOLE, state_groups: tuple[bool, ...] = ()) -> None:
+                 stage: PipelineStage = WHOLE, kv_layout: KVLayout | None = None) -> None:
         """`lora`: the adapters' slots (the model's linear layers already wrapped); `kv_connector`: KV
         moving between engines; `build_speculator`: the runner builds its drafter with it, since the
         drafter shares the runner's sampler and flat-batch builder (and, for layer skip, its model);
-        `stage`: the pipeline stage this runner runs (only the last samples); `state_groups`: per KV
-        group, whether its table is a request's one state block (kv_cache_spec.MambaStateSpec)."""
-        self.state_groups = state_groups
+        `stage`: the pipeline stage this runner runs (only the last samples); `kv_layout`: the KV
+        groups, for what their tables mean (a state group's is one block; a KV budget compacts only
+        full-attention tables). None: one full-attention group."""
+        layout_groups = () if kv_layout is None else tuple(zip(kv_layout.sliding_windows, kv_layout.state_groups))
+        self.state_groups = tuple(state for _, state in layout_groups)
+        self.compacted_groups = tuple(window is None and not state for window, state in layout_groups) or (True,)
         self.model = model
         self.stage = stage
         self.lora = lora
@@ -180,37 +184,32 @@ class ModelRunner:
         # requests is ~20 operations on tiny arrays, which cost ~15 µs each as torch calls.
         query_lens = [c.num_tokens for c in chunks]
         lens = np.array(query_lens, dtype=np.int64)
-        # A request with a KV budget keeps its survivors compacted: KV index = position - evicted.
-        kv_starts = np.array([c.start_pos - c.num_evicted_tokens for c in chunks], dtype=np.int64)
+        starts = np.array([c.start_pos for c in chunks], dtype=np.int64)
         query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int64)
         np.cumsum(lens, out=query_start_loc[1:])
         row_request = np.repeat(np.arange(len(chunks)), lens)
-        kv_index = kv_starts[row_request] + np.arange(row_request.size) - query_start_loc[row_request]
+        positions = starts[row_request] + np.arange(row_request.size) - query_start_loc[row_request]
+        # A request with a KV budget keeps its survivors compacted in full-attention tables: there a
+        # token's KV index is its position less the request's evicted tokens.
+        evicted = np.array([c.num_evicted_tokens for c in chunks], dtype=np.int64)
+        group_evicted = [evicted if self._compacted(g) else np.zeros_like(evicted) for g in range(len(chunks[0].block_ids))]
         # Every slot a chunk writes must lie in its block tables: past them, padding would name
         # another request's block. The scheduler guarantees it; a bug must not write silently.
-        assert all(int(s) + c.num_tokens <= len(t) * self.block_size for c, s in zip(chunks, kv_starts)
-                   for g, t in enumerate(c.block_ids) if not self._holds_state(g)), "a chunk writes past its block table"
+        assert all(c.start_pos - int(gone[i]) + c.num_tokens <= len(t) * self.block_size for i, c in enumerate(chunks)
+                   for g, (t, gone) in enumerate(zip(c.block_ids, group_evicted)) if not self._holds_state(g)), \
+            "a chunk writes past its block table"
         width = max(len(t) for c in chunks for t in c.block_ids) + 1  # one more column: where an overrun lands
         # [groups, requests, width]. Writes pad with -1, a slot that writes nothing. Reads see block 0
         # there (masked by seq_lens) and where a sliding window gave a block back (NULL_BLOCK, -1;
         # the window mask hides it).
         slot_tables = np.array([[c.block_ids[g] + [-1] * (width - len(c.block_ids[g])) for c in chunks]
                                 for g in range(len(chunks[0].block_ids))], dtype=np.int64)
-        block_index, in_block = np.minimum(kv_index // self.block_size, width - 1), kv_index % self.block_size
-        seq_lens_cpu = (kv_starts + lens).tolist()
         lora = None if self.lora is None else self.lora.prepare([c.lora_request for c in chunks], query_lens)
-        query_start_loc_t, seq_lens = _tensor(query_start_loc, dev), torch.tensor(seq_lens_cpu, device=dev)
-        attn = tuple(AttentionMetadata(
-            query_start_loc=query_start_loc_t,
-            seq_lens=seq_lens,
-            block_tables=_tensor(np.maximum(slots[:, :-1], 0), dev),
-            slot_mapping=_tensor(_slot_mapping(slots[row_request, block_index], in_block, self.block_size), dev),
-            block_size=self.block_size,
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens_cpu,
-            lora=lora,
-        ) for slots in slot_tables)
-        positions = _tensor(kv_index + np.repeat(np.array([c.num_evicted_tokens for c in chunks]), lens), dev)
+        query_start_loc_t = _tensor(query_start_loc, dev)
+        attn = tuple(self._group_metadata(slots, positions - gone[row_request], (starts - gone + lens).tolist(),
+                                          row_request, width, query_start_loc_t, query_lens, lora)
+                     for slots, gone in zip(slot_tables, group_evicted))
+        positions = _tensor(positions, dev)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
         batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})
         offset = 0
@@ -222,6 +221,25 @@ class ModelRunner:
                 self._add_prompt_rows(batch, chunk, offset)
             offset += q_len
         return batch
+
+    def _group_metadata(self, slots: np.ndarray, kv_index: np.ndarray, seq_lens_cpu: list[int], row_request: np.ndarray,
+                        width: int, query_start_loc: torch.Tensor, query_lens: list[int], lora) -> AttentionMetadata:
+        """One KV group's metadata: its tables `slots`, each row's KV index in them."""
+        dev = self.device
+        block_index, in_block = np.minimum(kv_index // self.block_size, width - 1), kv_index % self.block_size
+        return AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=torch.tensor(seq_lens_cpu, device=dev),
+            block_tables=_tensor(np.maximum(slots[:, :-1], 0), dev),
+            slot_mapping=_tensor(_slot_mapping(slots[row_request, block_index], in_block, self.block_size), dev),
+            block_size=self.block_size,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens_cpu,
+            lora=lora,
+        )
+
+    def _compacted(self, group: int) -> bool:
+        return group >= len(self.compacted_groups) or self.compacted_groups[group]
 
     def _holds_state(self, group: int) -> bool:
         return group < len(self.state_groups) and self.state_groups[group]

@@ -138,7 +138,7 @@ class Worker:
     def _bare_runner(self) -> ModelRunner:
         kv_caches, host_caches, _ = self._pools
         return ModelRunner(self.model, kv_caches, self.config.cache.block_size, self.device, self.config.model.seed,
-                           host_caches, stage=self.stage, state_groups=self.local_arch.kv_layout.state_groups)
+                           host_caches, stage=self.stage, kv_layout=self.local_arch.kv_layout)
 
     def _build_runner(self) -> ModelRunner:
         """The runner and what a step runs beside the model, in the order each needs the others:
@@ -156,8 +156,7 @@ class Worker:
             lambda runner: build_speculator(cfg, self.arch, runner, num_blocks))
         return ModelRunner(self.model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, host_caches,
                            self._fast_step(kv_caches), lora=self.lora, kv_connector=connector,
-                           build_speculator=speculator, stage=self.stage,
-                           state_groups=self.local_arch.kv_layout.state_groups)
+                           build_speculator=speculator, stage=self.stage, kv_layout=self.local_arch.kv_layout)
 
     def _fast_step(self, kv_caches: list[torch.Tensor]) -> DecodeGraphs | CpuDecodeLoop | None:
         """Decode steps replayed from captured CUDA graphs, or run by the CPU decode step; None:
