@@ -6,7 +6,8 @@
   names); workers never import the engine;
 - no import cycles between modules, counting imports inside functions (a factory in a base module
   that imports its subclasses is one);
-- ruff's checks pass on src, tests and benchmarks.
+- ruff's checks pass on src, tests and benchmarks;
+- every structure docs/structures.md names lives in the module it names (the map stays true).
 
 Imports are read from the source (every `import`, at any depth, TYPE_CHECKING included), so a
 rule holds whatever a run happens to import.
@@ -15,6 +16,8 @@ rule holds whatever a run happens to import.
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 import shutil
 import subprocess
 import sys
@@ -149,3 +152,11 @@ def test_ruff_passes():
         pytest.fail("ruff is not installed: it comes with the test extra (./scripts/setup.sh)")
     done = subprocess.run([ruff, "check", "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_structures_map_names_what_exists():
+    rows = re.findall(r"^\| `(\w+)` \| `([\w.]+)` \|", (ROOT / "docs" / "structures.md").read_text(), re.MULTILINE)
+    assert len(rows) >= 10
+    missing = [f"{module}.{name}" for name, module in rows
+               if not hasattr(importlib.import_module(f"kvflow.{module}"), name)]
+    assert not missing, f"docs/structures.md names structures that are not where it says: {missing}"
