@@ -331,7 +331,9 @@ class EngineArgs:
         if KVEviction.resolve(self.kv_eviction_policy, self.kv_budget_tokens, self.block_size) is None:
             _require(self.kv_budget_tokens is None, "kv_budget_tokens", "unset without a kv_eviction_policy")
             return
-        for setting, why in ((self.speculative_config, "speculative_config"), (kv_transfer, "kv_transfer_config")):
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        drafts_kv = speculative if speculative is not None and speculative.writes_kv else None
+        for setting, why in ((drafts_kv, "speculative_config"), (kv_transfer, "kv_transfer_config")):
             if setting is not None:
                 raise ValueError(f"kv_eviction_policy={self.kv_eviction_policy!r} does not compose with {why} yet "
                                  f"({NOT_COMPOSED[why]})")

@@ -164,7 +164,7 @@ def test_what_eviction_does_not_compose_with_is_refused_with_the_reason(tiny_lla
     directory, _ = tiny_llama
     with pytest.raises(ValueError, match="does not compose with speculative_config yet"):
         LLM(directory, skip_tokenizer_init=True, kv_eviction_policy="sink_window", kv_budget_tokens=64,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+            speculative_config={"method": "layer_skip", "num_speculative_tokens": 2, "num_draft_layers": 1})
     with pytest.raises(ValueError, match="kv_budget_tokens must be unset without a kv_eviction_policy"):
         LLM(directory, skip_tokenizer_init=True, kv_budget_tokens=64)
 
@@ -182,3 +182,17 @@ def test_on_gemma3_the_budget_bounds_the_global_layers_and_windows_stay(tmp_path
     params = SamplingParams(temperature=0, max_tokens=30, logprobs=0, prompt_logprobs=0, ignore_eos=True,
                             kv_eviction_policy="sink_window", kv_budget_tokens=48)
     assert_matches_oracle(oracle, prompt, llm.generate([prompt], params)[0], 30)
+
+
+def test_ngram_speculation_under_a_budget_gives_the_tokens_without_it(tiny_llama):
+    """Proposals are verified within an eviction interval (never across a point): greedy tokens are
+    those of the same budget without speculation, and proposals were accepted along the way."""
+    directory, _ = tiny_llama
+    prompt = [5] * 150  # the tiny model repeats it for a while, so proposals are accepted and rejected
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, kv_eviction_policy="sink_window",
+                            kv_budget_tokens=64)
+    common = dict(dtype="float32", skip_tokenizer_init=True, block_size=BLOCK, num_kv_blocks=64, disable_log_stats=True)
+    plain = LLM(directory, **common).generate([prompt], params)[0].outputs[0].token_ids
+    llm = LLM(directory, **common, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
+    assert llm.llm_engine.get_stats().spec_decoding.num_accepted_tokens > 0

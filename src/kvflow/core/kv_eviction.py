@@ -29,9 +29,11 @@ token (its position less that) from its rotary position.
 On a model with sliding-window layers (Gemma 3) the budget bounds the full-attention layers; a
 sliding layer keeps its own window, by position, as without a budget (its table is not compacted).
 
-What does not compose yet, and says so when asked for: a model with recurrent state, speculative
-decoding (a verification's tokens may cross an interval point), a KV connector (it moves blocks by
-position).
+Speculation composes where the proposer writes no KV (n-gram): a verification never crosses a
+point (the chunk limit counts its proposals), so every point is still a chunk's start, and a
+rejection rolls back only tokens after it. What does not compose yet, and says so when asked for: a
+model with recurrent state, a drafter that writes KV (draft_model, layer_skip: by position, into
+tables eviction compacts), a KV connector (it moves blocks by position).
 An evicting request skips the prefix cache (its KV after the first point is not the full
 context's) and is preempted by recompute, never swapped.
 """
@@ -46,8 +48,8 @@ PLANNED_POLICIES = ("h2o", "snapkv", "pyramid")
 SINK_TOKENS = 4  # StreamingLLM's four sinks; a whole block is kept
 # Settings eviction does not compose with yet, and why.
 NOT_COMPOSED = {
-    "speculative_config": "a verification's tokens may cross an eviction point, and a rejection would have to "
-                          "give evicted blocks back",
+    "speculative_config": "a draft model's or the skipped layers' KV is written by position, not into the tables "
+                          "eviction compacts; n-gram speculation composes",
     "kv_transfer_config": "the connector moves a request's blocks by position, and an evicting request's table is "
                           "compacted",
     "recurrent_state": "a state-space layer keeps no per-position KV to evict",

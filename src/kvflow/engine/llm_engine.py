@@ -527,7 +527,8 @@ class LLMEngine:
             raise ValueError("kv_budget_tokens applies with a kv_eviction_policy (sink_window)")
         if eviction is not None and params.kv_eviction_policy is not None:
             self._check_kv_groups_evict(policy)
-            for why, setting in (("speculative_config", self.config.speculative),
+            speculative = self.config.speculative
+            for why, setting in (("speculative_config", speculative if speculative and speculative.writes_kv else None),
                                  ("kv_transfer_config", self.config.kv_transfer)):
                 if setting is not None:
                     raise ValueError(f"kv_eviction_policy={policy!r} does not compose with this engine's {why} "
