@@ -12,8 +12,10 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import torch
 
 from kvflow.analysis.hardware import PRESETS as HARDWARE
 from kvflow.analysis.hardware import get_hardware
@@ -565,3 +567,30 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(RuntimeError, match="pip install"):
         plot_roofline(plan(MODELS["llama-2-7b"], H100), tmp_path / "x.png")
+
+
+MAMBA2_130M = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "mamba2-130m"
+
+
+def test_mamba2_parameters_match_transformers_and_its_state_is_one_size():
+    import transformers
+
+    config = json.loads((MAMBA2_130M / "config.json").read_text())
+    spec = ModelSpec.from_hf_config(config)
+    with torch.device("meta"):
+        hf = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**config))
+    assert spec.param_count() == sum(p.numel() for p in hf.parameters())
+    state = 24 * (1792 * 4 + 24 * 64 * 128) * 4  # conv inputs and scan state, float32, every layer
+    assert spec.kv_bytes_per_token() == 0
+    assert spec.kv_bytes_for_context(1) == spec.kv_bytes_for_context(32_768) == state
+    assert spec.flops_per_token(10) == spec.flops_per_token(10_000)  # nothing grows with the context
+
+
+def test_kvflow_plan_runs_from_the_command_line(capsys):
+    """Through `kvflow`'s own entry point: a planning -tp is a number to plan for, not ranks to start."""
+    from kvflow.entrypoints.cli import main
+
+    assert main(["plan", "-tp", "3"]) == 0
+    assert main(["plan", "--model", str(MAMBA2_130M), "--context-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "no attention" in out and "whatever its length" in out and "reaches it at 265 tokens" in out

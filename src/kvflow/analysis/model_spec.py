@@ -16,8 +16,10 @@ from types import MappingProxyType
 from typing import Any
 
 from kvflow.kv_cache_spec import (
+    STATE_BYTES,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaStateSpec,
     MLAAttentionSpec,
     SharedKVSpec,
     SlidingWindowSpec,
@@ -83,6 +85,40 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class SSMSpec:
+    """Mamba-2 mixers in place of attention and MLP: a fixed-size state per request and layer."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.n_groups * self.state_size
+
+    @property
+    def state(self) -> MambaStateSpec:
+        return MambaStateSpec(self.conv_dim, self.conv_kernel, self.num_heads, self.head_dim, self.state_size)
+
+    def mixer_params(self, hidden: int) -> int:
+        """in_proj (z, x, B, C, dt), the depthwise convolution and its bias, A, D and dt's bias,
+        the gated norm, out_proj."""
+        in_proj = hidden * (self.inner + self.conv_dim + self.num_heads)
+        return in_proj + self.conv_dim * (self.conv_kernel + 1) + 3 * self.num_heads + self.inner + self.inner * hidden
+
+    @property
+    def scan_flops_per_token(self) -> int:
+        """The recurrence per token and layer: decay and input into the state, the state read by C."""
+        return 6 * self.num_heads * self.head_dim * self.state_size
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     num_layers: int
@@ -101,11 +137,14 @@ class ModelSpec:
     mla: MLASpec | None = None
     moe: MoESpec | None = None
     kv_sharing: tuple[tuple[int, int], ...] = ()  # (layer, the earlier layer whose KV it reads)
+    ssm: SSMSpec | None = None  # a state-space model (Mamba-2): no attention, no MLP, no KV
 
     # ---- shape ----------------------------------------------------------------------------
 
     @property
     def attention_kind(self) -> str:
+        if self.ssm is not None:
+            return "no"
         if self.mla is not None:
             return "mla"
         if self.num_kv_heads == 1 and self.num_heads > 1:
@@ -137,8 +176,10 @@ class ModelSpec:
     # ---- parameters -----------------------------------------------------------------------
 
     def _attn_params(self) -> int:
-        """Linear weights of one attention block (norms excluded)."""
+        """Linear weights of one attention block (norms excluded); a state-space model's mixer."""
         d, n = self.hidden_size, self.num_heads
+        if self.ssm is not None:
+            return self.ssm.mixer_params(d)
         if self.mla is None:
             kv = 2 * d * self.num_kv_heads * self.head_dim
             bias = (n + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
@@ -159,6 +200,8 @@ class ModelSpec:
 
     def _ffn_params(self, layer: int, active: bool) -> int:
         """MLP weights of one layer; `active` counts only what a single token runs through."""
+        if self.ssm is not None:
+            return 0
         if not self._is_moe_layer(layer):
             return self._mlp_params(self.intermediate_size)
         assert self.moe is not None
@@ -170,7 +213,7 @@ class ModelSpec:
     def _norm_params(self) -> int:
         # Two RMSNorm vectors per layer plus the final one (MLA adds its two latent norms).
         # Extra norms some families carry (Gemma's four, Qwen3's q/k norms) are <0.01%.
-        per_layer = 2 * self.hidden_size
+        per_layer = (1 if self.ssm is not None else 2) * self.hidden_size
         if self.mla is not None:
             per_layer += self.mla.kv_lora_rank + (self.mla.q_lora_rank or 0)
         return self.num_layers * per_layer + self.hidden_size
@@ -216,6 +259,8 @@ class ModelSpec:
 
     def layer_kv_specs(self) -> list[KVCacheSpec]:
         """What each layer caches, in the engine's terms (kvflow.kv_cache_spec)."""
+        if self.ssm is not None:
+            return [self.ssm.state] * self.num_layers
         if self.mla is not None:
             specs: list[KVCacheSpec] = [MLAAttentionSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)] * self.num_layers
         else:
@@ -238,6 +283,8 @@ class ModelSpec:
 
     def attended_tokens(self, context_len: int) -> int:
         """Sum over layers of the positions a new token sees (window-capped on local layers)."""
+        if self.ssm is not None:
+            return 0
         w = self.sliding_window
         return sum(
             min(context_len, w) if w is not None and self.is_local_layer(i) else context_len
@@ -248,6 +295,8 @@ class ModelSpec:
         """KV bytes one request holds at `context_len` tokens (local layers keep only W, layers
         that share another's KV keep none)."""
         per_number = dtype_bits(kv_dtype) / 8
+        if self.ssm is not None:  # a state of one size, whatever the context
+            return self.num_layers * self.ssm.state.state_elements * STATE_BYTES
         return int(sum(token_bytes(s, per_number, kv_cache_dtype)
                        * (context_len if s.sliding_window is None else min(context_len, s.sliding_window))
                        for s in self.layer_kv_specs()))
@@ -272,14 +321,21 @@ class ModelSpec:
         qk, v = self._attn_dims()
         matmul = self._layer_params(active=True) + self.lm_head_params()
         attention = 2 * self.num_heads * (qk + v) * self.attended_tokens(context_len)
-        return 2.0 * matmul + attention
+        return 2.0 * matmul + attention + self._scan_flops(1)
 
     def prefill_flops(self, num_tokens: int) -> float:
         """Forward FLOPs of a causal prefill of `num_tokens`; logits only for the last one."""
         qk, v = self._attn_dims()
         matmul = 2.0 * self._layer_params(active=True) * num_tokens + 2.0 * self.lm_head_params()
+        if self.ssm is not None:
+            return matmul + self._scan_flops(num_tokens)
         pairs = sum(self._causal_pairs(num_tokens, i) for i in range(self.num_layers))
         return matmul + 2.0 * self.num_heads * (qk + v) * pairs
+
+    def _scan_flops(self, num_tokens: int) -> float:
+        """A state-space model's recurrences over `num_tokens` (the chunked form's extra
+        within-chunk products are left out: the closed form counts the recurrence)."""
+        return 0.0 if self.ssm is None else float(self.num_layers * self.ssm.scan_flops_per_token * num_tokens)
 
     def _causal_pairs(self, num_tokens: int, layer: int) -> int:
         """Query-key pairs a causal (optionally windowed) layer scores: sum_i min(i, W)."""
@@ -310,6 +366,10 @@ class ModelSpec:
             moe = MoESpec(e.num_experts, e.experts_per_token, e.expert_intermediate_size, e.num_shared_experts,
                           e.dense_layers)
         kv_specs = arch.kv_cache_specs()
+        ssm = None
+        if (state := arch.recurrent_state) is not None:
+            groups = (state.conv_dim - state.num_heads * state.head_dim) // (2 * state.state_size)
+            ssm = SSMSpec(state.num_heads, state.head_dim, state.state_size, groups, state.conv_kernel)
         return cls(
             name=arch.model_type or arch.architecture or "custom",
             num_layers=arch.num_layers,
@@ -326,6 +386,7 @@ class ModelSpec:
             mla=mla,
             moe=moe,
             kv_sharing=tuple((i, s.target_layer) for i, s in enumerate(kv_specs) if isinstance(s, SharedKVSpec)),
+            ssm=ssm,
         )
 
 

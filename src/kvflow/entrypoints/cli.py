@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _runs_a_worker_rank(args: argparse.Namespace) -> bool:
     """Under torchrun (or --node-rank > 0) every rank runs the same command; rank 0 runs it, the
-    others become its tensor-parallel workers."""
-    if getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) == 1:
+    others become its tensor-parallel workers. Only commands that run an engine (its flags include
+    --distributed-init-method): `kvflow plan --tensor-parallel-size N` plans for N ranks, it runs none."""
+    if not hasattr(args, "distributed_init_method") or args.tensor_parallel_size * args.pipeline_parallel_size == 1:
         return False
     from kvflow.worker.worker_process import external_rank, run_external_rank
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvflow.analysis.hardware import Hardware, get_hardware
-from kvflow.analysis.model_spec import DEFAULT_MODEL, resolve_model
+from kvflow.analysis.model_spec import DEFAULT_MODEL, dtype_bits, resolve_model
 from kvflow.analysis.planner import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_CONTEXT_LEN,
@@ -184,6 +184,19 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     )
 
 
+def _memory_line(r: PlanResult) -> str:
+    """What a request holds: KV growing per token, or (a state-space model) one state whatever its
+    length, with the context at which an attention model's KV of the same bytes per token as the
+    dense twin's (its hidden size, heads of 64) would reach it."""
+    m = r.model
+    if m.ssm is None:
+        return (f"KV cache  {r.kv_bytes_per_token / 1024:,.1f} KiB/token ({_kv_storage(r)}); "
+                f"{r.kv_bytes_per_sequence / 1e6:,.1f} MB per {r.context_len}-token request")
+    twin = 2 * m.num_layers * m.hidden_size * dtype_bits(r.dtype) // 8  # K and V of every channel, every layer
+    return (f"state     {r.kv_bytes_per_sequence / 1e6:,.1f} MB per request (float32), whatever its length; "
+            f"an attention twin's KV ({twin / 1024:,.1f} KiB/token) reaches it at {r.kv_bytes_per_sequence // twin:,} tokens")
+
+
 def _summary(r: PlanResult) -> list[str]:
     m, hw = r.model, r.hardware
     active = f", {r.active_params / 1e9:.2f} B active" if r.active_params != r.params else ""
@@ -196,8 +209,7 @@ def _summary(r: PlanResult) -> list[str]:
         f"{hw.peak(r.dtype) / 1e12:,.1f} TFLOP/s {r.dtype}; "
         f"ridge {hw.ridge_point(r.dtype):.0f} FLOP/B",
         f"weights   {_gb(r.weight_bytes)} GB at {r.weight_bits} bits",
-        f"KV cache  {r.kv_bytes_per_token / 1024:,.1f} KiB/token ({_kv_storage(r)}); "
-        f"{r.kv_bytes_per_sequence / 1e6:,.1f} MB per {r.context_len}-token request",
+        _memory_line(r),
         f"max batch {r.max_batch_size} requests of {r.context_len} tokens fit in memory"
         + (" (the weights alone do not fit)" if r.weight_bytes > hw.memory_bytes else ""),
         f"prefill   TTFT {p.ttft_ms:,.2f} ms for {p.tokens} tokens ({p.bound}-bound)",
