@@ -22,11 +22,13 @@ def hash_block(parent: BlockHash, token_ids: list[int], extra_keys: tuple = ()) 
     return h.digest()
 
 
-def cache_extra_keys(cache_salt: str | None, lora_int_id: int) -> tuple:
+def cache_extra_keys(cache_salt: str | None, lora_int_id: int, image_hashes: tuple[bytes, ...] = ()) -> tuple:
     """What besides its tokens keys a prompt's first block: requests share cached blocks only with
-    the same salt and the same LoRA adapter (0: none)."""
+    the same salt, the same LoRA adapter (0: none) and the same images (their `<image>` tokens are
+    alike whatever the pixels, so the images key the whole prompt, from its first block on)."""
     salt = () if cache_salt is None else (cache_salt,)
-    return salt if not lora_int_id else (*salt, ("lora", lora_int_id))
+    keys = salt if not lora_int_id else (*salt, ("lora", lora_int_id))
+    return keys if not image_hashes else (*keys, ("images", *image_hashes))
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int, extra_keys: tuple = ()) -> None:

@@ -39,6 +39,17 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt, processed: its hash (what keys the prefix cache for it), its tiles'
+    pixels (a tensor only the worker's encoder reads; opaque here) and the `<image>` tokens it
+    stands for in the prompt, in order with the other images'."""
+
+    hash: bytes
+    pixel_values: object
+    num_tokens: int
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -64,13 +75,14 @@ class Request:
     max_chunk_tokens: int = 1 << 62  # set at admission: the largest chunk whose KV blocks fit the pool
     eviction: KVEviction | None = None  # a KV budget (core/kv_eviction.py); None: keeps all its KV
     num_evicted_tokens: int = 0  # positions past the sinks whose KV left: KV index = position - this
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, in the order of their `<image>` tokens
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
 
     @property
     def cache_extra_keys(self) -> tuple:
-        return cache_extra_keys(self.cache_salt, self.lora_int_id)
+        return cache_extra_keys(self.cache_salt, self.lora_int_id, tuple(image.hash for image in self.images))
 
     @property
     def lora_int_id(self) -> int:

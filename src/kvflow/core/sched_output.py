@@ -40,6 +40,7 @@ class ScheduledChunk:
     # Positions whose KV a budget evicted (core/kv_eviction.py): token_ids[0]'s KV index is
     # start_pos - this, its rotary position start_pos.
     num_evicted_tokens: int = 0
+    images: tuple = ()  # the request's PromptImages (core.request), whose rows replace its `<image>` tokens'
 
     @property
     def num_tokens(self) -> int:

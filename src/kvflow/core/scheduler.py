@@ -381,6 +381,7 @@ class Scheduler:
             num_spec_tokens=len(drafts),
             num_lookahead_tokens=lookahead,
             num_evicted_tokens=request.num_evicted_tokens,
+            images=request.images,
         )
 
     # -- after the model ran ---------------------------------------------------------------

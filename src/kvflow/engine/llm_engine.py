@@ -19,12 +19,13 @@ from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_connector import KVStoreConnector
 from kvflow.core.kv_eviction import NOT_COMPOSED, KVEviction
-from kvflow.core.request import Request, RequestStatus
+from kvflow.core.request import PromptImage, Request, RequestStatus
 from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
+from kvflow.engine.prompt_images import READS_IMAGES, PromptImages
 from kvflow.engine.snapshot import StepLog
 from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.engine.step_budget import StepBudget
@@ -70,6 +71,7 @@ class LLMEngine:
         self.config: EngineConfig = with_kv_store_namespace(args.create_config(self.arch.max_position_embeddings),
                                                             self.arch)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
+        self.prompt_images = PromptImages(args.model, self.arch) if self.arch.architecture in READS_IMAGES else None
         if getattr(self.quant_config, "needs_calibration", False):  # before any worker starts
             self._check_calibration()
         self._check_kv_transfer()  # before any weight is read
@@ -235,7 +237,7 @@ class LLMEngine:
         if lora_request is not None:
             self.add_lora(lora_request)
         eviction = self._eviction(params)
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids, images = self._tokenize_with_images(prompt)
         max_tokens = params.max_tokens or max(1, self.config.model.max_model_len - len(token_ids))
         error = self.scheduler.admission_error(len(token_ids), max_tokens, eviction)
         if error:
@@ -253,7 +255,7 @@ class LLMEngine:
                     n=1, seed=None if params.seed is None else _child_seed(params.seed, index))
                 request = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, arrival,
                                   priority=priority, cache_salt=cache_salt, lora_request=lora_request,
-                                  eviction=eviction)
+                                  eviction=eviction, images=images)
                 self.scheduler.add_request(request)
                 queued.append(child_id)
                 if grammar is not None:  # forgotten once the request finishes
@@ -539,6 +541,19 @@ class LLMEngine:
         if self.arch.kv_layout.holds_state:
             raise ValueError(f"kv_eviction_policy={policy!r} does not compose with {self.arch.architecture} yet "
                              f"({NOT_COMPOSED['recurrent_state']})")
+
+    def _tokenize_with_images(self, prompt: PromptType) -> tuple[str | None, list[int], tuple[PromptImage, ...]]:
+        """As `_tokenize`, and a dict's `multi_modal_data` images (engine/prompt_images.py)."""
+        if not (isinstance(prompt, dict) and "multi_modal_data" in prompt):
+            return (*self._tokenize(prompt), ())
+        data = prompt["multi_modal_data"]
+        if self.prompt_images is None:
+            raise ValueError(f"multi_modal_data: {self.arch.architecture} reads no images")
+        if not isinstance(data, dict) or set(data) != {"image"}:
+            raise ValueError("multi_modal_data must be {'image': bytes or a list of bytes}")
+        expanded, images = self.prompt_images.expand(prompt.get("prompt"), data["image"])
+        _, token_ids = self._tokenize(expanded)
+        return prompt["prompt"], token_ids, images
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A dict may carry both: the text (for outputs) and its token ids (not tokenized again)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 
@@ -105,6 +105,10 @@ class ArchConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping) -> ArchConfig:
+        if config.get("model_type") == "idefics3":  # the language model's shape; `hf` keeps the vision tower's
+            text = {**(config.get("text_config") or {}), "architectures": config.get("architectures"),
+                    "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
+            return replace(cls.from_hf(text), hf=MappingProxyType(dict(config)))
         cfg = _with_defaults(config)
         arch = (cfg.get("architectures") or [""])[0]  # "": the planner may read such a config, the engine not
         if cfg.get("model_type") == "mamba2":

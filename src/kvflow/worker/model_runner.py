@@ -27,6 +27,7 @@ from kvflow.worker.cpu_decode import CpuDecodeLoop
 from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import unique_caches
 from kvflow.worker.kv_connector import KVStoreConnectorWorker
+from kvflow.worker.multimodal import ImageRows
 from kvflow.worker.speculator import Speculator, VerifyRow
 
 # Prompt-logprob rows are scored this many at a time: a long prompt's [rows, vocab] logits (and
@@ -44,6 +45,7 @@ class FlatBatch:
     prompt_rows: list[int]  # rows whose next token is a prompt token with logprobs requested
     prompt_targets: list[int]
     prompt_spans: dict[str, tuple[int, int, int, int]]  # request → (first position, first row index, count, top-N)
+    inputs_embeds: torch.Tensor | None = None  # the first layer's input rows, when images replace some
 
 
 class ModelRunner:
@@ -74,6 +76,8 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self.kv_connector = kv_connector
         self.speculator: Speculator | None = None if build_speculator is None else build_speculator(self)
+        # A model that reads images in its prompts (kvflow.model.models.idefics3): their rows, by hash.
+        self.image_rows = ImageRows(model) if hasattr(model, "encode_images") else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -139,6 +143,8 @@ class ModelRunner:
         if self.stage.size > 1:
             return self._forward_stage(batch)
         graphs = self.decode_graphs
+        if batch.inputs_embeds is not None:
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, batch.inputs_embeds)
         if graphs is not None and graphs.can_replay(batch.attn[0].query_lens_cpu):
             return graphs.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
@@ -212,6 +218,8 @@ class ModelRunner:
         positions = _tensor(positions, dev)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
         batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})
+        if self.image_rows is not None:
+            batch.inputs_embeds = self.image_rows.inputs_embeds(chunks, input_ids)
         offset = 0
         for chunk, q_len in zip(chunks, query_lens):
             if chunk.sample:

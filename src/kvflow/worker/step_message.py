@@ -48,6 +48,7 @@ class NewRequestData:
     spec_token_ids: tuple[int, ...] = ()  # proposals verified after the chunk's known tokens
     num_lookahead_tokens: int = 0
     num_evicted_tokens: int = 0
+    images: tuple = ()  # the prompt's images (core.request.PromptImage), sent once with the request
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class StepEncoder:
             self._sent[c.request_id] = _Sent(len(c.output_token_ids), tuple(list(t) for t in c.block_ids))
             return NewRequestData(c.request_id, c.prompt_token_ids, list(c.output_token_ids), c.sampling_params,
                                   c.eos_token_ids, c.block_ids, c.start_pos, known, c.sample, c.lora_request,
-                                  spec, c.num_lookahead_tokens, c.num_evicted_tokens)
+                                  spec, c.num_lookahead_tokens, c.num_evicted_tokens, c.images)
         new_blocks, nulled = diff
         for table, blocks, gone in zip(sent.tables, new_blocks, nulled):
             table.extend(blocks)
@@ -149,6 +150,7 @@ class _RequestState:
     eos_token_ids: frozenset[int]
     block_ids: tuple[list[int], ...]
     lora_request: LoRARequest | None
+    images: tuple = ()
 
 
 class StepDecoder:
@@ -173,7 +175,7 @@ class StepDecoder:
     def _chunk(self, d: NewRequestData | CachedRequestData) -> ScheduledChunk:
         if isinstance(d, NewRequestData):
             state = _RequestState(d.prompt_token_ids, list(d.output_token_ids), d.sampling_params, d.eos_token_ids,
-                                  tuple(list(t) for t in d.block_ids), d.lora_request)
+                                  tuple(list(t) for t in d.block_ids), d.lora_request, d.images)
             self.requests[d.request_id] = state
         else:
             state = self.requests[d.request_id]
@@ -190,4 +192,4 @@ class StepDecoder:
         return ScheduledChunk(d.request_id, tokens + list(d.spec_token_ids), start, state.block_ids, d.sample,
                               state.sampling_params, prompt, outputs, state.eos_token_ids, state.lora_request,
                               num_spec_tokens=len(d.spec_token_ids), num_lookahead_tokens=d.num_lookahead_tokens,
-                              num_evicted_tokens=d.num_evicted_tokens)
+                              num_evicted_tokens=d.num_evicted_tokens, images=state.images)

@@ -175,8 +175,11 @@ class DecoderModel(nn.Module):
     layers: nn.ModuleList
     norm: RMSNorm
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: the first layer's input rows given instead of the tokens' embeddings
+        (a prompt's image rows spliced in: kvflow.model.models.idefics3)."""
+        hidden, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
         rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
@@ -223,8 +226,10 @@ class CausalLM(nn.Module):
         self.lm_head = (model.embed_tokens if cfg.tie_word_embeddings
                         else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config, "lm_head"))
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if inputs_embeds is None:
+            return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
         """float32 logits, or the head's own dtype with `widen=False` (embedding.compute_logits)."""
