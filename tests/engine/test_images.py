@@ -93,3 +93,18 @@ def test_a_text_model_refuses_images(tmp_path):
     llm = LLM(str(tmp_path), num_kv_blocks=16)
     with pytest.raises(ValueError, match="reads no images"):
         llm.generate([{"prompt": "<image>", "multi_modal_data": {"image": png_bytes(8, 8)}}], SamplingParams(max_tokens=2))
+
+
+def test_image_tokens_and_image_rows_must_agree(tiny_vlm, monkeypatch):
+    """Each <image> token takes the next image row: a prompt whose counts differ is refused up front
+    (here an image claiming one row more than its tokens), never run on misaligned rows."""
+    import dataclasses
+
+    directory, _, _ = tiny_vlm
+    llm = LLM(directory, dtype="float32", num_kv_blocks=64)
+    images = llm.llm_engine.prompt_images
+    expand = images.expand
+    monkeypatch.setattr(images, "expand", lambda text, data: (lambda t, found: (t, tuple(
+        dataclasses.replace(i, num_tokens=i.num_tokens + 1) for i in found)))(*expand(text, data)))
+    with pytest.raises(ValueError, match="<image> tokens where its images stand for"):
+        llm.generate([{"prompt": "<image>", "multi_modal_data": {"image": png_bytes(16, 16)}}], SamplingParams(max_tokens=2))

@@ -553,6 +553,11 @@ class LLMEngine:
             raise ValueError("multi_modal_data must be {'image': bytes or a list of bytes}")
         expanded, images = self.prompt_images.expand(prompt.get("prompt"), data["image"])
         _, token_ids = self._tokenize(expanded)
+        # Each <image> token takes the next of the images' rows: their counts must agree exactly.
+        found, expected = token_ids.count(self.prompt_images.image_token_id), sum(i.num_tokens for i in images)
+        if found != expected:
+            raise ValueError(f"prompt: its text tokenizes to {found} <image> tokens where its images stand for "
+                             f"{expected}")
         return prompt["prompt"], token_ids, images
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

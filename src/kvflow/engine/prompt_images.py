@@ -31,8 +31,9 @@ class PromptImages:
         if not path.is_file():
             raise ValueError(f"{arch.architecture} reads images as its preprocessor_config.json says, and {path} "
                              "is missing")
-        tokens_per_tile = Idefics3VisionSpec.from_hf(arch.hf).tokens_per_image
-        self.config = Idefics3ImageConfig.from_hf(json.loads(path.read_text()), tokens_per_tile)
+        spec = Idefics3VisionSpec.from_hf(arch.hf)
+        self.image_token_id = spec.image_token_id
+        self.config = Idefics3ImageConfig.from_hf(json.loads(path.read_text()), spec.tokens_per_image)
         self.limits = limits
 
     def expand(self, text: object, data: object) -> tuple[str, tuple[PromptImage, ...]]:
