@@ -551,14 +551,21 @@ class LLMEngine:
             raise ValueError(f"multi_modal_data: {self.arch.architecture} reads no images")
         if not isinstance(data, dict) or set(data) != {"image"}:
             raise ValueError("multi_modal_data must be {'image': bytes or a list of bytes}")
-        expanded, images = self.prompt_images.expand(prompt.get("prompt"), data["image"])
-        _, token_ids = self._tokenize(expanded)
+        if "prompt_token_ids" in prompt:  # one <image> token per image, as a chat template writes it
+            text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
+            token_ids, images = self.prompt_images.expand_ids(
+                self._check_ids(list(prompt["prompt_token_ids"])), data["image"],
+                lambda s: self.get_tokenizer().encode(s, add_special_tokens=False))
+        else:
+            text = prompt.get("prompt")
+            expanded, images = self.prompt_images.expand(text, data["image"])
+            _, token_ids = self._tokenize(expanded)
         # Each <image> token takes the next of the images' rows: their counts must agree exactly.
         found, expected = token_ids.count(self.prompt_images.image_token_id), sum(i.num_tokens for i in images)
         if found != expected:
             raise ValueError(f"prompt: its text tokenizes to {found} <image> tokens where its images stand for "
                              f"{expected}")
-        return prompt["prompt"], token_ids, images
+        return text, token_ids, images
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A dict may carry both: the text (for outputs) and its token ids (not tokenized again)."""

@@ -36,18 +36,35 @@ class PromptImages:
         self.config = Idefics3ImageConfig.from_hf(json.loads(path.read_text()), spec.tokens_per_image)
         self.limits = limits
 
+    def expand_ids(self, token_ids: list[int], data: object, encode) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """Token ids with one `<image>` token per image (a chat template's placeholder) → the ids
+        with each expanded to its image's tokens (`encode`: text → ids, no special tokens added)."""
+        places = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        processed, images = self._processed(data)
+        if len(places) != len(processed):
+            raise ValueError(f"prompt_token_ids: {len(places)} <image> tokens for {len(processed)} images; there must "
+                             "be one per image")
+        expanded, start = [], 0
+        for place, image in zip(places, processed):
+            expanded += token_ids[start:place] + encode(image.prompt)
+            start = place + 1
+        return expanded + token_ids[start:], images
+
     def expand(self, text: object, data: object) -> tuple[str, tuple[PromptImage, ...]]:
         """(the text with each `<image>` expanded, its images). ValueError naming the field for a
         prompt that is not text, data that is not image files, too many images or a placeholder
         count that does not match."""
         if not isinstance(text, str):
             raise ValueError("a prompt with multi_modal_data needs its text in 'prompt', one <image> per image")
+        processed, images = self._processed(data)
+        return expand_image_placeholders(text, processed), images
+
+    def _processed(self, data: object) -> tuple[list, tuple[PromptImage, ...]]:
         files = [data] if isinstance(data, (bytes, bytearray)) else data
         if not isinstance(files, (list, tuple)) or not files or not all(isinstance(f, (bytes, bytearray)) for f in files):
             raise ValueError("multi_modal_data.image must be an image file's bytes or a list of them")
         if len(files) > MAX_IMAGES_PER_PROMPT:
             raise ValueError(f"multi_modal_data.image: at most {MAX_IMAGES_PER_PROMPT} images per prompt; got {len(files)}")
         processed = [process_image(bytes(f), self.config, self.limits) for f in files]
-        images = tuple(PromptImage(hashlib.sha256(f).digest(), p.pixel_values, p.num_image_tokens)
-                       for f, p in zip(files, processed))
-        return expand_image_placeholders(text, processed), images
+        return processed, tuple(PromptImage(hashlib.sha256(f).digest(), p.pixel_values, p.num_image_tokens)
+                                for f, p in zip(files, processed))

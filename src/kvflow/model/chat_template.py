@@ -77,7 +77,9 @@ def render_chat_template(
 
 
 def normalize_message(message: dict, index: int) -> dict:
-    """Check a message and flatten OpenAI-style text parts into one string."""
+    """Check a message and flatten OpenAI-style text parts into one string; with image parts
+    ({'type': 'image'}, for a template that writes the model's image placeholder) the parts stay a
+    list."""
     if not isinstance(message, dict):
         raise ValueError(f"messages[{index}] must be an object with 'role' and 'content'")
     role = message.get("role")
@@ -87,12 +89,13 @@ def normalize_message(message: dict, index: int) -> dict:
     if content is None:
         content = ""
     if isinstance(content, list):
-        parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            is_text = isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            if not is_text and part != {"type": "image"}:
                 raise ValueError(f"messages[{index}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
-            parts.append(part["text"])
-        content = "".join(parts)
+        if any(part["type"] == "image" for part in content):
+            return {**message, "content": list(content)}
+        content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
         raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
     return {**message, "content": content}

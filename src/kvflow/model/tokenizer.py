@@ -121,7 +121,7 @@ class Tokenizer:
 
         marked = [normalize_message(m, i) for i, m in enumerate(messages)]
         if self._special_pattern is not None:
-            marked = [{**m, "content": self._special_pattern.sub(mark, m["content"])} for m in marked]
+            marked = [{**m, "content": self._mark_content(m["content"], mark)} for m in marked]
         text = self.apply_chat_template(marked, add_generation_prompt, tools=tools, check_text=check_text)
         ids, start = [], 0
         for marker in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", text):
@@ -129,6 +129,12 @@ class Tokenizer:
             ids += self._plain_text_backend.encode_batch([found[int(marker.group(1))]], add_special_tokens=False)[0].ids
             start = marker.end()
         return ids + self.encode(text[start:], add_special_tokens=False)
+
+    def _mark_content(self, content: str | list[dict], mark: Callable[[re.Match], str]) -> str | list[dict]:
+        """The special-token text of a message's text (of its text parts, beside image parts) marked."""
+        if isinstance(content, str):
+            return self._special_pattern.sub(mark, content)
+        return [{**p, "text": self._special_pattern.sub(mark, p["text"])} if p["type"] == "text" else p for p in content]
 
     @cached_property
     def _special_pattern(self) -> re.Pattern | None:

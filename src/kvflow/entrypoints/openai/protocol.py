@@ -9,6 +9,8 @@ ignored, as OpenAI's clients send new ones first.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -164,6 +166,36 @@ class TextPart(OpenAIBody):
     text: str
 
 
+class ImageURL(OpenAIBody):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the image processor decides the tiles
+
+
+class ImagePart(OpenAIBody):
+    """OpenAI's image content part. Only `data:` URLs are read: fetching a client's URL from the
+    server is not built (it would need an allow-list, a size and time bound: docs/limits.md)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    def image_bytes(self) -> bytes:
+        url = self.image_url.url
+        header, comma, payload = url.partition(",")
+        if not url.startswith("data:") or not comma or not header.endswith(";base64"):
+            raise ValueError("image_url.url must be a data: URL with base64 content (data:image/png;base64,...); "
+                             "the server fetches no remote images")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("image_url.url: its base64 content does not decode") from None
+
+
+def _content_part(part: Any) -> TextPart | ImagePart:
+    if isinstance(part, dict) and part.get("type") == "image_url":
+        return ImagePart.model_validate(part)
+    return TextPart.model_validate(part)
+
+
 class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
@@ -173,17 +205,25 @@ class ChatMessage(OpenAIBody):
 
     @field_validator("content")
     @classmethod
-    def _text_content(cls, content: Any) -> str | None:
-        """A string, or a list of text parts (joined); images and audio are not supported."""
+    def _text_content(cls, content: Any) -> str | list[dict] | None:
+        """A string, or a list of text parts (joined), or, with images, the parts in order as
+        {'type': 'text', 'text': ...} and {'type': 'image', 'data': bytes}; audio is not supported."""
         if content is None or isinstance(content, str):
             return content
         try:
-            parts = [TextPart.model_validate(p) for p in content] if isinstance(content, list) else None
+            parts = [_content_part(p) for p in content] if isinstance(content, list) else None
         except ValidationError:
             parts = None
         if parts is None:
-            raise ValueError("must be a string or a list of {'type': 'text', 'text': ...} parts")
-        return "".join(p.text for p in parts)
+            raise ValueError("must be a string or a list of {'type': 'text', 'text': ...} and "
+                             "{'type': 'image_url', 'image_url': {'url': 'data:...'}} parts")
+        if all(isinstance(p, TextPart) for p in parts):
+            return "".join(p.text for p in parts)
+        return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image", "data": p.image_bytes()}
+                for p in parts]
+
+    def images(self) -> list[bytes]:
+        return [p["data"] for p in self.content if p["type"] == "image"] if isinstance(self.content, list) else []
 
     @model_validator(mode="after")
     def _has_content(self):
@@ -194,7 +234,10 @@ class ChatMessage(OpenAIBody):
     def for_template(self) -> dict:
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": self.content or ""}
+        content = self.content or ""
+        if isinstance(content, list):  # image parts: the template writes the model's image placeholder
+            content = [p if p["type"] == "text" else {"type": "image"} for p in content]
+        message = {"role": role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [c.for_template() for c in self.tool_calls]
         if self.tool_call_id is not None:

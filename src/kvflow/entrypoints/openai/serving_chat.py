@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.engine.async_llm import AsyncLLM, RequestStream
 from kvflow.engine.outputs import PositionLogprobDict
-from kvflow.entrypoints.openai.errors import bad_request
+from kvflow.entrypoints.openai.errors import APIError, bad_request
 from kvflow.entrypoints.openai.limits import ServerLimits
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.responses import (
@@ -51,6 +51,11 @@ class ChatServing(Serving):
         self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         beam = self.beam_search_params(req, params)
+        images = [image for message in req.messages for image in message.images()]
+        if images:  # the template wrote one <image> per image; the engine expands each to its tiles' tokens
+            if beam is not None:
+                raise APIError(400, "use_beam_search does not take image parts yet", param="use_beam_search")
+            prompt = {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}
         [stream] = await self.start(request_id, [prompt], params, lora_request, req.cache_salt, beam)
         if req.stream:
             return self.event_stream(self._events(request_id, req, stream), [stream])
