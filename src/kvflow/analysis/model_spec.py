@@ -84,38 +84,17 @@ class MoESpec:
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (DeepSeek: the first k)
 
 
-@dataclass(frozen=True)
-class SSMSpec:
-    """Mamba-2 mixers in place of attention and MLP: a fixed-size state per request and layer."""
+def mixer_params(state: MambaStateSpec, hidden: int) -> int:
+    """A Mamba-2 mixer's parameters: in_proj (z, x, B, C, dt), the depthwise convolution and its
+    bias, A, D and dt's bias, the gated norm, out_proj."""
+    inner = state.num_heads * state.head_dim
+    in_proj = hidden * (inner + state.conv_dim + state.num_heads)
+    return in_proj + state.conv_dim * (state.conv_kernel + 1) + 3 * state.num_heads + inner + inner * hidden
 
-    num_heads: int
-    head_dim: int
-    state_size: int
-    n_groups: int
-    conv_kernel: int
 
-    @property
-    def inner(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.inner + 2 * self.n_groups * self.state_size
-
-    @property
-    def state(self) -> MambaStateSpec:
-        return MambaStateSpec(self.conv_dim, self.conv_kernel, self.num_heads, self.head_dim, self.state_size)
-
-    def mixer_params(self, hidden: int) -> int:
-        """in_proj (z, x, B, C, dt), the depthwise convolution and its bias, A, D and dt's bias,
-        the gated norm, out_proj."""
-        in_proj = hidden * (self.inner + self.conv_dim + self.num_heads)
-        return in_proj + self.conv_dim * (self.conv_kernel + 1) + 3 * self.num_heads + self.inner + self.inner * hidden
-
-    @property
-    def scan_flops_per_token(self) -> int:
-        """The recurrence per token and layer: decay and input into the state, the state read by C."""
-        return 6 * self.num_heads * self.head_dim * self.state_size
+def scan_flops_per_token(state: MambaStateSpec) -> int:
+    """The recurrence per token and layer: decay and input into the state, the state read by C."""
+    return 6 * state.num_heads * state.head_dim * state.state_size
 
 
 @dataclass(frozen=True)
@@ -137,7 +116,7 @@ class ModelSpec:
     mla: MLASpec | None = None
     moe: MoESpec | None = None
     kv_sharing: tuple[tuple[int, int], ...] = ()  # (layer, the earlier layer whose KV it reads)
-    ssm: SSMSpec | None = None  # a state-space model (Mamba-2): no attention, no MLP, no KV
+    ssm: MambaStateSpec | None = None  # a state-space model (Mamba-2): no attention, no MLP, no KV
 
     # ---- shape ----------------------------------------------------------------------------
 
@@ -179,7 +158,7 @@ class ModelSpec:
         """Linear weights of one attention block (norms excluded); a state-space model's mixer."""
         d, n = self.hidden_size, self.num_heads
         if self.ssm is not None:
-            return self.ssm.mixer_params(d)
+            return mixer_params(self.ssm, d)
         if self.mla is None:
             kv = 2 * d * self.num_kv_heads * self.head_dim
             bias = (n + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
@@ -260,7 +239,7 @@ class ModelSpec:
     def layer_kv_specs(self) -> list[KVCacheSpec]:
         """What each layer caches, in the engine's terms (kvflow.kv_cache_spec)."""
         if self.ssm is not None:
-            return [self.ssm.state] * self.num_layers
+            return [self.ssm] * self.num_layers
         if self.mla is not None:
             specs: list[KVCacheSpec] = [MLAAttentionSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)] * self.num_layers
         else:
@@ -296,7 +275,7 @@ class ModelSpec:
         that share another's KV keep none)."""
         per_number = dtype_bits(kv_dtype) / 8
         if self.ssm is not None:  # a state of one size, whatever the context
-            return self.num_layers * self.ssm.state.state_elements * STATE_BYTES
+            return self.num_layers * self.ssm.state_elements * STATE_BYTES
         return int(sum(token_bytes(s, per_number, kv_cache_dtype)
                        * (context_len if s.sliding_window is None else min(context_len, s.sliding_window))
                        for s in self.layer_kv_specs()))
@@ -335,7 +314,7 @@ class ModelSpec:
     def _scan_flops(self, num_tokens: int) -> float:
         """A state-space model's recurrences over `num_tokens` (the chunked form's extra
         within-chunk products are left out: the closed form counts the recurrence)."""
-        return 0.0 if self.ssm is None else float(self.num_layers * self.ssm.scan_flops_per_token * num_tokens)
+        return 0.0 if self.ssm is None else float(self.num_layers * scan_flops_per_token(self.ssm) * num_tokens)
 
     def _causal_pairs(self, num_tokens: int, layer: int) -> int:
         """Query-key pairs a causal (optionally windowed) layer scores: sum_i min(i, W)."""
@@ -366,10 +345,6 @@ class ModelSpec:
             moe = MoESpec(e.num_experts, e.experts_per_token, e.expert_intermediate_size, e.num_shared_experts,
                           e.dense_layers)
         kv_specs = arch.kv_cache_specs()
-        ssm = None
-        if (state := arch.recurrent_state) is not None:
-            groups = (state.conv_dim - state.num_heads * state.head_dim) // (2 * state.state_size)
-            ssm = SSMSpec(state.num_heads, state.head_dim, state.state_size, groups, state.conv_kernel)
         return cls(
             name=arch.model_type or arch.architecture or "custom",
             num_layers=arch.num_layers,
@@ -386,7 +361,7 @@ class ModelSpec:
             mla=mla,
             moe=moe,
             kv_sharing=tuple((i, s.target_layer) for i, s in enumerate(kv_specs) if isinstance(s, SharedKVSpec)),
-            ssm=ssm,
+            ssm=arch.recurrent_state,
         )
 
 
