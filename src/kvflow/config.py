@@ -114,6 +114,9 @@ class KernelConfig:
     # The bf16 layouts kept beside a quantized weight for the products its own kernel is slow at
     # (`cpu_weight_layouts`: CPU_WEIGHT_LAYOUTS); "compact" keeps none (docs/performance-journal.md).
     weight_layouts: str = "fast"
+    # Quest-style sparse decode (attention/sparse_decode.py): a decode reads only this many of its KV
+    # blocks, chosen by per-block key summaries; None: every block.
+    sparse_decode_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,9 @@ class EngineArgs:
     # than its own kernel is fast at (prefill, batched decode); "compact": only its codes (less
     # memory, slower prompts and batches). CPU_WEIGHT_LAYOUTS; docs/performance-journal.md measures both.
     cpu_weight_layouts: str = "fast"
+    # Quest-style sparse decode: every key stays cached, a decode reads only this many KV blocks per
+    # KV head, chosen from per-block key min/max (attention/sparse_decode.py). None: all of them.
+    sparse_decode_blocks: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -276,6 +282,11 @@ class EngineArgs:
                              f"{self.quantization!r} rotates it; use --no-quantization-rotation or another method")
         device = self.resolve_device()
         backend = self.resolve_attention_backend(device)
+        blocks = self.sparse_decode_blocks
+        _require(blocks is None or (isinstance(blocks, int) and not isinstance(blocks, bool) and blocks >= 2),
+                 "sparse_decode_blocks", "an integer >= 2 (the blocks a decode reads, its last one included)")
+        if self.sparse_decode_blocks is not None and backend not in ("torch_sdpa", "triton"):
+            raise ValueError(f"sparse_decode_blocks needs attention_backend torch_sdpa or triton, not {backend}")
         if self.kv_cache_dtype != "auto" and backend == "triton":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} is not implemented by the triton attention "
                              "backend yet; use kv_cache_dtype=auto or attention_backend=torch_sdpa")
@@ -310,7 +321,7 @@ class EngineArgs:
             # Graphs remove launch overhead, which only a GPU has; the triton backend is the one
             # whose decode grid is static. LoRA's per-step slot mapping is not captured yet.
             use_cuda_graphs=device.startswith("cuda") and backend == "triton" and not self.enforce_eager
-            and not self.enable_lora,
+            and not self.enable_lora and self.sparse_decode_blocks is None,
             structured_outputs=StructuredOutputsConfig(
                 "guidance" if self.structured_outputs_backend == "auto" else self.structured_outputs_backend,
                 self.structured_outputs_compile_timeout,
@@ -323,7 +334,9 @@ class EngineArgs:
             speculative=SpeculativeConfig.parse(self.speculative_config),
             kv_transfer=kv_transfer,
             batch_invariant=self.batch_invariant,
-            kernels=KernelConfig(self.custom_ops == "all", not self.enforce_eager, self.cpu_weight_layouts),
+            # The CPU decode step calls the dense kernel itself: sparse decode runs through the modules.
+            kernels=KernelConfig(self.custom_ops == "all", not self.enforce_eager and self.sparse_decode_blocks is None,
+                                 self.cpu_weight_layouts, self.sparse_decode_blocks),
         )
 
     def _check_kv_eviction(self, kv_transfer: KVTransferConfig | None) -> None:
@@ -404,6 +417,9 @@ class EngineArgs:
                             "the most recent (StreamingLLM); requests may ask for their own")
         g.add_argument("--kv-budget-tokens", type=int, default=None,
                        help="the most KV tokens a request keeps under --kv-eviction-policy")
+        g.add_argument("--sparse-decode-blocks", type=int, default=None,
+                       help="Quest-style sparse decode: each decode reads only this many KV blocks per KV head, chosen "
+                            "by per-block key min/max (first and last always); costs quality (docs/performance.md)")
         g.add_argument("--kv-populate", default=d.kv_populate, choices=KV_POPULATE_MODES,
                        help="when the KV pool's pages are mapped in: background (ahead of the steps' writes, beside "
                             "them), when-idle (the whole pool, only while no step runs; kvflow serve's default), off "

@@ -26,25 +26,29 @@ class AttentionBackend(Protocol):
 
 
 def get_attention_backend(name: str, static_max_context_len: int | None = None,
-                          batch_invariant: bool = False) -> AttentionBackend:
+                          batch_invariant: bool = False, sparse_decode_blocks: int | None = None) -> AttentionBackend:
     """`static_max_context_len`: fix the triton decode grid for this bound (CUDA graph replay).
-    `batch_invariant`: every request through one per-row path (torch_sdpa only)."""
+    `batch_invariant`: every request through one per-row path (torch_sdpa only).
+    `sparse_decode_blocks`: a decode reads only that many of its KV blocks (torch_sdpa and triton,
+    attention/sparse_decode.py)."""
     from kvflow.attention.torch_reference import TorchReferenceBackend
     from kvflow.attention.torch_sdpa import TorchSDPABackend
 
+    if sparse_decode_blocks is not None and name not in (TorchSDPABackend.name, "triton"):
+        raise ValueError(f"sparse_decode_blocks needs attention backend {TorchSDPABackend.name} or triton, not {name}")
     if name == "triton":
-        return _triton_backend(static_max_context_len)
+        return _triton_backend(static_max_context_len, sparse_decode_blocks)
     backends = {b.name: b for b in (TorchReferenceBackend, TorchSDPABackend)}
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join([*backends, 'triton'])}")
-    if batch_invariant:
-        if name != TorchSDPABackend.name:
-            raise ValueError(f"batch_invariant needs attention backend {TorchSDPABackend.name}, not {name}")
-        return TorchSDPABackend(batch_invariant=True)
+    if batch_invariant and name != TorchSDPABackend.name:
+        raise ValueError(f"batch_invariant needs attention backend {TorchSDPABackend.name}, not {name}")
+    if name == TorchSDPABackend.name:
+        return TorchSDPABackend(batch_invariant=batch_invariant, sparse_decode_blocks=sparse_decode_blocks)
     return backends[name]()
 
 
-def _triton_backend(static_max_context_len: int | None) -> AttentionBackend:
+def _triton_backend(static_max_context_len: int | None, sparse_decode_blocks: int | None) -> AttentionBackend:
     # Imported only when asked for: triton is an optional (GPU) dependency.
     try:
         import triton  # noqa: F401
@@ -54,4 +58,4 @@ def _triton_backend(static_max_context_len: int | None) -> AttentionBackend:
         ) from e
     from kvflow.attention.triton_backend import TritonBackend
 
-    return TritonBackend(static_max_context_len)
+    return TritonBackend(static_max_context_len, sparse_decode_blocks)

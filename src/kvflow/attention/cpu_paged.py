@@ -67,6 +67,19 @@ def attend_in_place(kernel, q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
            layer.sliding_window or 0, layer.scale, tiles)
 
 
+def attend_sparse(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerSpec,
+                  requests: torch.Tensor, summaries: torch.Tensor, top_k: int, sinks: bool, out: torch.Tensor,
+                  tiles: bool) -> torch.Tensor:
+    """Decodes of `requests`, each KV head over only the `top_k` blocks it chooses from the key
+    `summaries` (sparse_decode.py), from the pool in place. Returns the choice, [len(requests),
+    kv_heads, top_k] logical blocks, ascending, -1 after a request's last."""
+    picked = torch.empty(len(requests), layer.num_kv_heads, top_k, dtype=torch.int64)
+    torch.ops.kvflow_cpu.paged_attention_sparse(out, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
+                                                meta.query_start_loc, requests, layer.scale, tiles, summaries, top_k,
+                                                sinks, picked)
+    return picked
+
+
 def use_tiles(seq_lens: Iterable[int], kv_heads: int, batch_invariant: bool) -> bool:
     """Whether the kernel may take bfloat16 scores on AMX tiles (where the CPU has them) for a call
     over requests of these lengths: enough keys to repay the tiles' cost per call. Never in

@@ -11,6 +11,9 @@
 - On CPU with the C++ kernel built, the requests `cpu_paged.takes` (decodes, verifications, narrow
   heads' chunks after a cached prefix) are read in place from the pool, whether it holds the
   model's dtype or int8/fp8 codes (cpu_paged.py).
+- With `sparse_decode_blocks` K, decodes of more than K blocks read only K of them, chosen for
+  their query from per-block key summaries (sparse_decode.py), on the same kernel; layers with a
+  window stay dense.
 - Everything else (without the kernel: decodes, prompt chunks after a cached prefix) gathers its
   keys from the blocks and runs grouped-query attention as two batched matmuls: on CPU this is
   several times faster than SDPA with an explicit mask in bfloat16. Requests with few queries
@@ -23,12 +26,13 @@ planned once per step (on the first layer) and reused by every layer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvflow.attention import cpu_paged, cpu_prompt
+from kvflow.attention import cpu_paged, cpu_prompt, sparse_decode
 from kvflow.attention.metadata import (
     AttentionLayerSpec,
     AttentionMetadata,
@@ -66,12 +70,18 @@ class _Plan:
     in_place: torch.Tensor | None = None  # requests the CPU kernel attends in the pool (cpu_paged)
     tiles: bool = False  # the kernel may take their bf16 scores on AMX tiles (cpu_paged.use_tiles)
     prefixed: list[tuple[int, slice]] = ()  # (request, rows): chunks after a prefix, for the prompt kernel
+    sparse: torch.Tensor | None = None  # decodes the kernel reads only some blocks of (sparse_decode.py)
+    sparse_tiles: bool = False
 
 
 class TorchSDPABackend:
     name = "torch_sdpa"
 
-    def __init__(self, batch_invariant: bool = False) -> None:
+    def __init__(self, batch_invariant: bool = False, sparse_decode_blocks: int | None = None,
+                 sparse_decode_sinks: bool = True) -> None:
+        """`sparse_decode_blocks` K: a decode reads only K of its blocks (sparse_decode.py; None:
+        all), its first (`sparse_decode_sinks`) and last among them."""
+        sparse_decode.check_blocks(sparse_decode_blocks)
         self.kernel = cpu_paged.load_kernel()  # None: no compiler here
         self.prompt_kernel = cpu_prompt.load()  # None: no AVX-512 BF16 or no compiler here
         # Batch-invariant (model.layers.batch_invariant): every request, whatever its query
@@ -80,17 +90,30 @@ class TorchSDPABackend:
         if batch_invariant and self.kernel is None:
             raise RuntimeError("batch_invariant needs the CPU paged-attention kernel, which could not be built here "
                                "(a C++ compiler is required)")
+        if sparse_decode_blocks is not None and self.kernel is None:
+            raise RuntimeError("sparse_decode_blocks needs the CPU paged-attention kernel, which could not be built "
+                               "here (a C++ compiler is required)")
+        self.sparse_decode_blocks = sparse_decode_blocks
+        self.sparse_decode_sinks = sparse_decode_sinks
+        self.key_summaries = None if sparse_decode_blocks is None else sparse_decode.KeySummaries()
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
-        key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.head_dim, layer.writes_kv)  # layers may differ in all
+        # Layers may differ in all; backends reading one batch (tests) in their sparse setting.
+        key = (self.name, layer.sliding_window, layer.num_kv_heads, layer.head_dim, layer.writes_kv,
+               self.sparse_decode_blocks)
         plan = meta.plans.get(key)
         if plan is None:
             in_place = self.kernel is not None and cpu_paged.reads(kv_cache, q.dtype)
             prefixed = self.prompt_kernel is not None and cpu_prompt.reads(q, kv_cache)
-            plan = meta.plans[key] = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv,
-                                                layer.head_dim if in_place else None, self.batch_invariant, prefixed)
+            plan = _make_plan(meta, layer.sliding_window, layer.num_kv_heads, layer.writes_kv,
+                              layer.head_dim if in_place else None, self.batch_invariant, prefixed)
+            if self._sparse(layer) and plan.in_place is not None:
+                plan = _split_sparse(plan, meta, self.sparse_decode_blocks, layer.num_kv_heads, self.batch_invariant)
+            meta.plans[key] = plan
         if layer.writes_kv:  # fresh prompts see their own keys as the cache will give them back
             k, v = write_kv(k, v, kv_cache, meta, read_back=bool(plan.fresh_prompts))
+            if self._sparse(layer):
+                self.key_summaries.after_write(kv_cache, meta, layer)
         out = torch.empty_like(q)
         for rows in plan.fresh_prompts:
             if self.prompt_kernel is not None and cpu_prompt.takes(q[rows], k[rows], v[rows]):
@@ -104,12 +127,36 @@ class TorchSDPABackend:
                                layer.scale)
         if plan.in_place is not None:
             cpu_paged.attend_in_place(self.kernel, q, kv_cache, meta, layer, plan.in_place, out, plan.tiles)
+        if plan.sparse is not None:
+            cpu_paged.attend_sparse(q, kv_cache, meta, layer, plan.sparse, self.key_summaries.of(kv_cache, layer),
+                                    self.sparse_decode_blocks, self.sparse_decode_sinks, out, plan.sparse_tiles)
         for g in plan.groups:
             # Whole blocks: the mask hides the rest.
             keys, values = gather_kv(kv_cache, g.blocks, g.index, meta.block_size, q.dtype)
             queries = q[g.rows].view(len(g.blocks), g.n, layer.num_heads, layer.head_dim)
             out[g.rows] = grouped_attention(queries, keys, values, g.mask, layer).flatten(0, 1)
         return out
+
+    def _sparse(self, layer: AttentionLayerSpec) -> bool:
+        """Whether this layer's decodes may read only some blocks: a window already bounds them."""
+        return self.key_summaries is not None and layer.sliding_window is None
+
+
+def _split_sparse(plan: _Plan, meta: AttentionMetadata, top_k: int, kv_heads: int, batch_invariant: bool) -> _Plan:
+    """The kernel's decodes of more than `top_k` blocks go to the sparse walk; its other requests
+    stay dense. Tiles are decided anew for each call's keys (cpu_paged.use_tiles)."""
+    dense, sparse = [], []
+    for i in plan.in_place.tolist():
+        blocks = -(-meta.seq_lens_cpu[i] // meta.block_size)
+        (sparse if meta.query_lens_cpu[i] == 1 and blocks > top_k else dense).append(i)
+    if not sparse:
+        return plan
+    device = meta.seq_lens.device
+    return dataclasses.replace(
+        plan, in_place=torch.tensor(dense, device=device) if dense else None,
+        tiles=cpu_paged.use_tiles((meta.seq_lens_cpu[i] for i in dense), kv_heads, batch_invariant),
+        sparse=torch.tensor(sparse, device=device),
+        sparse_tiles=cpu_paged.use_tiles([top_k * meta.block_size] * len(sparse), kv_heads, batch_invariant))
 
 
 def _make_plan(meta: AttentionMetadata, window: int | None, kv_heads: int, layer_writes: bool,

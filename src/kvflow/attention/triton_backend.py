@@ -8,6 +8,11 @@ write disjoint rows of one output tensor, so a mixed batch costs two launches an
 
 The routing depends only on the batch, so it is planned on the first layer and reused by every
 layer through `meta.plans`.
+
+With `sparse_decode_blocks` K, decodes of more than K blocks read only K of them per KV head
+(attention/sparse_decode.py): after the layer's launches the blocks its writes filled are
+summarized, the blocks are picked in torch, and the same split-K kernel walks a table of only the
+picked blocks. Picking reads the step's shapes on the host, so it is not captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kvflow.attention import kv_quant
+from kvflow.attention import kv_quant, sparse_decode
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata
 from kvflow.attention.triton_kernels import (
     decode_split_k_launches,
@@ -36,23 +41,52 @@ class _Plan:
     prefill_tiles: torch.Tensor | None  # [num_tiles, 2] (request, first query); None: no prefill rows
     decode_requests: torch.Tensor | None  # [Bd] int32; None: no decodes
     num_splits: int
+    sparse_requests: torch.Tensor | None = None  # [Bs] int32: decodes read sparsely (sparse_decode.py)
 
 
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, max_context_len: int | None = None) -> None:
+    def __init__(self, max_context_len: int | None = None, sparse_decode_blocks: int | None = None) -> None:
         # With a fixed bound (the model's max length) the decode grid is the same every step, as
         # CUDA graph replay needs; without one it follows this step's longest context, rounded up
         # to a power of two so it changes rarely.
+        sparse_decode.check_blocks(sparse_decode_blocks)
+        if sparse_decode_blocks is not None and max_context_len is not None:
+            raise ValueError("sparse_decode_blocks is not captured in CUDA graphs: use it with enforce_eager")
         self.max_context_len = max_context_len
+        self.sparse_decode_blocks = sparse_decode_blocks
+        self.key_summaries = None if sparse_decode_blocks is None else sparse_decode.KeySummaries()
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
         _require_runnable(q)
         out = torch.empty_like(q)
         for launch in self.launches(q, k, v, kv_cache, meta, layer, out):
             launch()
+        if self.key_summaries is not None and layer.sliding_window is None:
+            self._attend_sparse(q, kv_cache, meta, layer, out)
         return out
+
+    def _attend_sparse(self, q, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec, out) -> None:
+        """Summarize the blocks this layer's write filled; the long decodes over their picked blocks."""
+        if layer.writes_kv:
+            self.key_summaries.after_write(kv_cache, meta, layer)
+        requests = meta.plans[self._plan_key(q, layer)].sparse_requests
+        if requests is None:
+            return
+        picked = sparse_decode.pick_blocks(q, self.key_summaries.of(kv_cache, layer), meta, requests.long(), layer,
+                                           self.sparse_decode_blocks)
+        tables, seq_lens = sparse_decode.compact_tables(meta, requests.long(), picked)
+        bound = triton.next_power_of_2(self.sparse_decode_blocks * meta.block_size)
+        for launch in decode_split_k_launches(q, kv_cache, out, requests, meta.query_start_loc, seq_lens, tables,
+                                              layer.scale, None, num_splits=num_splits_for(bound)):
+            launch()
+
+    def _plan_key(self, q, layer: AttentionLayerSpec) -> tuple:
+        # The tile table depends on the GQA group through block_q; which decodes are sparse on the
+        # layer's window.
+        block_q = query_tile_size(layer.num_heads, layer.num_kv_heads, layer.head_dim, q.dtype)
+        return self.name, block_q, self.key_summaries is not None and layer.sliding_window is None
 
     def launches(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayerSpec,
                  out: torch.Tensor) -> list[KernelLaunch]:
@@ -61,11 +95,10 @@ class TritonBackend:
         if kv_quant.is_quantized(kv_cache):
             raise NotImplementedError(f"the triton attention backend cannot read a quantized KV cache "
                                       f"({kv_cache.dtype}) yet; use kv_cache_dtype=auto or attention_backend=torch_sdpa")
-        block_q = query_tile_size(layer.num_heads, layer.num_kv_heads, layer.head_dim, q.dtype)
-        key = (self.name, block_q)  # the tile table depends on the GQA group through block_q
+        key = self._plan_key(q, layer)
         plan = meta.plans.get(key)
         if plan is None:
-            plan = meta.plans[key] = self._plan(meta, block_q)
+            plan = meta.plans[key] = self._plan(meta, key[1], sparse=key[2])
         launches = [kv_store_launch(k, v, kv_cache, meta.slot_mapping) if layer.writes_kv else None]
         batch = (meta.query_start_loc, meta.seq_lens, meta.block_tables, layer.scale, layer.sliding_window)
         if plan.prefill_tiles is not None:
@@ -75,12 +108,16 @@ class TritonBackend:
                                                 num_splits=plan.num_splits)
         return [launch for launch in launches if launch is not None]
 
-    def _plan(self, meta: AttentionMetadata, block_q: int) -> _Plan:
+    def _plan(self, meta: AttentionMetadata, block_q: int, sparse: bool = False) -> _Plan:
+        """`sparse`: decodes of more than sparse_decode_blocks blocks are planned apart."""
         lens = meta.query_lens_cpu
         device = meta.seq_lens.device
-        decodes = [i for i, n in enumerate(lens) if n == 1]
+        long = [i for i, n in enumerate(lens) if n == 1 and sparse
+                and -(-meta.seq_lens_cpu[i] // meta.block_size) > self.sparse_decode_blocks]
+        decodes = sorted(set(i for i, n in enumerate(lens) if n == 1) - set(long))
         others = [i for i, n in enumerate(lens) if n != 1]
-        if not others:
+        sparse_requests = torch.tensor(long, dtype=torch.int32).to(device) if long else None
+        if not others and not long:
             # A pure decode step plans without a host-to-device copy, so it may run inside CUDA
             # graph capture.
             decode_requests = torch.arange(len(lens), dtype=torch.int32, device=device)
@@ -88,7 +125,7 @@ class TritonBackend:
             decode_requests = torch.tensor(decodes, dtype=torch.int32).to(device) if decodes else None
         tiles = make_tiles(lens, others, block_q, device) if others else None
         bound = self.max_context_len or triton.next_power_of_2(max(meta.seq_lens_cpu, default=1))
-        return _Plan(tiles, decode_requests, num_splits_for(bound))
+        return _Plan(tiles, decode_requests, num_splits_for(bound), sparse_requests)
 
 
 def _require_runnable(q: torch.Tensor) -> None:

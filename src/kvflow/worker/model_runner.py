@@ -78,6 +78,9 @@ class ModelRunner:
         self.speculator: Speculator | None = None if build_speculator is None else build_speculator(self)
         # A model that reads images in its prompts (kvflow.model.models.idefics3): their rows, by hash.
         self.image_rows = ImageRows(model) if hasattr(model, "encode_images") else None
+        # With sparse decode, the attention backend's per-block key summaries (one backend per model).
+        self.key_summaries = next((summaries for m in model.modules() if (summaries := getattr(
+            getattr(m, "backend", None), "key_summaries", None)) is not None), None) if model is not None else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -90,12 +93,14 @@ class ModelRunner:
         self._swap(sched.swap_out, to_host=True)
         self._copy_blocks(sched.block_copies)
         self._swap(sched.swap_in, to_host=False)
+        self._refresh_key_summaries([d for _, d in sched.block_copies] + [d for d, _ in sched.swap_in])
         if not sched.chunks:
             return ModelRunnerOutput()
         out = ModelRunnerOutput()
         transfers = sched.kv_connector_metadata
         if transfers is not None and transfers.loads:
             out.kv_load_failed = self.kv_connector.load_kv(transfers, out.kv_transfer)
+            self._refresh_key_summaries([load.block_id for load in transfers.loads])
         started = time.perf_counter()
         batch = self.prepare(sched.chunks)
         verifying = any(c.num_spec_tokens for c in batch.sample_chunks)
@@ -161,6 +166,12 @@ class ModelRunner:
             return result
         stage.link.send_activations(*result)
         return None
+
+    def _refresh_key_summaries(self, blocks: list[int]) -> None:
+        """Sparse decode reads a block's key summary (attention/sparse_decode.py): blocks filled
+        without a KV write (copied, swapped in, loaded) are summarized again."""
+        if self.key_summaries is not None and blocks:
+            self.key_summaries.refresh_everywhere(torch.tensor(blocks, device=self.device), self.block_size)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:

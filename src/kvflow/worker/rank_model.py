@@ -35,7 +35,9 @@ def load_model(config: EngineConfig, arch: ArchConfig, quant_config, checkpoint:
         if config.batch_invariant and (arch.moe is not None or arch.mla is not None):
             raise ValueError(f"batch_invariant: {arch.architecture} is not covered yet (expert routing and latent "
                              "attention are batched by their own kernels); use a dense-attention model")
-        model = build_model(arch, get_attention_backend(config.attention_backend, static_len, config.batch_invariant),
+        backend = get_attention_backend(config.attention_backend, static_len, config.batch_invariant,
+                                        config.kernels.sparse_decode_blocks)
+        model = build_model(arch, backend,
                             config.model.dtype, config.device, quant_config)
     model.keep_stage(stage)
     if config.model.load_format == "dummy":

@@ -668,6 +668,72 @@ struct CacheLayout {
   int64_t block_stride, head_stride, pos_stride, block_size, head_dim;
 };
 
+// Sparse decode (sparse_decode.py): each work item (a decode's KV head) reads only the top_k blocks
+// of highest bound on its G heads' scores, its first (with `sinks`) and last among them, chosen
+// here from the key summaries ([num_blocks, kv_heads, 2, head_dim] float: min, max); the choice is
+// written to `picked` ([requests, kv_heads, top_k], ascending, -1 after). Chosen in the kernel:
+// in torch (gathering each request's summaries, two matmuls, topk) the choice alone took as long
+// as the dense attention it was to save (docs/performance-journal.md, sparse decode).
+// `summaries` null: every block a query sees (the dense kernel).
+struct SparseChoice {
+  const float* summaries = nullptr;
+  int64_t top_k = 0;
+  bool sinks = true;
+  int64_t* picked = nullptr;
+};
+
+// One work item's choice into `picked`: how many blocks. A decode of at most top_k blocks reads
+// them all, in the dense kernel's order (so its result is the dense kernel's, bit for bit).
+// Bounds: sum_d max(q_d min_d, q_d max_d), the largest of the G heads'; ties go to the earlier block.
+// Since min <= max, that is q+ . max + q- . min (q's positive and negative parts): two vectorised
+// dot products a head and block, where the max per dimension kept the loop scalar. The choice
+// reads a 512-byte summary per block, an eighth of the dense walk's bytes, yet from memory it
+// costs about half the dense walk's time: sparse decode pays off only at small K
+// (docs/performance-journal.md, sparse decode).
+template <typename scalar_t>
+int64_t choose_blocks(int64_t* picked, const SparseChoice& choice, const int64_t* table, int64_t num_blocks,
+                      int64_t n_blocks, const scalar_t* q_row, int64_t q_head_stride, int64_t group, int64_t kv_head,
+                      int64_t kv_heads, int64_t head_dim) {
+  if (n_blocks <= choice.top_k) {
+    for (int64_t j = 0; j < n_blocks; ++j) picked[j] = j;
+    return n_blocks;
+  }
+  thread_local std::vector<float> q, positive, negative;
+  thread_local std::vector<std::pair<float, int64_t>> ranked;
+  q.resize(group * head_dim);
+  positive.resize(group * head_dim);
+  negative.resize(group * head_dim);
+  for (int64_t g = 0; g < group; ++g) widen(q_row + (kv_head * group + g) * q_head_stride, q.data() + g * head_dim, head_dim);
+  for (int64_t i = 0; i < group * head_dim; ++i) {
+    positive[i] = std::max(q[i], 0.f);
+    negative[i] = std::min(q[i], 0.f);
+  }
+  const int64_t first = choice.sinks ? 1 : 0;
+  const int64_t row = 2 * head_dim;  // a (block, KV head)'s min then max
+  const auto summary_of = [&](int64_t j) { return choice.summaries + (table[j] * kv_heads + kv_head) * row; };
+  for (int64_t j = 0; j < n_blocks - 1; ++j)
+    TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "paged_attention_sparse: block table entry ", table[j],
+                " is not a block of the cache");
+  ranked.clear();
+  for (int64_t j = first; j < n_blocks - 1; ++j) {
+    const float* low = summary_of(j);
+    const float* high = low + head_dim;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t g = 0; g < group; ++g)
+      best = std::max(best, dot(positive.data() + g * head_dim, high, head_dim) + dot(negative.data() + g * head_dim, low, head_dim));
+    ranked.emplace_back(best, j);
+  }
+  const int64_t keep = choice.top_k - 1 - first;
+  std::nth_element(ranked.begin(), ranked.begin() + keep, ranked.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+  int64_t n = 0;
+  if (choice.sinks) picked[n++] = 0;
+  for (int64_t i = 0; i < keep; ++i) picked[n++] = ranked[i].second;
+  std::sort(picked + first, picked + n);
+  picked[n++] = n_blocks - 1;
+  return n;
+}
+
 // Queries [q0, q1) of one work item (see the file's comment). Rows r: query q0 + r / group, head
 // kv_head * group + r % group.
 template <typename scalar_t, typename cache_t>
@@ -675,7 +741,7 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
                     const int64_t* table, int64_t table_width, int64_t num_blocks, int64_t seq_len, int64_t q_start,
                     int64_t q_len, int64_t q0, int64_t q1, int64_t kv_head, int64_t group, int64_t window, float scale,
                     int64_t q_token_stride, int64_t q_head_stride, int64_t o_token_stride, int64_t o_head_stride,
-                    const CacheLayout& c, bool amx) {
+                    const CacheLayout& c, bool amx, const int64_t* picked, int64_t n_picked) {
   const int64_t head_dim = c.head_dim, block_size = c.block_size;
   const int64_t n_rows = (q1 - q0) * group;
   const int64_t first_pos = seq_len - q_len;
@@ -701,13 +767,23 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
   };
   const int64_t lowest = visible_from(q0), highest = first_pos + q1;
   const int64_t first_block = lowest / block_size, end_block = (highest + block_size - 1) / block_size;
-  const int64_t base = first_block * block_size, span = end_block * block_size - base;
-  for (int64_t block = first_block; block < end_block; ++block)
-    TORCH_CHECK(block < table_width && table[block] >= 0 && table[block] < num_blocks, "paged_attention: block table entry ",
-                table[block], " for visible keys is not a block of the cache");
-  // scores: row r's scores, then probabilities, over keys [base, base + span) at r * span (whole
-  // sixteens of each block: scores16's stores). acc: the bfloat16 path keeps each 32 dimensions as
-  // its even ones, then its odd ones (see accumulate_rows); the output is written back in order.
+  // The walk: the blocks read, in order, [first_block, end_block) or the picked ones (a sparse
+  // decode, which sees every key of them up to its own). Walk block i's scores lie at i *
+  // block_size; a row's visible keys [lo, hi) in positions lie at [lo - shift, hi - shift) of the
+  // walk (a sparse decode's lo is 0, and its hi in the last block, picked last).
+  const int64_t n_walk = picked != nullptr ? n_picked : end_block - first_block;
+  const auto block_at = [&](int64_t i) { return picked != nullptr ? picked[i] : first_block + i; };
+  const int64_t span = n_walk * block_size;
+  const int64_t shift = picked != nullptr ? (block_at(n_walk - 1) - (n_walk - 1)) * block_size : first_block * block_size;
+  for (int64_t i = 0; i < n_walk; ++i) {
+    const int64_t block = block_at(i);
+    TORCH_CHECK(block >= 0 && block < table_width && table[block] >= 0 && table[block] < num_blocks,
+                "paged_attention: block table entry ", block >= 0 && block < table_width ? table[block] : block,
+                " for visible keys is not a block of the cache");
+  }
+  // scores: row r's scores, then probabilities, over the walk's keys at r * span (whole sixteens
+  // of each block: scores16's stores). acc: the bfloat16 path keeps each 32 dimensions as its
+  // even ones, then its odd ones (see accumulate_rows); the output is written back in order.
   thread_local std::vector<float> scores, q, keys, values;
   scores.resize(n_rows * span);
   std::vector<float> acc(n_rows * head_dim, 0.f), row_sum(n_rows, 0.f);
@@ -750,27 +826,27 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
   };
   const int64_t block_bytes = quantized ? block_size * (head_dim + static_cast<int64_t>(sizeof(c10::BFloat16)))
                                         : ((block_size - 1) * c.pos_stride + head_dim) * static_cast<int64_t>(sizeof(cache_t));
-  // The block `kPrefetchBlocks` after `block` in the walk over the keys' blocks and then the
-  // values', requested over the loads of `block` (the first ones at once).
+  // The block `kPrefetchBlocks` after walk block i in the walk over the keys' blocks and then the
+  // values', requested over the loads of block i (the first ones at once).
   Prefetcher prefetch;
-  const auto prefetch_ahead = [&](const cache_t* cache, int64_t block) {
-    const int64_t ahead = block + kPrefetchBlocks;
-    if (ahead < end_block) prefetch.start(block_of(cache, ahead), block_bytes);
-    else if (cache == key_cache && ahead - end_block + first_block < end_block)
-      prefetch.start(block_of(value_cache, ahead - end_block + first_block), block_bytes);
+  const auto prefetch_ahead = [&](const cache_t* cache, int64_t i) {
+    const int64_t ahead = i + kPrefetchBlocks;
+    if (ahead < n_walk) prefetch.start(block_of(cache, block_at(ahead)), block_bytes);
+    else if (cache == key_cache && ahead - n_walk < n_walk)
+      prefetch.start(block_of(value_cache, block_at(ahead - n_walk)), block_bytes);
     else prefetch.stop();
   };
-  for (int64_t block = first_block; block < std::min(end_block, first_block + kPrefetchBlocks); ++block) {
-    prefetch.start(block_of(key_cache, block), block_bytes);
+  for (int64_t i = 0; i < std::min(n_walk, kPrefetchBlocks); ++i) {
+    prefetch.start(block_of(key_cache, block_at(i)), block_bytes);
     prefetch.rest();
   }
   // 1. Scores of every row against the keys, block by block.
-  for (int64_t block = first_block; block < end_block; ++block) {
-    const int64_t start = block * block_size;
+  for (int64_t i = 0; i < n_walk; ++i) {
+    const int64_t start = block_at(i) * block_size;
     const int64_t lo = std::max(start, lowest) - start, hi = std::min(start + block_size, highest) - start;
-    const cache_t* block_keys = block_of(key_cache, block);
-    float* sc = scores.data() + (start - base);
-    prefetch_ahead(key_cache, block);
+    const cache_t* block_keys = block_of(key_cache, block_at(i));
+    float* sc = scores.data() + i * block_size;
+    prefetch_ahead(key_cache, i);
 #ifdef KVFLOW_AVX512
     // Whole sixteens of the block, the visible keys' included; the scores of keys no query may
     // see (a tail nobody wrote) are computed from whatever bits lie there but never read.
@@ -801,7 +877,8 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
   }
   // 2. Each row's softmax over the keys it sees, in place.
   for (int64_t r = 0; r < n_rows; ++r) {
-    const int64_t k_lo = visible_from(q0 + r / group) - base, k_hi = first_pos + q0 + r / group + 1 - base;
+    const int64_t k_lo = std::max<int64_t>(visible_from(q0 + r / group) - shift, 0);
+    const int64_t k_hi = first_pos + q0 + r / group + 1 - shift;
     if (k_lo >= k_hi) continue;
     float* s = scores.data() + r * span;
 #ifdef KVFLOW_AVX512
@@ -822,12 +899,12 @@ void attend_queries(scalar_t* out, const scalar_t* query, const cache_t* key_cac
   }
   // 3. The probability-weighted values, block by block: once per query for its G rows (they see
   // the same keys).
-  for (int64_t block = first_block; block < end_block; ++block) {
-    const int64_t start = block * block_size;
+  for (int64_t i = 0; i < n_walk; ++i) {
+    const int64_t start = block_at(i) * block_size;
     const int64_t lo = std::max(start, lowest), hi = std::min(start + block_size, highest);
-    const cache_t* block_values = block_of(value_cache, block);
-    const float* pr = scores.data() + (start - base);
-    prefetch_ahead(value_cache, block);
+    const cache_t* block_values = block_of(value_cache, block_at(i));
+    const float* pr = scores.data() + i * block_size;
+    prefetch_ahead(value_cache, i);
     if (!in_sixteens) {
       for (int64_t t = lo; t < hi; ++t) widen_position(block_values, t - start, values.data() + (t - start) * head_dim);
     }
@@ -867,7 +944,7 @@ template <typename scalar_t, typename cache_t>
 void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale,
-                           const CacheLayout& layout, bool tiles) {
+                           const CacheLayout& layout, bool tiles, const SparseChoice& choice) {
   const int64_t heads = query.size(1);
   const int64_t kv_heads = key_cache.size(1);
   const int64_t group = heads / kv_heads, n_items = requests.size(0) * kv_heads;
@@ -895,12 +972,24 @@ void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::T
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = reqs[item / kv_heads], kv_head = item % kv_heads;
       const int64_t q_len = starts[b + 1] - starts[b];
+      int64_t* item_picked = nullptr;
+      int64_t n_picked = 0;
+      if (choice.summaries != nullptr) {
+        const int64_t n_blocks = (lens[b] + layout.block_size - 1) / layout.block_size;
+        TORCH_CHECK(n_blocks <= block_tables.size(1), "paged_attention_sparse: request ", b, "'s context of ", lens[b],
+                    " tokens is longer than its block table");
+        item_picked = choice.picked + item * choice.top_k;
+        n_picked = choose_blocks(item_picked, choice, tables + b * table_stride, key_cache.size(0), n_blocks,
+                                 q_ptr + starts[b] * query.stride(0), query.stride(1), group, kv_head, kv_heads,
+                                 layout.head_dim);
+        std::fill(item_picked + n_picked, item_picked + choice.top_k, int64_t{-1});
+      }
       for (int64_t q0 = 0; q0 < q_len; q0 += kQueryChunk)
         attend_queries<scalar_t, cache_t>(out_ptr, q_ptr, k_ptr, v_ptr, tables + b * table_stride, block_tables.size(1),
                                           key_cache.size(0), lens[b], starts[b], q_len, q0,
                                           std::min(q_len, q0 + kQueryChunk), kv_head, group, window,
                                           static_cast<float>(scale), query.stride(0), query.stride(1), out.stride(0),
-                                          out.stride(1), layout, amx);
+                                          out.stride(1), layout, amx, item_picked, n_picked);
     }
 #ifdef KVFLOW_PAGED_AMX
     if (amx) _tile_release();
@@ -912,19 +1001,20 @@ void paged_attention_typed(at::Tensor& out, const at::Tensor& query, const at::T
 template <typename cache_t>
 void dispatch_query(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                    const at::Tensor& requests, int64_t window, double scale, const CacheLayout& layout, bool tiles) {
+                    const at::Tensor& requests, int64_t window, double scale, const CacheLayout& layout, bool tiles,
+                    const SparseChoice& choice) {
   switch (query.scalar_type()) {
-    case at::kFloat: paged_attention_typed<float, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
-    case at::kBFloat16: paged_attention_typed<c10::BFloat16, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
-    case at::kHalf: paged_attention_typed<c10::Half, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
+    case at::kFloat: paged_attention_typed<float, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles, choice); break;
+    case at::kBFloat16: paged_attention_typed<c10::BFloat16, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles, choice); break;
+    case at::kHalf: paged_attention_typed<c10::Half, cache_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles, choice); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
   }
 }
 
-void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale,
-                     bool tiles) {
+void run_paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale,
+                         bool tiles, const SparseChoice& choice) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out: [tokens, heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && out.scalar_type() == query.scalar_type(),
               "query and out share one dtype, head_dim contiguous");
@@ -942,11 +1032,11 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "head counts disagree");
     const CacheLayout layout{key_cache.stride(0), key_cache.stride(1), head_dim, key_cache.size(2) / (head_dim + 2), head_dim};
     if (codes == at::kChar)
-      dispatch_query<int8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles);
+      dispatch_query<int8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles, choice);
     else if (codes == at::kFloat8_e4m3fn)
-      dispatch_query<c10::Float8_e4m3fn>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles);
+      dispatch_query<c10::Float8_e4m3fn>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles, choice);
     else
-      dispatch_query<c10::Float8_e5m2>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles);
+      dispatch_query<c10::Float8_e5m2>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles, choice);
     return;
   }
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.stride(3) == 1, "key/value cache: [blocks, kv_heads, block_size, head_dim]");
@@ -954,11 +1044,44 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0 && head_dim == key_cache.size(3), "head shapes disagree");
   const CacheLayout layout{key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.size(2), head_dim};
   switch (codes) {
-    case at::kFloat: paged_attention_typed<float, float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
-    case at::kBFloat16: paged_attention_typed<c10::BFloat16, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
-    case at::kHalf: paged_attention_typed<c10::Half, c10::Half>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles); break;
+    case at::kFloat: paged_attention_typed<float, float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles, choice); break;
+    case at::kBFloat16: paged_attention_typed<c10::BFloat16, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles, choice); break;
+    case at::kHalf: paged_attention_typed<c10::Half, c10::Half>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window, scale, layout, tiles, choice); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", codes);
   }
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, const at::Tensor& requests, int64_t window, double scale,
+                     bool tiles) {
+  run_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, window,
+                      scale, tiles, SparseChoice{});
+}
+
+// Decodes (one query per request, no window), each KV head over the blocks it chooses (see
+// SparseChoice): the softmax runs over those blocks' keys only.
+void paged_attention_sparse(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, const at::Tensor& requests, double scale, bool tiles,
+                            const at::Tensor& summaries, int64_t top_k, bool sinks, at::Tensor picked) {
+  const int64_t kv_heads = key_cache.size(1);
+  TORCH_CHECK(summaries.scalar_type() == at::kFloat && summaries.is_contiguous() && summaries.dim() == 4 &&
+                  summaries.size(0) == key_cache.size(0) && summaries.size(1) == kv_heads && summaries.size(2) == 2 &&
+                  summaries.size(3) == query.size(2),
+              "paged_attention_sparse: summaries are contiguous float [num_blocks, kv_heads, 2, head_dim]");
+  TORCH_CHECK(top_k >= 2, "paged_attention_sparse: top_k (sparse_decode_blocks) must be >= 2, got ", top_k);
+  TORCH_CHECK(picked.scalar_type() == at::kLong && picked.is_contiguous() && picked.dim() == 3 &&
+                  picked.size(0) == requests.size(0) && picked.size(1) == kv_heads && picked.size(2) == top_k,
+              "paged_attention_sparse: picked is contiguous int64 [requests, kv_heads, top_k]");
+  TORCH_CHECK(query_start_loc.is_contiguous() && requests.is_contiguous(), "index tensors are contiguous int64");
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  const int64_t* reqs = requests.data_ptr<int64_t>();
+  for (int64_t i = 0; i < requests.size(0); ++i)
+    TORCH_CHECK(starts[reqs[i] + 1] - starts[reqs[i]] == 1, "paged_attention_sparse: request ", reqs[i],
+                " is not a decode (one query)");
+  run_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, requests, 0, scale,
+                      tiles, SparseChoice{summaries.data_ptr<float>(), top_k, sinks, picked.data_ptr<int64_t>()});
 }
 
 }  // namespace
@@ -966,6 +1089,12 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 TORCH_LIBRARY(kvflow_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor requests, int window, float scale, bool tiles) -> ()");
+  m.def("paged_attention_sparse(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor requests, float scale, bool tiles, "
+        "Tensor summaries, int top_k, bool sinks, Tensor(b!) picked) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvflow_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(kvflow_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_sparse", &paged_attention_sparse);
+}

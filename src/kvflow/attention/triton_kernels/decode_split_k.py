@@ -14,6 +14,11 @@ request with seq_len 0 (padding in a captured batch) gets zeros.
 
 The G query heads of a KV head are the rows of one dot, padded to 16, the smallest tensor-core
 shape: padding costs nothing in a step bound by reading K and V.
+
+Block tables are per request ([B, max_blocks]) or per request and KV head ([B, kv_heads,
+width]): a sparse decode (attention/sparse_decode.py) reads, per KV head, only its picked blocks,
+handed over as a table of just those blocks and a context that ends in the last of them
+(`sparse_decode.compact_tables`); the kernel walks them as it walks any context.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def _decode_segment_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_ckv, stride_cb, stride_ch, stride_co, stride_cd,
-    stride_bt,
+    stride_bt, stride_bh,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
@@ -79,7 +84,7 @@ def _decode_segment_kernel(
     for key0 in range(start, end, BLOCK_N):
         keys = key0 + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        kv_offs = paged_kv_offsets(block_tables_ptr + req * stride_bt, keys, key_ok, kv_head, d,
+        kv_offs = paged_kv_offsets(block_tables_ptr + req * stride_bt + kv_head * stride_bh, keys, key_ok, kv_head, d,
                                    stride_cb, stride_ch, stride_co, stride_cd, BLOCK_SIZE)
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=kv_mask, other=0.0)
@@ -135,7 +140,7 @@ def decode_split_k(
     request_ids: torch.Tensor,  # [Bd] requests whose single query row is qsl[request]
     query_start_loc: torch.Tensor,  # [B+1]
     seq_lens: torch.Tensor,  # [B]
-    block_tables: torch.Tensor,  # [B, max_blocks]
+    block_tables: torch.Tensor,  # [B, max_blocks], or [B, kv_heads, width] (a table per KV head)
     scale: float,
     window: int | None,
     num_splits: int,
@@ -167,7 +172,8 @@ def decode_split_k_launches(q, kv_cache, out, request_ids, query_start_loc, seq_
         args=(q, kv_cache, out, part_acc, part_max, part_sum,
               request_ids, query_start_loc, seq_lens, block_tables,
               scale * LOG2E, window or 0, heads,
-              *q.stride(), *out.stride(), *kv_cache.stride(), block_tables.stride(0)),
+              *q.stride(), *out.stride(), *kv_cache.stride(), block_tables.stride(0),
+              block_tables.stride(1) if block_tables.dim() == 3 else 0),
         constexprs=dict(
             GROUP=heads // kv_heads, ROWS=max(16, triton.next_power_of_2(heads // kv_heads)), HEAD_DIM=head_dim,
             BLOCK_SIZE=kv_cache.shape[3], BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=window is not None,
