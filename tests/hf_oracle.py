@@ -70,7 +70,7 @@ def assert_matches_oracle(hf, prompt: list[int], out, steps: int) -> None:
     sequence = prompt + completion.token_ids
     with torch.no_grad():
         ref = hf(torch.tensor([sequence])).logits[0].float().log_softmax(-1)
-    if out.prompt_logprobs is not None:
+    if out.prompt_logprobs is not None and len(prompt) > 1:
         # Position p holds log P(prompt[p] | prompt[:p]); position 0 has none.
         assert out.prompt_logprobs[0] is None
         ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])

@@ -37,6 +37,11 @@ def test_prompts_chunked_and_batched_match_transformers(tiny_mamba, step_tokens)
     prompts = _prompts((21, 5, 40))
     for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=12, prompt_logprobs=0, **GREEDY))):
         assert_matches_oracle(hf, prompt, out, 12)
+    # A one-token prompt alone: its first step is decode-shaped, and its state block (every block,
+    # after eight requests at once) held a past state.
+    llm.generate(_prompts((9,) * 8, seed=9), SamplingParams(max_tokens=2))
+    out = llm.generate([[7]], SamplingParams(max_tokens=12, **GREEDY))[0]
+    assert_matches_oracle(hf, [7], out, 12)
     kv = llm.llm_engine.scheduler.kv_cache
     assert not kv.pool.enable_caching and kv.pool.num_free_blocks == kv.pool.num_blocks
 

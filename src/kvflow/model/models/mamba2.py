@@ -103,17 +103,25 @@ class Mamba2ForCausalLM(nn.Module):
         (the final norm's hidden states [T, hidden], each request's state after its tokens); the
         given states are not changed."""
         self._check_batch(input_ids, states, token_counts)
+        per_layer: list[list[MambaState]] = []
+
+        def mix(i: int, mixer: Mamba2Mixer, normed: torch.Tensor) -> torch.Tensor:
+            out, layer_states = mixer(normed, [s[i] for s in states], token_counts)
+            per_layer.append(layer_states)
+            return out
+        hidden = self.run_layers(input_ids, mix)
+        return hidden, [tuple(layer_states[r] for layer_states in per_layer) for r in range(len(states))]
+
+    def run_layers(self, input_ids: torch.Tensor, mix) -> torch.Tensor:
+        """embeddings → each layer's x + mix(i, its mixer, RMSNorm(x)) → norm_f; `mix` runs the
+        mixer with the layer's states wherever its caller keeps them."""
         dtype = self.backbone.norm_f.weight.dtype
         stream = self.backbone.embeddings(input_ids)
         if self.config.residual_in_fp32:
             stream = stream.float()
-        per_layer: list[list[MambaState]] = []
         for i, layer in enumerate(self.backbone.layers):
-            out, layer_states = layer.mixer(layer.norm(stream.to(dtype)), [s[i] for s in states], token_counts)
-            stream = stream + out
-            per_layer.append(layer_states)
-        new_states = [tuple(layer_states[r] for layer_states in per_layer) for r in range(len(states))]
-        return self.backbone.norm_f(stream.to(dtype)), new_states
+            stream = stream + mix(i, layer.mixer, layer.norm(stream.to(dtype)))
+        return self.backbone.norm_f(stream.to(dtype))
 
     def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
         """float32 logits, or the head's own dtype with `widen=False` (embedding.compute_logits)."""
@@ -160,11 +168,36 @@ class ServedMamba2ForCausalLM(nn.Module):
         meta = attn[0]
         slots = meta.block_tables[:, 0]
         fresh = torch.tensor([q == n for q, n in zip(meta.query_lens_cpu, meta.seq_lens_cpu)], device=slots.device)
+        if all(n == 1 for n in meta.query_lens_cpu):
+            starting = any(n == 1 for n in meta.seq_lens_cpu)
+            return self._decode(input_ids, kv_caches, slots, fresh if starting else None)
         rows = [torch.where(fresh[:, None], 0.0, cache[0, slots]) for cache in kv_caches]  # per layer [R, elements]
         hidden, states = self.mamba(input_ids, [self._state(rows, r) for r in range(len(slots))], meta.query_lens_cpu)
         for i, cache in enumerate(kv_caches):
             cache[0, slots] = torch.stack([torch.cat((s[i].conv.float().flatten(), s[i].ssm.flatten())) for s in states])
         return hidden
+
+    def _decode(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor,
+                fresh: torch.Tensor | None) -> torch.Tensor:
+        """A step of one token per request: each layer's states gathered from the pool as one
+        tensor, stepped together, written back (no state objects per request and layer). `fresh`:
+        the rows that start from zeros (a one-token prompt), or None."""
+        mixer_cfg, dtype = self.mamba.config.mixer, self.mamba.backbone.norm_f.weight.dtype
+        requests = slots.shape[0]
+
+        def mix(i: int, mixer: Mamba2Mixer, normed: torch.Tensor) -> torch.Tensor:
+            cache = kv_caches[i][0]
+            rows = cache[slots]  # the step's copy: the scan state below is a view of it, stepped in place
+            if fresh is not None:
+                rows[fresh] = 0.0
+            conv = rows[:, :self.conv_elements].view(requests, mixer_cfg.conv_dim, mixer_cfg.conv_kernel).to(dtype)
+            ssm = rows[:, self.conv_elements:].view(requests, mixer_cfg.num_heads, mixer_cfg.head_dim,
+                                                    mixer_cfg.state_size)
+            out, conv, _ = mixer.decode_stacked(normed, conv, ssm)
+            rows[:, :self.conv_elements] = conv.flatten(1)
+            cache[slots] = rows
+            return out
+        return self.mamba.run_layers(input_ids, mix)
 
     def _state(self, rows: list[torch.Tensor], r: int) -> Mamba2State:
         """Request r's states, one per layer, from the rows read out of the pool."""
