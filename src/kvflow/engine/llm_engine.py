@@ -25,7 +25,6 @@ from kvflow.core.sched_output import SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SchedulerStallError
 from kvflow.engine.output_processor import OutputProcessor, ParentRequest
 from kvflow.engine.outputs import RequestMetrics, RequestOutput
-from kvflow.engine.prompt_images import READS_IMAGES, PromptImages
 from kvflow.engine.snapshot import StepLog
 from kvflow.engine.stats import EngineStats, StatsLogger
 from kvflow.engine.step_budget import StepBudget
@@ -35,6 +34,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.rotary import rope_type
 from kvflow.model.loader.resolve import load_checkpoint
+from kvflow.model.registry import IMAGE_ARCHITECTURES
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.phases import phase, progress
 from kvflow.quant.registry import get_quantization_config
@@ -71,7 +71,7 @@ class LLMEngine:
         self.config: EngineConfig = with_kv_store_namespace(args.create_config(self.arch.max_position_embeddings),
                                                             self.arch)
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
-        self.prompt_images = PromptImages(args.model, self.arch) if self.arch.architecture in READS_IMAGES else None
+        self.prompt_images = self._prompt_images(args.model)
         if getattr(self.quant_config, "needs_calibration", False):  # before any worker starts
             self._check_calibration()
         self._check_kv_transfer()  # before any weight is read
@@ -541,6 +541,15 @@ class LLMEngine:
         if self.arch.kv_layout.holds_state:
             raise ValueError(f"kv_eviction_policy={policy!r} does not compose with {self.arch.architecture} yet "
                              f"({NOT_COMPOSED['recurrent_state']})")
+
+    def _prompt_images(self, model_dir: str | None):
+        """The image processing of a model that reads images (None for the others, which never
+        import it: Pillow and the vision tower's spec cost a text model's start nothing)."""
+        if self.arch.architecture not in IMAGE_ARCHITECTURES:
+            return None
+        from kvflow.engine.prompt_images import PromptImages
+
+        return PromptImages(model_dir, self.arch)
 
     def _tokenize_with_images(self, prompt: PromptType) -> tuple[str | None, list[int], tuple[PromptImage, ...]]:
         """As `_tokenize`, and a dict's `multi_modal_data` images (engine/prompt_images.py)."""

@@ -21,7 +21,6 @@ from kvflow.model.image_processing import (
 )
 from kvflow.model.models.idefics3_vision import Idefics3VisionSpec
 
-READS_IMAGES = ("Idefics3ForConditionalGeneration",)
 MAX_IMAGES_PER_PROMPT = 8  # each is encoded on the engine's step: a bound on one request's encoder work
 
 

@@ -39,6 +39,10 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+# The architectures whose prompts may hold images (kvflow.engine.prompt_images processes them).
+IMAGE_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
+
+
 def gguf_architectures() -> dict[str, str]:
     """llama.cpp's architecture name → the HF one."""
     return {a.gguf_name: name for name, a in ARCHITECTURES.items() if a.gguf_name}
