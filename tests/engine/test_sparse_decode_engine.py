@@ -70,3 +70,13 @@ def test_a_swapped_request_chooses_as_if_it_had_stayed(model_dir):
 def test_settings_it_cannot_run_with_are_refused(model_dir, args, message):
     with pytest.raises(ValueError, match=message):
         LLM(model_dir, skip_tokenizer_init=True, **args)
+
+
+def test_the_key_summaries_are_counted_in_the_pool(model_dir):
+    """The same memory budget holds fewer blocks with the summaries beside them: a block of 16
+    positions costs its K/V (2 x 2 KV heads x 16 x 16 float32 a layer: 4,096 bytes) and a min and a
+    max a KV head (2 x 2 x 16 x 4: 256), a sixteenth more (an eighth with a bfloat16 pool)."""
+    plain = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gb=0.001)
+    sparse = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gb=0.001, sparse_decode_blocks=4)
+    blocks, fewer = plain.llm_engine.num_kv_blocks, sparse.llm_engine.num_kv_blocks
+    assert fewer == blocks * 16 // 17 < blocks

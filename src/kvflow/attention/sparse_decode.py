@@ -43,9 +43,21 @@ import torch
 
 from kvflow.attention import kv_quant
 from kvflow.attention.metadata import AttentionLayerSpec, AttentionMetadata, gather_kv, slot_blocks_and_offsets
+from kvflow.kv_cache_spec import FullAttentionSpec, KVLayout, SlidingWindowSpec
 
 # A request needs its last block and at least one more for a choice to exist.
 MIN_BLOCKS = 2
+
+
+def summary_bytes(layout: KVLayout, layers: range | None = None) -> int:
+    """What the key summaries add to one block of the pool (in `layers`' pool tensors): min and max
+    per KV head in float32, beside each tensor whose layers attend by K/V heads (latent attention
+    and recurrent states stay dense: none)."""
+    spec = layout.groups[0].spec
+    if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+        return 0
+    num_slots = layout.group_size if layers is None else len(layout.slots(layers))
+    return num_slots * spec.num_kv_heads * 2 * spec.head_dim * 4
 
 
 def check_blocks(sparse_decode_blocks: int | None) -> None:

@@ -81,14 +81,15 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_useful_blocks: int,
 
 
 def pool_blocks(cache: CacheConfig, layout: KVLayout, dtype_bytes: int, max_model_len: int, max_num_seqs: int,
-                available_bytes: int | None = None, layers: range | None = None) -> tuple[int, int]:
+                available_bytes: int | None = None, layers: range | None = None, side_bytes: int = 0) -> tuple[int, int]:
     """(device blocks, host blocks for swapping) of a pool laid out by `layout` (for `layers` only,
     on a pipeline stage): the budget, capped by what max_num_seqs requests of max_model_len tokens
-    could hold in every group and by `available_bytes` (`num_kv_blocks`)."""
+    could hold in every group and by `available_bytes` (`num_kv_blocks`). `side_bytes`: what each
+    device block costs beside its KV (sparse decode's key summaries); host blocks hold KV only."""
     block_bytes = layout.block_bytes(cache.block_size, dtype_bytes, cache.cache_dtype, layers)
     per_request = 1 if layout.holds_state else -(-max_model_len // cache.block_size)  # a state is one block
     useful = per_request * max_num_seqs * len(layout.groups)
-    return (num_kv_blocks(cache, block_bytes, useful, available_bytes),
+    return (num_kv_blocks(cache, block_bytes + side_bytes, useful, available_bytes),
             int(cache.swap_space_gb * 1024**3) // block_bytes)
 
 

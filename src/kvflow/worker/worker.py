@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvflow.attention import sparse_decode
 from kvflow.config import EngineConfig
 from kvflow.core.runner_output import ModelRunnerOutput
 from kvflow.core.sched_output import SchedulerOutput
@@ -101,8 +102,10 @@ class Worker:
         if cache.gpu_memory_utilization is not None and cache.num_kv_blocks is None:
             cache = dataclasses.replace(cache, kv_cache_memory_gb=utilization_budget_gb(cache.gpu_memory_utilization,
                                                                                         self.device))
-        return pool_blocks(cache, self.local_arch.kv_layout, cfg.model.dtype.itemsize, cfg.model.max_model_len,
-                           cfg.scheduler.max_num_seqs, available_memory_bytes(self.device), self.stage.layers)
+        layout = self.local_arch.kv_layout
+        side = 0 if cfg.kernels.sparse_decode_blocks is None else sparse_decode.summary_bytes(layout, self.stage.layers)
+        return pool_blocks(cache, layout, cfg.model.dtype.itemsize, cfg.model.max_model_len,
+                           cfg.scheduler.max_num_seqs, available_memory_bytes(self.device), self.stage.layers, side)
 
     @property
     def needs_calibration(self) -> bool:
