@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kvflow.core.kv_eviction import NOT_COMPOSED, KVEviction
 from kvflow.core.kv_eviction import POLICIES as KV_EVICTION_POLICIES
+from kvflow.core.kv_eviction import KVEviction
 from kvflow.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, QUANTIZED_KV_CACHE_DTYPES
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.spec_decode.config import SpeculativeConfig
@@ -276,7 +276,7 @@ class EngineArgs:
                  "structured_outputs_backend", "auto, guidance or xgrammar")
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
         kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
-        self._check_kv_eviction(kv_transfer)
+        self._check_kv_eviction()
         if self.enable_lora and self.quantization in ("w4a8", "w4a4") and self.quantization_rotation:
             raise ValueError(f"enable_lora: adapters add to the residual stream as trained, and quantization="
                              f"{self.quantization!r} rotates it; use --no-quantization-rotation or another method")
@@ -339,17 +339,11 @@ class EngineArgs:
                                  self.cpu_weight_layouts, self.sparse_decode_blocks),
         )
 
-    def _check_kv_eviction(self, kv_transfer: KVTransferConfig | None) -> None:
-        """The engine's eviction default runs (a model's own limits are the engine's to check)."""
+    def _check_kv_eviction(self) -> None:
+        """The eviction default is one that runs; what it composes with is the engine's to check
+        (`LLMEngine._check_eviction_composes`, for the default and for a request's own alike)."""
         if KVEviction.resolve(self.kv_eviction_policy, self.kv_budget_tokens, self.block_size) is None:
             _require(self.kv_budget_tokens is None, "kv_budget_tokens", "unset without a kv_eviction_policy")
-            return
-        speculative = SpeculativeConfig.parse(self.speculative_config)
-        drafts_kv = speculative if speculative is not None and speculative.writes_kv else None
-        for setting, why in ((drafts_kv, "speculative_config"), (kv_transfer, "kv_transfer_config")):
-            if setting is not None:
-                raise ValueError(f"kv_eviction_policy={self.kv_eviction_policy!r} does not compose with {why} yet "
-                                 f"({NOT_COMPOSED[why]})")
 
     # -- CLI ---------------------------------------------------------------------------
     @staticmethod

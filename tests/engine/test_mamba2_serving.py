@@ -82,7 +82,7 @@ def test_the_default_dtype_follows_transformers_closely(tiny_mamba):
 
 @pytest.mark.parametrize(("args", "message"), [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "does not compose with speculative"),
-    (dict(kv_eviction_policy="sink_window", kv_budget_tokens=64), "does not compose with kv_eviction_policy"),
+    (dict(kv_eviction_policy="sink_window", kv_budget_tokens=64), "does not compose with Mamba2ForCausalLM yet"),
     (dict(kv_cache_dtype="int8"), "does not apply to a model with recurrent state"),
 ])
 def test_what_needs_per_position_kv_is_refused(tiny_mamba, args, message):

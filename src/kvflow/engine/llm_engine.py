@@ -78,7 +78,7 @@ class LLMEngine:
         if self.arch.kv_layout.holds_state:
             self.config = self._for_recurrent_state(self.config)
         if self.config.cache.kv_eviction_policy != "none":
-            self._check_kv_groups_evict(self.config.cache.kv_eviction_policy)
+            self._check_eviction_composes(self.config.cache.kv_eviction_policy)
         # The workers load the model and size and allocate the KV pool; the engine schedules.
         with phase("loaded the model and allocated the KV cache") as done:
             self.model_executor = create_executor(self.config, self.arch, self.quant_config, checkpoint)
@@ -158,8 +158,7 @@ class LLMEngine:
     def _for_recurrent_state(self, config: EngineConfig) -> EngineConfig:
         """A state-space model: without the prefix cache (a state is the whole past, not a block of
         it; caching states at block ends is not built yet), refusing what needs per-position KV."""
-        refused = {"speculative_config": config.speculative, "kv_transfer_config": config.kv_transfer,
-                   "kv_eviction_policy": config.cache.kv_eviction_policy != "none" or None}
+        refused = {"speculative_config": config.speculative, "kv_transfer_config": config.kv_transfer}
         for name, setting in refused.items():
             if setting is not None:
                 raise ValueError(f"{name}: {self.arch.architecture} keeps a recurrent state, not per-position KV; "
@@ -527,20 +526,19 @@ class LLMEngine:
         eviction = KVEviction.resolve(policy, budget, cache.block_size)
         if eviction is None and params.kv_budget_tokens is not None:
             raise ValueError("kv_budget_tokens applies with a kv_eviction_policy (sink_window)")
-        if eviction is not None and params.kv_eviction_policy is not None:
-            self._check_kv_groups_evict(policy)
-            speculative = self.config.speculative
-            for why, setting in (("speculative_config", speculative if speculative and speculative.writes_kv else None),
-                                 ("kv_transfer_config", self.config.kv_transfer)):
-                if setting is not None:
-                    raise ValueError(f"kv_eviction_policy={policy!r} does not compose with this engine's {why} "
-                                     f"yet ({NOT_COMPOSED[why]})")
+        if eviction is not None and params.kv_eviction_policy is not None:  # the default was checked at start
+            self._check_eviction_composes(policy)
         return eviction
 
-    def _check_kv_groups_evict(self, policy: str) -> None:
-        if self.arch.kv_layout.holds_state:
-            raise ValueError(f"kv_eviction_policy={policy!r} does not compose with {self.arch.architecture} yet "
-                             f"({NOT_COMPOSED['recurrent_state']})")
+    def _check_eviction_composes(self, policy: str) -> None:
+        """ValueError, with the reason, where this engine's model or settings cannot evict."""
+        speculative = self.config.speculative
+        refused = ((self.arch.architecture, "recurrent_state", self.arch.kv_layout.holds_state),
+                   ("speculative_config", "speculative_config", speculative is not None and speculative.writes_kv),
+                   ("kv_transfer_config", "kv_transfer_config", self.config.kv_transfer is not None))
+        for name, why, applies in refused:
+            if applies:
+                raise ValueError(f"kv_eviction_policy={policy!r} does not compose with {name} yet ({NOT_COMPOSED[why]})")
 
     def _prompt_images(self, model_dir: str | None):
         """The image processing of a model that reads images (None for the others, which never
