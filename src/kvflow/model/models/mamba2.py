@@ -165,46 +165,37 @@ class ServedMamba2ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn: tuple[AttentionMetadata, ...]) -> torch.Tensor:
+        """Each layer reads the step's states from the pool (one gather), runs its mixer and writes
+        them back. A step of one token per request steps the states stacked, in place (no state
+        object per request); one with prompt chunks hands the mixer a state per request."""
         meta = attn[0]
         slots = meta.block_tables[:, 0]
-        fresh = torch.tensor([q == n for q, n in zip(meta.query_lens_cpu, meta.seq_lens_cpu)], device=slots.device)
-        if all(n == 1 for n in meta.query_lens_cpu):
-            starting = any(n == 1 for n in meta.seq_lens_cpu)
-            return self._decode(input_ids, kv_caches, slots, fresh if starting else None)
-        rows = [torch.where(fresh[:, None], 0.0, cache[0, slots]) for cache in kv_caches]  # per layer [R, elements]
-        hidden, states = self.mamba(input_ids, [self._state(rows, r) for r in range(len(slots))], meta.query_lens_cpu)
-        for i, cache in enumerate(kv_caches):
-            cache[0, slots] = torch.stack([torch.cat((s[i].conv.float().flatten(), s[i].ssm.flatten())) for s in states])
-        return hidden
-
-    def _decode(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor,
-                fresh: torch.Tensor | None) -> torch.Tensor:
-        """A step of one token per request: each layer's states gathered from the pool as one
-        tensor, stepped together, written back (no state objects per request and layer). `fresh`:
-        the rows that start from zeros (a one-token prompt), or None."""
-        mixer_cfg, dtype = self.mamba.config.mixer, self.mamba.backbone.norm_f.weight.dtype
-        requests = slots.shape[0]
+        fresh = [r for r, (q, n) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)) if q == n]
+        decode = all(n == 1 for n in meta.query_lens_cpu)
 
         def mix(i: int, mixer: Mamba2Mixer, normed: torch.Tensor) -> torch.Tensor:
             cache = kv_caches[i][0]
-            rows = cache[slots]  # the step's copy: the scan state below is a view of it, stepped in place
-            if fresh is not None:
+            rows = cache[slots]  # the step's copy: the scan states below are views of it
+            if fresh:
                 rows[fresh] = 0.0
-            conv = rows[:, :self.conv_elements].view(requests, mixer_cfg.conv_dim, mixer_cfg.conv_kernel).to(dtype)
-            ssm = rows[:, self.conv_elements:].view(requests, mixer_cfg.num_heads, mixer_cfg.head_dim,
-                                                    mixer_cfg.state_size)
-            out, conv, _ = mixer.decode_stacked(normed, conv, ssm)
+            conv, ssm = self._split(rows)
+            if decode:
+                out, conv, _ = mixer.decode_stacked(normed, conv, ssm)  # ssm stepped in place
+            else:
+                out, states = mixer(normed, [MambaState(c, h) for c, h in zip(conv, ssm)], meta.query_lens_cpu)
+                conv, ssm[:] = torch.stack([s.conv for s in states]), torch.stack([s.ssm for s in states])
             rows[:, :self.conv_elements] = conv.flatten(1)
             cache[slots] = rows
             return out
         return self.mamba.run_layers(input_ids, mix)
 
-    def _state(self, rows: list[torch.Tensor], r: int) -> Mamba2State:
-        """Request r's states, one per layer, from the rows read out of the pool."""
+    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool rows [R, elements] → (conv inputs [R, conv_dim, K] in the model's dtype, the scan
+        states [R, heads, head_dim, state_size]: a view of `rows`)."""
         mixer, dtype = self.mamba.config.mixer, self.mamba.backbone.norm_f.weight.dtype
-        return tuple(MambaState(row[r, :self.conv_elements].view(mixer.conv_dim, mixer.conv_kernel).to(dtype),
-                                row[r, self.conv_elements:].view(mixer.num_heads, mixer.head_dim, mixer.state_size))
-                     for row in rows)
+        requests = rows.shape[0]
+        conv = rows[:, :self.conv_elements].view(requests, mixer.conv_dim, mixer.conv_kernel).to(dtype)
+        return conv, rows[:, self.conv_elements:].view(requests, mixer.num_heads, mixer.head_dim, mixer.state_size)
 
     def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
         return self.mamba.compute_logits(hidden, widen)
