@@ -143,3 +143,14 @@ def tiny_chat_model(directory: Path, name: str = "llama-gqa-llama3-rope") -> str
     make_tiny_model(name, directory)
     write_tiny_tokenizer(directory)
     return str(directory)
+
+
+def run_to_end(engine, prompts: list[list[int]], params) -> list:
+    """Every prompt (request ids "0", "1", ...) through an LLMEngine's own steps until none is left:
+    their final RequestOutputs, in prompt order (for tests that watch the engine between steps)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [finished[str(i)] for i in range(len(prompts))]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 from hf_oracle import assert_matches_oracle
-from tiny_models import COMMON, make_tiny_model
+from tiny_models import COMMON, make_tiny_model, run_to_end
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineArgs
@@ -135,15 +135,11 @@ def test_preempted_requests_evict_again_at_the_same_points(tiny_llama):
                                   kv_eviction_policy="sink_window", kv_budget_tokens=96))
     prompts = _prompts((100, 90), seed=5)
     params = SamplingParams(temperature=0, max_tokens=60, logprobs=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    outputs = run_to_end(engine, prompts, params)
     assert engine.scheduler.num_preemptions_total > 0
     oracle = evicting_oracle(hf, KVEviction.resolve("sink_window", 96, BLOCK))
-    for i, prompt in enumerate(prompts):
-        assert_matches_oracle(oracle, prompt, finished[str(i)], 60)
+    for prompt, out in zip(prompts, outputs):
+        assert_matches_oracle(oracle, prompt, out, 60)
 
 
 def test_a_request_asks_for_its_own_budget_and_the_others_keep_all(tiny_llama):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, run_to_end
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineArgs
@@ -31,8 +31,11 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=Tru
 
 def _run(model_dir: str, prompts, **args) -> list:
     llm = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, block_size=16, disable_log_stats=True, **args)
-    return [(o.outputs[0].token_ids, [{t: p.logprob for t, p in lp.items()} for lp in o.outputs[0].logprobs])
-            for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    return [_tokens_and_logprobs(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+def _tokens_and_logprobs(out) -> tuple[list[int], list[dict[int, float]]]:
+    return out.outputs[0].token_ids, [{t: p.logprob for t, p in lp.items()} for lp in out.outputs[0].logprobs]
 
 
 def test_with_as_many_blocks_as_a_request_has_it_is_dense_bit_for_bit(model_dir):
@@ -43,20 +46,15 @@ def test_with_as_many_blocks_as_a_request_has_it_is_dense_bit_for_bit(model_dir)
 
 def test_a_swapped_request_chooses_as_if_it_had_stayed(model_dir):
     """Two 150-token requests reading 3 of their ~11 blocks: in a pool too small for both, one is
-    swapped out and back into other blocks; its tokens and logprobs are those of a roomy pool."""
+    swapped out and back into other blocks; its tokens and logprobs (to float noise: the two runs
+    batch differently) are those of a roomy pool."""
     prompts = _prompts((150, 140), seed=3)
     roomy = _run(model_dir, prompts, num_kv_blocks=64, sparse_decode_blocks=3)
     engine = LLMEngine(EngineArgs(model_dir, dtype="float32", skip_tokenizer_init=True, block_size=16,
                                   disable_log_stats=True, num_kv_blocks=13, preemption_mode="swap", swap_space_gb=0.01,
                                   sparse_decode_blocks=3, max_num_batched_tokens=64))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, PARAMS)
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    swapped = [_tokens_and_logprobs(o) for o in run_to_end(engine, prompts, PARAMS)]
     assert engine.scheduler.num_preemptions_total > 0
-    swapped = [(o.outputs[0].token_ids, [{t: p.logprob for t, p in lp.items()} for lp in o.outputs[0].logprobs])
-               for o in (finished["0"], finished["1"])]
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(swapped, roomy):  # batched apart: float noise
         assert tokens == want_tokens
         for got, want in zip(logprobs, want_logprobs):
