@@ -301,7 +301,7 @@ class KVCacheManager:
         prompt is done, findable (in every group that still holds them)."""
         rid = request.request_id
         tables = self._block_tables.get(rid)
-        if tables is None or not self.pool.enable_caching or request.eviction is not None:
+        if tables is None or not self.pool.enable_caching or not request.uses_prefix_cache:
             return
         hashes = self.block_hashes(request)
         full = min(request.num_computed_tokens // self.block_size, len(hashes))
@@ -332,7 +332,7 @@ class KVCacheManager:
             self.pool.release([b for b in reversed(table) if b != NULL_BLOCK])
 
     def _mark_in_flight(self, request: Request, num_table_blocks: int) -> None:
-        if not self.pool.enable_caching or request.eviction is not None:
+        if not self.pool.enable_caching or not request.uses_prefix_cache:
             return
         hashes = self._next_hashes(request)
         for i in range(self._num_cached_blocks[request.request_id], min(num_table_blocks, len(hashes))):

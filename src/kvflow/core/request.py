@@ -85,6 +85,12 @@ class Request:
         return cache_extra_keys(self.cache_salt, self.lora_int_id, tuple(image.hash for image in self.images))
 
     @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether its blocks may be found in and added to the prefix cache: not with a KV budget,
+        past whose first eviction point the KV is not the full context's."""
+        return self.eviction is None
+
+    @property
     def lora_int_id(self) -> int:
         return 0 if self.lora_request is None else self.lora_request.lora_int_id
 

@@ -245,7 +245,7 @@ class Scheduler:
         every prompt position (its blocks are still cached for others); one with a KV budget
         computes its own (past the first eviction point its KV is not the full context's)."""
         owes_prompt_logprobs = request.sampling_params.prompt_logprobs is not None and request.status is RequestStatus.WAITING
-        return request.status is not RequestStatus.SWAPPED and not owes_prompt_logprobs and request.eviction is None
+        return request.status is not RequestStatus.SWAPPED and not owes_prompt_logprobs and request.uses_prefix_cache
 
     def _start_running(self, request: Request, start: int, num_external: int, num_new: int,
                        out: SchedulerOutput) -> None:
