@@ -207,25 +207,32 @@ class ModelRunner:
         row_request = np.repeat(np.arange(len(chunks)), lens)
         positions = starts[row_request] + np.arange(row_request.size) - query_start_loc[row_request]
         # A request with a KV budget keeps its survivors compacted in full-attention tables: there a
-        # token's KV index is its position less the request's evicted tokens.
-        evicted = np.array([c.num_evicted_tokens for c in chunks], dtype=np.int64)
-        group_evicted = [evicted if self._compacted(g) else np.zeros_like(evicted) for g in range(len(chunks[0].block_ids))]
+        # token's KV index is its position less the request's evicted tokens (without a budget in the
+        # step, every group reads the positions themselves).
+        evicted = np.array([c.num_evicted_tokens for c in chunks], dtype=np.int64) if any(
+            c.num_evicted_tokens for c in chunks) else None
+        num_groups = len(chunks[0].block_ids)
+        offsets = [evicted if evicted is not None and self._compacted(g) else None for g in range(num_groups)]
         # Every slot a chunk writes must lie in its block tables: past them, padding would name
         # another request's block. The scheduler guarantees it; a bug must not write silently.
-        assert all(c.start_pos - int(gone[i]) + c.num_tokens <= len(t) * self.block_size for i, c in enumerate(chunks)
-                   for g, (t, gone) in enumerate(zip(c.block_ids, group_evicted)) if not self._holds_state(g)), \
-            "a chunk writes past its block table"
+        assert all(c.start_pos - (0 if gone is None else int(gone[i])) + c.num_tokens <= len(t) * self.block_size
+                   for i, c in enumerate(chunks) for g, (t, gone) in enumerate(zip(c.block_ids, offsets))
+                   if not self._holds_state(g)), "a chunk writes past its block table"
         width = max(len(t) for c in chunks for t in c.block_ids) + 1  # one more column: where an overrun lands
         # [groups, requests, width]. Writes pad with -1, a slot that writes nothing. Reads see block 0
         # there (masked by seq_lens) and where a sliding window gave a block back (NULL_BLOCK, -1;
         # the window mask hides it).
         slot_tables = np.array([[c.block_ids[g] + [-1] * (width - len(c.block_ids[g])) for c in chunks]
-                                for g in range(len(chunks[0].block_ids))], dtype=np.int64)
+                                for g in range(num_groups)], dtype=np.int64)
         lora = None if self.lora is None else self.lora.prepare([c.lora_request for c in chunks], query_lens)
         query_start_loc_t = _tensor(query_start_loc, dev)
-        attn = tuple(self._group_metadata(slots, positions - gone[row_request], (starts - gone + lens).tolist(),
+        seq_lens_cpu = (starts + lens).tolist()
+        seq_lens = torch.tensor(seq_lens_cpu, device=dev)
+        attn = tuple(self._group_metadata(slots, positions, seq_lens_cpu, seq_lens, row_request, width,
+                                          query_start_loc_t, query_lens, lora) if gone is None else
+                     self._group_metadata(slots, positions - gone[row_request], (starts - gone + lens).tolist(), None,
                                           row_request, width, query_start_loc_t, query_lens, lora)
-                     for slots, gone in zip(slot_tables, group_evicted))
+                     for slots, gone in zip(slot_tables, offsets))
         positions = _tensor(positions, dev)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
         batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})
@@ -241,14 +248,16 @@ class ModelRunner:
             offset += q_len
         return batch
 
-    def _group_metadata(self, slots: np.ndarray, kv_index: np.ndarray, seq_lens_cpu: list[int], row_request: np.ndarray,
-                        width: int, query_start_loc: torch.Tensor, query_lens: list[int], lora) -> AttentionMetadata:
-        """One KV group's metadata: its tables `slots`, each row's KV index in them."""
+    def _group_metadata(self, slots: np.ndarray, kv_index: np.ndarray, seq_lens_cpu: list[int],
+                        seq_lens: torch.Tensor | None, row_request: np.ndarray, width: int,
+                        query_start_loc: torch.Tensor, query_lens: list[int], lora) -> AttentionMetadata:
+        """One KV group's metadata: its tables `slots`, each row's KV index in them; `seq_lens`: the
+        groups' shared tensor of `seq_lens_cpu`, or None to make this group's."""
         dev = self.device
         block_index, in_block = np.minimum(kv_index // self.block_size, width - 1), kv_index % self.block_size
         return AttentionMetadata(
             query_start_loc=query_start_loc,
-            seq_lens=torch.tensor(seq_lens_cpu, device=dev),
+            seq_lens=torch.tensor(seq_lens_cpu, device=dev) if seq_lens is None else seq_lens,
             block_tables=_tensor(np.maximum(slots[:, :-1], 0), dev),
             slot_mapping=_tensor(_slot_mapping(slots[row_request, block_index], in_block, self.block_size), dev),
             block_size=self.block_size,
