@@ -593,4 +593,7 @@ def test_kvflow_plan_runs_from_the_command_line(capsys):
     assert main(["plan", "-tp", "3"]) == 0
     assert main(["plan", "--model", str(MAMBA2_130M), "--context-len", "8192"]) == 0
     out = capsys.readouterr().out
-    assert "no attention" in out and "whatever its length" in out and "reaches it at 265 tokens" in out
+    config = json.loads((MAMBA2_130M / "config.json").read_text())
+    state = ModelSpec.from_hf_config(config).kv_bytes_for_context(1)
+    twin = 2 * config["num_hidden_layers"] * config["hidden_size"] * 2  # K and V of every channel, bf16
+    assert "no attention" in out and "whatever its length" in out and f"reaches it at {state // twin:,} tokens" in out

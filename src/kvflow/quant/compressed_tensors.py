@@ -82,10 +82,11 @@ def refuse_activations(group: dict, keys: tuple[str, ...]) -> None:
                              "and NVFP4A16 are; NVFP4's input_activations run unquantized)")
 
 
-def weight_field(weights: dict, key: str, allowed: tuple):
+def weight_field(weights: dict, key: str, allowed: tuple, section: str = "weights"):
+    """`weights[key]`, or a ValueError naming `section.key` unless it is one of `allowed`."""
     value = weights.get(key)
     if value not in allowed:
-        raise ValueError(f"compressed-tensors: weights.{key}={value!r} is not loadable "
+        raise ValueError(f"compressed-tensors: {section}.{key}={value!r} is not loadable "
                          f"(kvflow loads {', '.join(map(repr, allowed))})")
     return value
 

@@ -65,13 +65,12 @@ class Nvfp4Config(OnlineQuantConfig):
 
 
 def _activation_scheme(activations: dict | None) -> bool:
-    """Whether the checkpoint is NVFP4 (W4A4; its activations then run unquantized) rather than NVFP4A16."""
+    """Whether the checkpoint is NVFP4 (W4A4; kvflow loads its activation scheme and runs the
+    activations unquantized) rather than NVFP4A16."""
     if not activations:
         return False
     for key, want in ACTIVATIONS:
-        if activations.get(key) != want:
-            raise ValueError(f"compressed-tensors: input_activations.{key}={activations.get(key)!r} is not loadable "
-                             f"(kvflow loads NVFP4's, {key}={want!r}, and runs them unquantized)")
+        weight_field(activations, key, (want,), "input_activations")
     return True
 
 
