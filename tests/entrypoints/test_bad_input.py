@@ -28,6 +28,9 @@ MODEL = "kvflow-test"
 BODY_LIMIT = 256 * 1024
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
 COMP = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+# The smallest PNG there is (one transparent pixel), as a data: URL.
+PNG_DATA_URL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA"
+                "60e6kgAAAABJRU5ErkJggg==")
 LONG_TEXT = "hello " * 9000  # about 9000 tokens: more than the model's 8192
 C, P = "/v1/chat/completions", "/v1/completions"
 
@@ -56,6 +59,8 @@ CASES: list[tuple[str, str, dict | bytes, int]] = [
     ("unknown role", C, msg(role="wizard"), 400),
     ("content is a number", C, msg(content=42), 400),
     ("image content part", C, msg(content=[{"type": "image_url", "image_url": {"url": "x"}}]), 400),
+    # A real image for a model that reads text only: its template would choke on the part.
+    ("image for a text model", C, msg(content=[{"type": "image_url", "image_url": {"url": PNG_DATA_URL}}]), 400),
     ("user content null", C, msg(content=None), 400),
     ("temperature -1", C, chat(temperature=-1), 400),
     ("temperature a string", C, chat(temperature="hot"), 400),

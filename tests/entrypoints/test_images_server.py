@@ -1,6 +1,7 @@
-"""OpenAI `image_url` content parts on /v1/chat/completions: a data: URL's image reaches the model
-as `LLM.generate` gives it (that path is held to transformers: tests/engine/test_images.py); remote
-URLs and bad data are 400s naming the part; a client's literal "<image>" text stays text."""
+"""OpenAI `image_url` content parts on /v1/chat/completions (and their spellings on /v1/responses
+and /v1/messages): a data: URL's image reaches the model as `LLM.generate` gives it (that path is
+held to transformers: tests/engine/test_images.py); remote URLs and bad data are 400s naming the
+part; a client's literal "<image>" text stays text."""
 
 from __future__ import annotations
 
@@ -52,6 +53,35 @@ def test_an_image_part_reaches_the_model_as_generate_gives_it(vlm_dir):
                           SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert served["choices"][0]["message"]["content"] == direct.outputs[0].text
     assert served["usage"]["prompt_tokens"] == len(direct.prompt_token_ids)
+
+
+def test_responses_and_messages_images_run_as_the_chat_image_does(vlm_dir):
+    """Responses' input_image (a data: URL) and Messages' image block (base64 source) become the
+    chat request's image_url part: the same prompt, the same greedy text."""
+    image = png_bytes(44, 36, seed=5)
+    encoded = base64.b64encode(image).decode()
+    chat_parts = [{"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": _data_url(image)}}]
+    responses_parts = [{"type": "input_text", "text": "what is"}, {"type": "input_image", "image_url": _data_url(image)}]
+    messages_blocks = [{"type": "text", "text": "what is"},
+                       {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}}]
+    with served_engine(EngineArgs(vlm_dir, dtype="float32", num_kv_blocks=64, disable_log_stats=True), "vlm") as (server, _):
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": chat_parts}], "max_tokens": 6, "temperature": 0})
+        responses = httpx.post(f"{server.url}/v1/responses", timeout=120, json={
+            "input": [{"role": "user", "content": responses_parts}], "max_output_tokens": 6, "temperature": 0})
+        messages = httpx.post(f"{server.url}/v1/messages", timeout=120, json={
+            "model": "vlm", "messages": [{"role": "user", "content": messages_blocks}], "max_tokens": 6,
+            "temperature": 0})
+        remote = httpx.post(f"{server.url}/v1/messages", timeout=60, json={
+            "model": "vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]})
+    for response in (chat, responses, messages):
+        assert response.status_code == 200, response.text
+    text = chat.json()["choices"][0]["message"]["content"]
+    assert responses.json()["output"][0]["content"][0]["text"] == text
+    assert messages.json()["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    assert "".join(b["text"] for b in messages.json()["content"] if b["type"] == "text") == text
+    assert remote.status_code == 400 and "must be a data: URL" in remote.text, remote.text
 
 
 @pytest.mark.parametrize(("part", "message"), [

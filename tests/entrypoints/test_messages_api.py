@@ -98,14 +98,20 @@ def test_tool_use_and_its_result(client):
     assert __import__("json").loads(partial) == use.input
 
 
-def test_what_it_cannot_do_is_an_error_in_the_apis_shape(client):
-    image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                        "data": "AAAA"}}]}]
+@pytest.mark.parametrize(("block", "says"), [
+    ({"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "hi"}},
+     "blocks of type 'document' are not supported"),
+    ({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}, "reads text only"),
+    ({"type": "image", "source": {"type": "file", "file_id": "file-1"}}, "source must be"),
+])
+def test_what_it_cannot_do_is_an_error_in_the_apis_shape(client, block, says):
+    """A document block; an image for a model that reads no images (or that is no image); an
+    image by file id: each an invalid_request_error naming what it refused."""
     with pytest.raises(anthropic.BadRequestError) as caught:
-        client.messages.create(model=MODEL, max_tokens=4, messages=image)
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [block]}])
     assert caught.value.body["type"] == "error"
     assert caught.value.body["error"]["type"] == "invalid_request_error"
-    assert "blocks of type 'image' are not supported" in caught.value.body["error"]["message"]
+    assert says in caught.value.body["error"]["message"], caught.value.body
 
 
 def test_the_key_comes_in_x_api_key(engine):

@@ -113,7 +113,10 @@ def test_previous_response_ids_that_are_not_kept_are_a_404_that_says_why(client)
 
 @pytest.mark.parametrize("kwargs, says", [
     ({"input": [{"type": "reasoning", "summary": []}]}, "items of type 'reasoning' are not supported"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "'input_image'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]}, "'input_file'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}, "Files API"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
+     "must be a data: URL"),
     ({"input": ASK, "tools": [{"type": "web_search"}]}, "tools of type 'web_search'"),
     ({"input": ASK, "tool_choice": {"type": "function", "name": "fly"}, "tools": [WEATHER]}, "fly"),
 ])

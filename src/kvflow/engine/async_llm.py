@@ -85,6 +85,7 @@ class AsyncLLM:
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len: int = engine.config.model.max_model_len
         self.vocab_size: int = engine.arch.vocab_size
+        self.reads_images: bool = engine.prompt_images is not None
         self.eos_token_ids: frozenset[int] = engine.eos_token_ids
         # The grammar compiler is safe to use from any thread (the matchers are the engine's).
         self._grammar_compiler = engine.structured_output.compiler if engine.structured_output else None

@@ -38,6 +38,7 @@ from kvflow.engine.stats import EngineStats
 from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.loader.resolve import load_checkpoint
+from kvflow.model.registry import IMAGE_ARCHITECTURES
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class DPAsyncLLM:
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         self.max_model_len: int = config.model.max_model_len
         self.vocab_size: int = arch.vocab_size
+        self.reads_images: bool = arch.architecture in IMAGE_ARCHITECTURES
         self.eos_token_ids: frozenset[int] = eos_token_ids(arch, checkpoint.tokenizer)
         self.router = router or DPRouter(config.cache.block_size)
         self._listeners: tuple[Callable[[FinishedRequest], None], ...] = ()

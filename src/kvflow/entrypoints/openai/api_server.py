@@ -87,7 +87,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     metrics = ServerMetrics(async_llm.get_stats, served_model_name)
     async_llm.add_finish_listener(metrics.observe)
     tokenizer = PromptTokenizer(async_llm.tokenizer, async_llm.max_model_len, limits.tokenizer_workers,
-                                escape_special_tokens)
+                                escape_special_tokens, reads_images=async_llm.reads_images)
     models = ServingModels(async_llm, served_model_name, list(lora_modules), limits.max_served_loras)
     chat = ChatServing(async_llm, models, limits, tokenizer, tool_call_parser)
     completions = CompletionServing(async_llm, models, limits, tokenizer)

@@ -51,18 +51,25 @@ class ChatServing(Serving):
         self.check_logprobs([len(prompt)], params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         beam = self.beam_search_params(req, params)
-        images = [image for message in req.messages for image in message.images()]
-        if images:  # the template wrote one <image> per image; the engine expands each to its tiles' tokens
-            if beam is not None:
-                raise APIError(400, "use_beam_search does not take image parts yet", param="use_beam_search")
-            prompt = {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}
-        [stream] = await self.start(request_id, [prompt], params, lora_request, req.cache_salt, beam)
+        [stream] = await self.start(request_id, [self.with_images(req, prompt, beam)], params, lora_request,
+                                    req.cache_salt, beam)
         if req.stream:
             return self.event_stream(self._events(request_id, req, stream), [stream])
         try:
             return await self._collect(request_id, req, stream)
         finally:
             stream.close()
+
+    @staticmethod
+    def with_images(req: ChatCompletionRequest, prompt: list[int], beam=None) -> list[int] | dict:
+        """The engine's prompt: the rendered tokens, with the messages' images beside them (the
+        template wrote one <image> per image; the engine expands each to its tiles' tokens)."""
+        images = [image for message in req.messages for image in message.images()]
+        if not images:
+            return prompt
+        if beam is not None:
+            raise APIError(400, "use_beam_search does not take image parts yet", param="use_beam_search")
+        return {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}
 
     async def render_prompt(self, req: ChatCompletionRequest) -> list[int]:
         try:

@@ -57,7 +57,8 @@ class MessagesServing:
         params = self.chat.sampling_params(chat_req, chat_req.max_new_tokens, None)
         prompt = await self.chat.render_prompt(chat_req)
         message_id = f"msg_{uuid.uuid4().hex}"
-        [stream] = await self.chat.start(message_id, [prompt], params, lora_request, chat_req.cache_salt)
+        [stream] = await self.chat.start(message_id, [self.chat.with_images(chat_req, prompt)], params, lora_request,
+                                         chat_req.cache_salt)
         head = {"id": message_id, "type": "message", "role": "assistant", "model": req.model or self.chat.model_name}
         if req.stream:
             return EventStreamResponse(_anthropic_errors(self._events(head, chat_req, stream)), on_close=stream.close)
@@ -216,11 +217,13 @@ def _chat_messages(message: dict, index: int) -> list[dict]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise APIError(400, f"messages[{index}].content must be a string or a list of blocks", param=f"messages[{index}]")
-    texts, calls, results = [], [], []
+    parts, calls, results = [], [], []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(block.get("text", ""))
+            parts.append({"type": "text", "text": block.get("text", "")})
+        elif kind == "image" and role == "user":
+            parts.append(_image_part(block.get("source"), f"messages[{index}].content"))
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
@@ -229,12 +232,26 @@ def _chat_messages(message: dict, index: int) -> list[dict]:
                             "content": _plain_text(block.get("content", ""), f"messages[{index}].content")})
         else:
             raise APIError(400, f"messages[{index}].content: {role} blocks of type {kind!r} are not supported by this "
-                                "server (text, tool_use from the assistant, tool_result from the user)",
+                                "server (text, tool_use from the assistant, image and tool_result from the user)",
                            param=f"messages[{index}].content")
-    text = "".join(texts)
+    text = "".join(p["text"] for p in parts if p["type"] == "text")
     if role == "assistant":
         return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+    if any(p["type"] == "image_url" for p in parts):  # the parts in order: the template places each image
+        return results + [{"role": "user", "content": parts}]
     return results + ([{"role": "user", "content": text}] if text or not results else [])
+
+
+def _image_part(source: Any, where: str) -> dict:
+    """An image block's source as a chat image_url part: base64 data becomes a data: URL; a url
+    source stays a URL, which the chat request's check refuses (the server fetches nothing)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return {"type": "image_url", "image_url": {"url": f"data:{source.get('media_type', '')};base64,{source.get('data', '')}"}}
+    if kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise APIError(400, f"{where}: an image block's source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} "
+                        f"or {{'type': 'url', 'url': ...}}; got type {kind!r}", param=where)
 
 
 def _plain_text(content: Any, where: str) -> str:

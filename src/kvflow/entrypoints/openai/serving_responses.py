@@ -98,7 +98,8 @@ class ResponsesServing:
         params = self.chat.sampling_params(chat_req, chat_req.max_new_tokens, None)
         prompt = await self.chat.render_prompt(chat_req)
         response_id = f"resp_{uuid.uuid4().hex}"
-        [stream] = await self.chat.start(response_id, [prompt], params, lora_request, chat_req.cache_salt)
+        [stream] = await self.chat.start(response_id, [self.chat.with_images(chat_req, prompt)], params, lora_request,
+                                         chat_req.cache_salt)
         state = _Response(response_id, req, chat_req, self.chat.model_name)
         if req.stream:
             return self.chat.event_stream(self._events(state, stream, messages), [stream])
@@ -294,7 +295,7 @@ def _messages(items: str | list[dict]) -> list[dict]:
     for index, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": _text(item.get("content"), index)})
+            messages.append({"role": item.get("role"), "content": _content(item.get("content"), index)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -310,18 +311,26 @@ def _messages(items: str | list[dict]) -> list[dict]:
     return messages
 
 
-def _text(content: Any, index: int) -> Any:
-    """A message's content: a string, or its input_text / output_text parts as chat text parts."""
+def _content(content: Any, index: int) -> Any:
+    """A message's content: a string, or its parts as chat parts (input_text / output_text as text,
+    input_image as image_url, whose data: URL the chat request's own check reads)."""
     if not isinstance(content, list):
         return content
-    parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise APIError(400, f"input[{index}].content: parts of type {kind!r} are not supported by this server "
-                                "(input_text, output_text)", param=f"input[{index}].content")
-        parts.append({"type": "text", "text": part.get("text")})
-    return parts
+    return [_chat_part(part, f"input[{index}].content") for part in content]
+
+
+def _chat_part(part: Any, where: str) -> dict:
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    if kind in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": part.get("text")}
+    if kind == "input_image":
+        if not isinstance(part.get("image_url"), str):
+            raise APIError(400, f"{where}: an input_image needs image_url, a data: URL (images by file_id need the "
+                                "Files API, which this server does not have)", param=where)
+        detail = {"detail": part["detail"]} if part.get("detail") is not None else {}
+        return {"type": "image_url", "image_url": {"url": part["image_url"], **detail}}
+    raise APIError(400, f"{where}: parts of type {kind!r} are not supported by this server "
+                        "(input_text, output_text, input_image)", param=where)
 
 
 def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:

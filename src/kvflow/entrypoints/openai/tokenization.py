@@ -22,8 +22,9 @@ T = TypeVar("T")
 
 class PromptTokenizer:
     def __init__(self, tokenizer: Tokenizer | None, max_model_len: int, workers: int,
-                 escape_special_tokens: bool = False) -> None:
+                 escape_special_tokens: bool = False, reads_images: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.reads_images = reads_images  # a text model's template would choke on image parts
         self.escape_special_tokens = escape_special_tokens  # in chat content: see Tokenizer.apply_chat_template
         self.max_model_len = max_model_len
         longest = longest_token_bytes(tokenizer) if tokenizer is not None else None
@@ -54,6 +55,8 @@ class PromptTokenizer:
     async def render_conversation(self, req) -> list[int]:
         """The token ids of a request's `messages` (and `tools`) through the chat template, as chat
         completions and /tokenize render them (req: a ChatCompletionRequest or TokenizeRequest)."""
+        if not self.reads_images and any(m.images() for m in req.messages):
+            raise ValueError("messages: image parts need a model that reads images; this one reads text only")
         tools = req.template_tools()
         template = self.tokenizer.chat_template if self.tokenizer is not None else None
         messages = messages_for_template([m.for_template() for m in req.messages], tools, template)
