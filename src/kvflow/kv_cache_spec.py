@@ -18,6 +18,15 @@ hybrid allocator does the same). Gemma-3-270M (15 sliding, 3 full layers) has G 
 groups and one full group; block b of any group holds G layers' KV, slot j of the group in the
 j-th of G KV tensors.
 
+A hybrid (state layers beside attention layers: Bamba) keeps its states apart from that pool.
+One state is megabytes (Bamba-9B: 4.3 MB a layer) where an attention block of 16 tokens is 64 KB,
+so one page size for both (vLLM's way) would mean attention blocks of ~1000 tokens, or every
+attention block the size of a state. Instead the attention layers form the block pool's groups
+as above, and the state layers of each state spec form one *state group* whose slots are a pool
+of their own: a request holds one slot in it from its first chunk to its end, and slots are
+counted by requests (at most max_num_seqs run), never by the attention pool's blocks. A model of
+state layers only (Mamba-2) has no attention pool: its blocks are its states.
+
 Plain dataclasses, no torch: the planner, the scheduler and the worker all read them.
 """
 
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -170,8 +180,33 @@ class KVLayout:
 
     @property
     def group_size(self) -> int:
-        """Layers per group: KV tensors to allocate, one per slot."""
-        return len(self.groups[0].layers)
+        """Layers per block-pool group: KV tensors to allocate, one per slot (a hybrid's state
+        layers have tensors of their own, `state_layers`)."""
+        return len(self.groups[self.pool_groups()[0]].layers)
+
+    @property
+    def hybrid(self) -> bool:
+        """State groups beside attention groups: the states get slots of their own, apart from the
+        block pool."""
+        return self.holds_state and not all(self.state_groups)
+
+    @cached_property
+    def state_layers(self) -> tuple[int, ...]:
+        """A hybrid's layers that keep a recurrent state, each in a slot tensor of its own (none for
+        a model of state layers only, whose states are the pool's blocks)."""
+        if not self.hybrid:
+            return ()
+        return tuple(layer for g in self.groups if isinstance(g.spec, MambaStateSpec) for layer in g.layers)
+
+    def state_bytes(self, layers: range | None = None) -> int:
+        """A hybrid's memory of one request's states in its state layers (those of `layers` only,
+        for a pipeline stage): what a state slot costs."""
+        specs = {layer: g.spec for g in self.groups if isinstance(g.spec, MambaStateSpec) for layer in g.layers}
+        return sum(specs[i].state_elements * STATE_BYTES for i in self.state_layers if layers is None or i in layers)
+
+    def pool_groups(self) -> list[int]:
+        """The groups whose blocks the block pool holds: a hybrid's attention groups, else all."""
+        return [g for g, state in enumerate(self.state_groups) if not (state and self.hybrid)]
 
     @property
     def sliding_windows(self) -> tuple[int | None, ...]:
@@ -191,14 +226,15 @@ class KVLayout:
         """Memory of one block: one slot's worth of KV in each of the group_size tensors (in those
         of `layers`' slots only, for a pipeline stage that holds those layers)."""
         num_slots = self.group_size if layers is None else len(self.slots(layers))
-        spec = self.groups[0].spec
+        spec = self.groups[self.pool_groups()[0]].spec
         if isinstance(spec, MambaStateSpec):
             return num_slots * spec.state_elements * STATE_BYTES
         return int(num_slots * token_bytes(spec, dtype_bytes, kv_cache_dtype) * block_size)
 
     def slots(self, layers: range) -> list[int]:
-        """The pool tensors `layers` keep their KV in (a layer sharing another's KV, its target's)."""
-        return sorted({self.places[i][1] for i in layers})
+        """The pool tensors `layers` keep their KV in (a layer sharing another's KV, its target's;
+        a hybrid's state layers are not in the block pool)."""
+        return sorted({self.places[i][1] for i in layers if i not in self.state_layers})
 
 
 def kv_layout(specs: list[KVCacheSpec]) -> KVLayout:
@@ -214,16 +250,17 @@ def kv_layout(specs: list[KVCacheSpec]) -> KVLayout:
         raise ValueError("no layer keeps KV of its own")
     if len({isinstance(s, MLAAttentionSpec) for s in owners}) > 1:
         raise ValueError("latent (MLA) and K/V layers cannot share one block pool")
-    if len({isinstance(s, MambaStateSpec) for s in owners}) > 1:
-        raise ValueError("recurrent-state and attention layers in one model (a hybrid) are not served yet: their "
-                         "blocks would need one size")
-    sizes = {s.elements_per_token for s in owners}
+    states = {spec: layers for spec, layers in owners.items() if isinstance(spec, MambaStateSpec)}
+    pooled = {spec: layers for spec, layers in owners.items() if spec not in states} or states
+    sizes = {s.elements_per_token for s in pooled}
     if len(sizes) > 1:
         raise ValueError(f"layers keep different KV sizes per token ({sorted(sizes)} numbers): one block pool "
                          "cannot serve them")
-    size = math.gcd(*(len(layers) for layers in owners.values()))
+    size = math.gcd(*(len(layers) for layers in pooled.values()))
+    # A hybrid's states are slots of their own (module docstring): one group per state spec, whole.
+    apart = tuple(KVGroup(spec, tuple(layers)) for spec, layers in states.items() if spec not in pooled)
     groups = tuple(KVGroup(spec, tuple(layers[k:k + size]))
-                   for spec, layers in owners.items() for k in range(0, len(layers), size))
+                   for spec, layers in pooled.items() for k in range(0, len(layers), size)) + apart
     places: list[tuple[int, int] | None] = [None] * len(specs)
     for g, group in enumerate(groups):
         for j, layer in enumerate(group.layers):

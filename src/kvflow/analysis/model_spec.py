@@ -117,12 +117,22 @@ class ModelSpec:
     moe: MoESpec | None = None
     kv_sharing: tuple[tuple[int, int], ...] = ()  # (layer, the earlier layer whose KV it reads)
     ssm: MambaStateSpec | None = None  # a state-space model (Mamba-2): no attention, no MLP, no KV
+    # With `ssm`, the layers that attend instead of mixing (a hybrid, Bamba: every layer has the MLP).
+    attention_layers: tuple[int, ...] = ()
 
     # ---- shape ----------------------------------------------------------------------------
 
     @property
+    def hybrid(self) -> bool:
+        return self.ssm is not None and bool(self.attention_layers)
+
+    def is_mixer_layer(self, layer: int) -> bool:
+        """Does the layer keep a recurrent state rather than attend?"""
+        return self.ssm is not None and layer not in self.attention_layers
+
+    @property
     def attention_kind(self) -> str:
-        if self.ssm is not None:
+        if self.ssm is not None and not self.hybrid:
             return "no"
         if self.mla is not None:
             return "mla"
@@ -154,10 +164,10 @@ class ModelSpec:
 
     # ---- parameters -----------------------------------------------------------------------
 
-    def _attn_params(self) -> int:
-        """Linear weights of one attention block (norms excluded); a state-space model's mixer."""
+    def _attn_params(self, layer: int) -> int:
+        """Linear weights of one layer's attention block (norms excluded), or of its mixer."""
         d, n = self.hidden_size, self.num_heads
-        if self.ssm is not None:
+        if self.is_mixer_layer(layer):
             return mixer_params(self.ssm, d)
         if self.mla is None:
             kv = 2 * d * self.num_kv_heads * self.head_dim
@@ -179,7 +189,7 @@ class ModelSpec:
 
     def _ffn_params(self, layer: int, active: bool) -> int:
         """MLP weights of one layer; `active` counts only what a single token runs through."""
-        if self.ssm is not None:
+        if self.ssm is not None and not self.hybrid:
             return 0
         if not self._is_moe_layer(layer):
             return self._mlp_params(self.intermediate_size)
@@ -192,7 +202,7 @@ class ModelSpec:
     def _norm_params(self) -> int:
         # Two RMSNorm vectors per layer plus the final one (MLA adds its two latent norms).
         # Extra norms some families carry (Gemma's four, Qwen3's q/k norms) are <0.01%.
-        per_layer = (1 if self.ssm is not None else 2) * self.hidden_size
+        per_layer = (1 if self.ssm is not None and not self.hybrid else 2) * self.hidden_size
         if self.mla is not None:
             per_layer += self.mla.kv_lora_rank + (self.mla.q_lora_rank or 0)
         return self.num_layers * per_layer + self.hidden_size
@@ -202,8 +212,7 @@ class ModelSpec:
         return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
 
     def _layer_params(self, active: bool) -> int:
-        attn = self._attn_params()
-        return sum(attn + self._ffn_params(i, active) for i in range(self.num_layers))
+        return sum(self._attn_params(i) + self._ffn_params(i, active) for i in range(self.num_layers))
 
     def param_count(self) -> int:
         return self._layer_params(active=False) + self.embedding_params() + self._norm_params()
@@ -239,7 +248,8 @@ class ModelSpec:
     def layer_kv_specs(self) -> list[KVCacheSpec]:
         """What each layer caches, in the engine's terms (kvflow.kv_cache_spec)."""
         if self.ssm is not None:
-            return [self.ssm] * self.num_layers
+            attention = FullAttentionSpec(self.num_kv_heads, self.head_dim)
+            return [self.ssm if self.is_mixer_layer(i) else attention for i in range(self.num_layers)]
         if self.mla is not None:
             specs: list[KVCacheSpec] = [MLAAttentionSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)] * self.num_layers
         else:
@@ -262,23 +272,42 @@ class ModelSpec:
 
     def attended_tokens(self, context_len: int) -> int:
         """Sum over layers of the positions a new token sees (window-capped on local layers)."""
-        if self.ssm is not None:
-            return 0
         w = self.sliding_window
         return sum(
             min(context_len, w) if w is not None and self.is_local_layer(i) else context_len
-            for i in range(self.num_layers)
+            for i in range(self.num_layers) if not self.is_mixer_layer(i)
         )
 
     def kv_bytes_for_context(self, context_len: int, kv_dtype: str | int = "bfloat16", kv_cache_dtype: str = "auto") -> int:
         """KV bytes one request holds at `context_len` tokens (local layers keep only W, layers
-        that share another's KV keep none)."""
+        that share another's KV keep none, a mixer layer its state of one size, whatever the context)."""
         per_number = dtype_bits(kv_dtype) / 8
-        if self.ssm is not None:  # a state of one size, whatever the context
-            return self.num_layers * self.ssm.state_elements * STATE_BYTES
-        return int(sum(token_bytes(s, per_number, kv_cache_dtype)
-                       * (context_len if s.sliding_window is None else min(context_len, s.sliding_window))
-                       for s in self.layer_kv_specs()))
+        return self.state_bytes_per_request() + int(sum(
+            token_bytes(s, per_number, kv_cache_dtype)
+            * (context_len if s.sliding_window is None else min(context_len, s.sliding_window))
+            for s in self.layer_kv_specs()))
+
+    def state_bytes_per_request(self) -> int:
+        """The mixer layers' states one request holds (float32), whatever its length."""
+        return sum(self.ssm.state_elements * STATE_BYTES for i in range(self.num_layers) if self.is_mixer_layer(i))
+
+    def attention_twin(self) -> ModelSpec:
+        """The same model with attention in every layer (a hybrid's heads; a Mamba-2's hidden size
+        in heads of 64, K and V of every channel), the MLP in every layer: what a state is weighed
+        against."""
+        if self.ssm is None or self.hybrid:
+            return replace(self, ssm=None, attention_layers=())
+        heads = self.hidden_size // 64
+        return replace(self, ssm=None, num_heads=heads, num_kv_heads=heads, head_dim=64)
+
+    def state_crossover_tokens(self, kv_dtype: str | int = "bfloat16", kv_cache_dtype: str = "auto") -> int | None:
+        """The shortest context at which a request of this model holds less memory than one of its
+        `attention_twin`: the states over the KV per token the mixers spare; None without a state."""
+        if self.ssm is None:
+            return None
+        spared = (self.attention_twin().kv_bytes_per_token(kv_dtype, kv_cache_dtype)
+                  - self.kv_bytes_per_token(kv_dtype, kv_cache_dtype))
+        return self.state_bytes_per_request() // spared + 1
 
     # ---- FLOPs ----------------------------------------------------------------------------
 
@@ -306,15 +335,16 @@ class ModelSpec:
         """Forward FLOPs of a causal prefill of `num_tokens`; logits only for the last one."""
         qk, v = self._attn_dims()
         matmul = 2.0 * self._layer_params(active=True) * num_tokens + 2.0 * self.lm_head_params()
+        pairs = sum(self._causal_pairs(num_tokens, i) for i in range(self.num_layers) if not self.is_mixer_layer(i))
         if self.ssm is not None:
-            return matmul + self._scan_flops(num_tokens)
-        pairs = sum(self._causal_pairs(num_tokens, i) for i in range(self.num_layers))
+            return matmul + self._scan_flops(num_tokens) + 2.0 * self.num_heads * (qk + v) * pairs
         return matmul + 2.0 * self.num_heads * (qk + v) * pairs
 
     def _scan_flops(self, num_tokens: int) -> float:
         """A state-space model's recurrences over `num_tokens` (the chunked form's extra
         within-chunk products are left out: the closed form counts the recurrence)."""
-        return 0.0 if self.ssm is None else float(self.num_layers * scan_flops_per_token(self.ssm) * num_tokens)
+        mixers = sum(self.is_mixer_layer(i) for i in range(self.num_layers))
+        return 0.0 if self.ssm is None else float(mixers * scan_flops_per_token(self.ssm) * num_tokens)
 
     def _causal_pairs(self, num_tokens: int, layer: int) -> int:
         """Query-key pairs a causal (optionally windowed) layer scores: sum_i min(i, W)."""
@@ -362,6 +392,7 @@ class ModelSpec:
             moe=moe,
             kv_sharing=tuple((i, s.target_layer) for i, s in enumerate(kv_specs) if isinstance(s, SharedKVSpec)),
             ssm=arch.recurrent_state,
+            attention_layers=arch.attention_layers,
         )
 
 

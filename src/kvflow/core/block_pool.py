@@ -8,6 +8,7 @@ is a cached block's hash forgotten.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 from kvflow.core.block_hash import BlockHash
@@ -88,3 +89,29 @@ class BlockPool:
                 del self.cached[block_hash]
         self.block_hashes[block] = []
         self.cached_tokens[block] = 0
+
+
+class StateSlots:
+    """A hybrid model's state slots (kv_cache_spec: its states are kept apart from the block pool):
+    a request holds one from its first chunk to its end. The lowest free slot is always handed out
+    first, so every slot ever handed out is below the most requests that held one at once, which
+    the scheduler keeps at max_num_seqs: the worker's state tensors need that many rows, whatever
+    the block pool's size."""
+
+    def __init__(self) -> None:
+        self._free: list[int] = []  # a heap of released slots below `_next`
+        self._next = 0  # every slot from here on is free
+        self.num_held = 0
+
+    def allocate(self) -> int:
+        self.num_held += 1
+        if self._free:
+            return heapq.heappop(self._free)
+        self._next += 1
+        return self._next - 1
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self._next or slot in self._free:
+            raise RuntimeError(f"state slot {slot} released twice")
+        heapq.heappush(self._free, slot)
+        self.num_held -= 1

@@ -18,7 +18,10 @@ finds that prompt's tail too, and computes only its new token.
 A state group (a state-space model's layers: `MambaStateSpec`) gives each request one block, its
 state slot, from its first chunk to its end, whatever its length; the worker reads and writes the
 request's state there, and a request computing from position 0 starts from zeros in it. Such
-models run without the prefix cache (the engine turns it off).
+models run without the prefix cache (the engine turns it off). In a hybrid (state groups beside
+attention groups) the state slots are not blocks of the pool: they come from `StateSlots`, one per
+state group and request, while the attention groups draw blocks as any model's do; the pool's
+block counts (free, held, admission's bound) are the attention groups' alone.
 
 A request with a KV budget (`core/kv_eviction.py`) drops its oldest non-sink blocks at fixed
 points; its table then holds only the survivors, compacted, and its positions past the first
@@ -39,7 +42,7 @@ from __future__ import annotations
 from collections.abc import ItemsView
 
 from kvflow.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, hash_block
-from kvflow.core.block_pool import BlockPool
+from kvflow.core.block_pool import BlockPool, StateSlots
 from kvflow.core.kv_eviction import KVEviction
 from kvflow.core.request import Request
 
@@ -62,6 +65,9 @@ class KVCacheManager:
         if any(self.state_groups) and enable_caching:
             raise ValueError("a model with recurrent state runs without the prefix cache")
         self.pool = BlockPool(num_blocks, enable_caching)
+        # A hybrid's state slots, one allocator per state group (None: states are the pool's blocks).
+        hybrid = any(self.state_groups) and not all(self.state_groups)
+        self.state_slots = tuple(StateSlots() if hybrid and state else None for state in self.state_groups)
         self._block_tables: dict[str, BlockTables] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading full blocks already registered
         # Blocks a running request will compute but has not yet: a request with the same
@@ -91,8 +97,13 @@ class KVCacheManager:
         """The most blocks, over all groups, a request may hold at once while it caches
         `num_tokens` positions in chunks of at most `max_chunk` tokens."""
         full = self.blocks_needed(num_tokens)
-        return sum(1 if state else full if w is None else min(full, cdiv(w - 1 + max_chunk, self.block_size) + 1)
-                   for w, state in zip(self.sliding_windows, self.state_groups))
+        return sum(self._pool_blocks_of_state(g) if state else full if w is None
+                   else min(full, cdiv(w - 1 + max_chunk, self.block_size) + 1)
+                   for g, (w, state) in enumerate(zip(self.sliding_windows, self.state_groups)))
+
+    def _pool_blocks_of_state(self, group: int) -> int:
+        """Pool blocks a state group's slot takes: one, or none where its slots are apart (a hybrid)."""
+        return 0 if self.state_slots[group] is not None else 1
 
     def max_blocks_held_within(self, num_tokens: int, eviction: KVEviction) -> int:
         """The most blocks a request with a KV budget holds while it caches `num_tokens` positions:
@@ -122,11 +133,12 @@ class KVCacheManager:
     def resumable_blocks(self, request: Request) -> list[int]:
         """The blocks, over all groups in order, holding the KV that computing on from
         `num_computed_tokens` reads: what a swap saves and restores (a request with a KV budget is
-        recomputed instead, never swapped)."""
+        recomputed instead, never swapped; so is a hybrid, whose pool has no swap space: its state
+        slots are not blocks, and are not among these)."""
         tables, start = self.block_ids(request.request_id), request.num_computed_tokens
         end = self.blocks_needed(start)
-        return [b for w, state, table in zip(self.sliding_windows, self.state_groups, tables)
-                for b in (table if state else table[self._first_live(w, start):end])]
+        return [b for w, state, slots, table in zip(self.sliding_windows, self.state_groups, self.state_slots, tables)
+                if slots is None for b in (table if state else table[self._first_live(w, start):end])]
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
@@ -223,6 +235,8 @@ class KVCacheManager:
             first, offset = divmod(starts[g], self.block_size)
             missing = max(0, self._table_length(g, starts[g] + num_new)
                           - max(len(existing), self._first_live(window, starts[g])))
+            if self.state_slots[g] is not None:  # a slot of its own, never short: the pool is not asked
+                missing = 0
             copy = first < len(existing) and self._must_copy(existing[first], offset, held=first < len(table))
             need += missing + copy + sum(1 for b in hits if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
             plans.append(copy)
@@ -242,7 +256,8 @@ class KVCacheManager:
             table.extend([NULL_BLOCK] * (self._first_live(window, starts[g]) - len(table)))
             length = self._table_length(g, starts[g] + num_new)
             if length > len(table):
-                table.extend(self.pool.allocate(length - len(table)))
+                slots = self.state_slots[g]
+                table.extend([slots.allocate()] if slots is not None else self.pool.allocate(length - len(table)))
                 grew = True
         if grew:
             self._mark_in_flight(request, len(tables[0]))
@@ -327,7 +342,11 @@ class KVCacheManager:
         self._num_cached_blocks.pop(rid, None)
         for block_hash in [h for h, owner in self._in_flight.items() if owner == rid]:
             del self._in_flight[block_hash]
-        for table in tables or ():
+        for slots, table in zip(self.state_slots, tables or ()):
+            if slots is not None:
+                for slot in table:
+                    slots.release(slot)
+                continue
             # Tail first: a request's last blocks are the least likely to be shared, so reuse them first.
             self.pool.release([b for b in reversed(table) if b != NULL_BLOCK])
 

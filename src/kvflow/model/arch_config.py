@@ -40,6 +40,10 @@ FAMILY_DEFAULTS: Mapping[str, Mapping] = MappingProxyType({
     "mamba2": MappingProxyType(dict(  # Mamba2Config's defaults
         head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=256, expand=2, layer_norm_epsilon=1e-5,
         use_bias=False, use_conv_bias=True, hidden_act="silu", time_step_limit=(0.0, math.inf))),
+    "bamba": MappingProxyType(dict(  # BambaConfig's defaults for what its mixers read
+        mamba_n_heads=128, mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False, hidden_act="silu", rms_norm_eps=1e-5,
+        time_step_limit=(0.0, math.inf), max_position_embeddings=262_144, attn_layer_indices=())),
 })
 # A state-space model has no positions: its state is one size however long the request. The engine
 # still bounds a request (prompt + max_tokens) by max_model_len, this by default.
@@ -97,6 +101,8 @@ class ArchConfig:
     moe: MoEConfig | None = None
     num_kv_shared_layers: int = 0  # the last n layers read an earlier layer's KV (cross-layer sharing)
     recurrent_state: MambaStateSpec | None = None  # a state-space model's per-layer state (Mamba-2)
+    # With a recurrent state, the layers that attend instead (a hybrid: Bamba); the others keep the state.
+    attention_layers: tuple[int, ...] = ()
     # The engine's context when a model is built for one (`worker.rank_model`): the length that
     # longrope and dynamic RoPE scale for (`kvflow.model.layers.rotary`). None: max_position_embeddings.
     max_model_len: int | None = field(default=None, compare=False)
@@ -113,6 +119,8 @@ class ArchConfig:
         arch = (cfg.get("architectures") or [""])[0]  # "": the planner may read such a config, the engine not
         if cfg.get("model_type") == "mamba2":
             return cls._from_mamba2(cfg, arch)
+        if cfg.get("model_type") == "bamba":
+            return cls._from_bamba(cfg)
         heads = _get(cfg, "num_attention_heads")
         hidden = _get(cfg, "hidden_size")
         layers = _get(cfg, "num_hidden_layers")
@@ -150,9 +158,9 @@ class ArchConfig:
     def _from_mamba2(cls, cfg: Mapping, arch: str) -> ArchConfig:
         """Mamba-2: no attention; each layer keeps a state (the sizes kvflow.model.layers.mamba2_mixer
         reads from the same dict)."""
-        heads, head_dim, state = int(_get(cfg, "num_heads")), int(cfg["head_dim"]), int(cfg["state_size"])
+        spec = mamba_state_spec(cfg)
+        heads, head_dim = spec.num_heads, spec.head_dim
         inner = heads * head_dim
-        spec = MambaStateSpec(inner + 2 * int(cfg["n_groups"]) * state, int(cfg["conv_kernel"]), heads, head_dim, state)
         layers = int(_get(cfg, "num_hidden_layers"))
         return cls(architecture=arch, model_type="mamba2", vocab_size=_get(cfg, "vocab_size"),
                    hidden_size=_get(cfg, "hidden_size"), intermediate_size=inner, num_layers=layers, num_heads=heads,
@@ -161,6 +169,18 @@ class ArchConfig:
                    tie_word_embeddings=cfg.get("tie_word_embeddings", False), attention_bias=False,
                    sliding_windows=(None,) * layers, bos_token_id=cfg.get("bos_token_id"),
                    eos_token_ids=_eos_ids(cfg.get("eos_token_id")), recurrent_state=spec, hf=MappingProxyType(cfg))
+
+    @classmethod
+    def _from_bamba(cls, cfg: Mapping) -> ArchConfig:
+        """Bamba: a Llama decoder whose layers but `attn_layer_indices` run a Mamba-2 mixer instead of
+        attention (the mixer reads `bamba_mixer_config`, Mamba-2's names for its fields)."""
+        layers = int(_get(cfg, "num_hidden_layers"))
+        attention = tuple(sorted(int(i) for i in cfg["attn_layer_indices"] or ()))
+        if any(not 0 <= i < layers for i in attention):
+            raise ValueError(f"attn_layer_indices must lie in [0, num_hidden_layers={layers}); got {list(attention)}")
+        plain = cls.from_hf({k: v for k, v in cfg.items() if k != "model_type"})
+        return replace(plain, model_type="bamba", recurrent_state=mamba_state_spec(bamba_mixer_config(cfg)),
+                       attention_layers=attention, hf=MappingProxyType(cfg))
 
     @property
     def rope_serve_len(self) -> int:
@@ -175,7 +195,8 @@ class ArchConfig:
         """What each layer keeps in the KV cache. With `num_kv_shared_layers` = n the last n
         layers read the KV of the last earlier layer of the same kind (Gemma 3n's rule)."""
         if self.recurrent_state is not None:
-            return [self.recurrent_state] * self.num_layers
+            attention = FullAttentionSpec(self.num_kv_heads, self.head_dim)
+            return [attention if i in self.attention_layers else self.recurrent_state for i in range(self.num_layers)]
         if self.mla is not None:
             specs: list[KVCacheSpec] = [MLAAttentionSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)] * self.num_layers
         else:
@@ -188,6 +209,25 @@ class ArchConfig:
                 raise ValueError(f"layer {i} shares KV, but no earlier layer has its kind of attention")
             specs[i] = SharedKVSpec(same_kind[-1])
         return specs
+
+
+def mamba_state_spec(cfg: Mapping) -> MambaStateSpec:
+    """A Mamba-2 mixer's state, from its fields under Mamba-2's names (a config with its defaults)."""
+    heads, head_dim, state = int(_get(cfg, "num_heads")), int(cfg["head_dim"]), int(cfg["state_size"])
+    conv_dim = heads * head_dim + 2 * int(cfg["n_groups"]) * state
+    return MambaStateSpec(conv_dim, int(cfg["conv_kernel"]), heads, head_dim, state)
+
+
+def bamba_mixer_config(cfg: Mapping) -> dict:
+    """A Bamba config's mixer fields under Mamba-2's names (what MixerConfig.from_hf reads); `mamba_d_head`
+    "auto" is expand x hidden_size / heads, as BambaConfig resolves it."""
+    hidden, heads, expand = int(_get(cfg, "hidden_size")), int(cfg["mamba_n_heads"]), int(cfg["mamba_expand"])
+    head_dim = cfg["mamba_d_head"]
+    return dict(hidden_size=hidden, num_heads=heads, head_dim=expand * hidden // heads if head_dim == "auto" else int(head_dim),
+                state_size=cfg["mamba_d_state"], n_groups=cfg["mamba_n_groups"], conv_kernel=cfg["mamba_d_conv"],
+                chunk_size=cfg["mamba_chunk_size"], expand=expand, layer_norm_epsilon=cfg["rms_norm_eps"],
+                use_bias=cfg["mamba_proj_bias"], use_conv_bias=cfg["mamba_conv_bias"], hidden_act=cfg["hidden_act"],
+                time_step_limit=cfg["time_step_limit"])
 
 
 def _with_defaults(config: Mapping) -> dict:

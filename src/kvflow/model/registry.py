@@ -35,6 +35,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": Architecture("deepseek_v2", "DeepseekV3ForCausalLM"),
     "Mamba2ForCausalLM": Architecture("mamba2", "ServedMamba2ForCausalLM"),
+    "BambaForCausalLM": Architecture("bamba", "BambaForCausalLM"),
     "Idefics3ForConditionalGeneration": Architecture("idefics3", "Idefics3ForConditionalGeneration"),
 }
 

@@ -15,6 +15,13 @@ another layer's KV get that layer's tensor. Shapes:
   (kvflow.attention.kv_quant).
 
 Either way dimension 1 is the block, which is all block copies and swaps need to know.
+
+A recurrent state is `[1, slots, state_elements]`, float32. A model of state layers only keeps
+its states in the pool's blocks (a block is a state). A hybrid's state layers each get a tensor
+of their own, indexed by state slot (kv_cache_spec): it starts empty and the model grows it to the
+slots a step names (`kvflow.model.models.mamba2.state_rows`), which stay below max_num_seqs
+(`core.block_pool.StateSlots`); the budget sets max_num_seqs states aside before it counts the
+attention blocks (`pool_blocks`), so the growth never takes memory the budget gave to blocks.
 """
 
 from __future__ import annotations
@@ -60,23 +67,25 @@ MEMORY_HEADROOM_BYTES = 1024**3
 
 
 def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_useful_blocks: int,
-                  available_bytes: int | None = None) -> int:
+                  available_bytes: int | None = None, state_bytes: int = 0) -> int:
     """Blocks of `block_bytes` that fit in the memory budget, but never more than
     `max_useful_blocks` (what max_num_seqs requests of max_model_len tokens could ever hold), nor
     more than the memory measured free (`available_bytes`, after the model is loaded) less
-    `MEMORY_HEADROOM_BYTES`."""
+    `MEMORY_HEADROOM_BYTES`. `state_bytes`: what a hybrid's state slots take of the budget first."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     budget = int(cache.kv_cache_memory_gb * 1024**3)
+    beside = f" beside max_num_seqs requests' states ({state_bytes} bytes)" if state_bytes else ""
     if available_bytes is not None and available_bytes - MEMORY_HEADROOM_BYTES < budget:
         budget = available_bytes - MEMORY_HEADROOM_BYTES
-        if budget < block_bytes:
+        if budget < block_bytes + state_bytes:
             raise ValueError(f"kv_cache_memory_gb={cache.kv_cache_memory_gb}: only {available_bytes / 1024**3:.2f} GiB "
                              f"is free after loading the model, less than {MEMORY_HEADROOM_BYTES / 1024**3:.0f} GiB "
-                             f"of headroom plus one KV block of {block_bytes} bytes")
-    blocks = budget // block_bytes
+                             f"of headroom plus one KV block of {block_bytes} bytes{beside}")
+    blocks = (budget - state_bytes) // block_bytes
     if blocks < 1:
-        raise ValueError(f"kv_cache_memory_gb={cache.kv_cache_memory_gb} holds no KV block of {block_bytes} bytes")
+        raise ValueError(f"kv_cache_memory_gb={cache.kv_cache_memory_gb} holds no KV block of {block_bytes} "
+                         f"bytes{beside}")
     return min(blocks, max_useful_blocks)
 
 
@@ -85,11 +94,18 @@ def pool_blocks(cache: CacheConfig, layout: KVLayout, dtype_bytes: int, max_mode
     """(device blocks, host blocks for swapping) of a pool laid out by `layout` (for `layers` only,
     on a pipeline stage): the budget, capped by what max_num_seqs requests of max_model_len tokens
     could hold in every group and by `available_bytes` (`num_kv_blocks`). `side_bytes`: what each
-    device block costs beside its KV (sparse decode's key summaries); host blocks hold KV only."""
+    device block costs beside its KV (sparse decode's key summaries); host blocks hold KV only.
+    A hybrid's max_num_seqs states come out of the budget first; it has no swap space (its state
+    slots are not blocks a swap could copy), so preemption_mode='swap' is refused."""
     block_bytes = layout.block_bytes(cache.block_size, dtype_bytes, cache.cache_dtype, layers)
-    per_request = 1 if layout.holds_state else -(-max_model_len // cache.block_size)  # a state is one block
-    useful = per_request * max_num_seqs * len(layout.groups)
-    return (num_kv_blocks(cache, block_bytes + side_bytes, useful, available_bytes),
+    if layout.hybrid and cache.swap_space_gb > 0:
+        raise ValueError("preemption_mode='swap': a model with both recurrent-state and attention layers (a hybrid) "
+                         "keeps its states apart from the KV blocks a swap copies; use preemption_mode='recompute'")
+    only_states = layout.holds_state and not layout.hybrid
+    per_request = 1 if only_states else -(-max_model_len // cache.block_size)  # a state is one block
+    useful = per_request * max_num_seqs * len(layout.pool_groups())
+    states = max_num_seqs * layout.state_bytes(layers)
+    return (num_kv_blocks(cache, block_bytes + side_bytes, useful, available_bytes, states),
             int(cache.swap_space_gb * 1024**3) // block_bytes)
 
 
@@ -143,7 +159,7 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     (`Worker.start_populate`: ahead of its steps, or gated)."""
     codes = kv_quant.storage_dtype(kv_cache_dtype)
     quantized = codes is not None
-    first = layout.groups[0].spec
+    first = layout.groups[layout.pool_groups()[0]].spec
     held = range(layout.group_size) if layers is None else layout.slots(layers)
     if isinstance(first, MambaStateSpec):
         codes = torch.float32
@@ -153,8 +169,14 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     # per thread.start() while the earlier ones held both cores (3.2 s of a 5.5 s start).
     if populate:
         populate_in_background(list(pool.values()), idle)
-    return [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
-            if layers is None or i in layers else None for i, (group, slot) in enumerate(layout.places)]
+    caches = [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
+              if (layers is None or i in layers) and i not in layout.state_layers else None
+              for i, (group, slot) in enumerate(layout.places)]
+    for i in layout.state_layers:  # a hybrid's: empty until the model grows them to the slots in use
+        if layers is None or i in layers:
+            spec = layout.groups[layout.places[i][0]].spec
+            caches[i] = torch.zeros(kv_cache_shape(spec, 0, block_size, quantized), dtype=torch.float32, device=device)
+    return caches
 
 
 def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

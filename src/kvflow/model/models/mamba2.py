@@ -18,12 +18,13 @@ docstring says why it does not shard).
 
 The engine serves it as `ServedMamba2ForCausalLM`: each request's states live in its block of the
 pool's state group (kv_cache_spec.MambaStateSpec), read before the step and written after it.
+`PooledStates` is that reading and writing, for any model with Mamba-2 mixers (Bamba's too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -84,7 +85,7 @@ class Mamba2Backbone(nn.Module):
 class Mamba2ForCausalLM(nn.Module):
     def __init__(self, cfg: Mamba2Config, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
-        _refuse_parallel()
+        refuse_parallel()
         self.config = cfg
         self.backbone = Mamba2Backbone(cfg, quant_config)
         self.lm_head = (self.backbone.embeddings if cfg.tie_word_embeddings
@@ -153,49 +154,16 @@ class Mamba2ForCausalLM(nn.Module):
 class ServedMamba2ForCausalLM(nn.Module):
     """Mamba2ForCausalLM as the engine runs a model: `forward(input_ids, positions, kv_caches, attn)`.
     Request r's states are in block `attn[0].block_tables[r, 0]` of every layer's pool tensor
-    [1, blocks, elements], float32: the convolution's inputs [conv_dim, conv_kernel], then the
-    scan state [heads, head_dim, state_size]. A request computing from position 0 (its chunk is
-    its whole sequence so far) starts from zeros, whatever its block held before. Positions are
-    not read: the state is all the model knows of the past."""
+    (`PooledStates`). Positions are not read: the state is all the model knows of the past."""
 
     def __init__(self, arch: ArchConfig, backend=None, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.mamba = Mamba2ForCausalLM(Mamba2Config.from_hf(arch.hf), quant_config)
-        self.conv_elements = arch.recurrent_state.conv_dim * arch.recurrent_state.conv_kernel
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn: tuple[AttentionMetadata, ...]) -> torch.Tensor:
-        """Each layer reads the step's states from the pool (one gather), runs its mixer and writes
-        them back. A step of one token per request steps the states stacked, in place (no state
-        object per request); one with prompt chunks hands the mixer a state per request."""
-        meta = attn[0]
-        slots = meta.block_tables[:, 0]
-        fresh = [r for r, (q, n) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)) if q == n]
-        decode = all(n == 1 for n in meta.query_lens_cpu)
-
-        def mix(i: int, mixer: Mamba2Mixer, normed: torch.Tensor) -> torch.Tensor:
-            cache = kv_caches[i][0]
-            rows = cache[slots]  # the step's copy: the scan states below are views of it
-            if fresh:
-                rows[fresh] = 0.0
-            conv, ssm = self._split(rows)
-            if decode:
-                out, conv, _ = mixer.decode_stacked(normed, conv, ssm)  # ssm stepped in place
-            else:
-                out, states = mixer(normed, [MambaState(c, h) for c, h in zip(conv, ssm)], meta.query_lens_cpu)
-                conv, ssm[:] = torch.stack([s.conv for s in states]), torch.stack([s.ssm for s in states])
-            rows[:, :self.conv_elements] = conv.flatten(1)
-            cache[slots] = rows
-            return out
-        return self.mamba.run_layers(input_ids, mix)
-
-    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool rows [R, elements] → (conv inputs [R, conv_dim, K] in the model's dtype, the scan
-        states [R, heads, head_dim, state_size]: a view of `rows`)."""
-        mixer, dtype = self.mamba.config.mixer, self.mamba.backbone.norm_f.weight.dtype
-        requests = rows.shape[0]
-        conv = rows[:, :self.conv_elements].view(requests, mixer.conv_dim, mixer.conv_kernel).to(dtype)
-        return conv, rows[:, self.conv_elements:].view(requests, mixer.num_heads, mixer.head_dim, mixer.state_size)
+        states = PooledStates.of_step(attn[0])
+        return self.mamba.run_layers(input_ids, lambda i, mixer, normed: states.mix(mixer, normed, kv_caches[i]))
 
     def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
         return self.mamba.compute_logits(hidden, widen)
@@ -207,11 +175,78 @@ class ServedMamba2ForCausalLM(nn.Module):
         """One stage only: Mamba2ForCausalLM refuses more when built."""
 
 
-def _refuse_parallel() -> None:
+def refuse_parallel(architecture: str = "Mamba2ForCausalLM") -> None:
+    """A model with Mamba-2 mixers runs on one rank and one pipeline stage (the mixer's docstring
+    says why it does not shard)."""
     tp, stage = current_tensor_parallel(), current_pipeline_stage()
     if tp.size > 1:
-        raise ValueError(f"Mamba2ForCausalLM runs on one rank: tensor_parallel_size={tp.size} would split in_proj's "
-                         "interleaved per-head and per-group outputs, which it does not shard; use tensor_parallel_size=1")
+        raise ValueError(f"{architecture} runs on one rank: tensor_parallel_size={tp.size} would split its Mamba-2 "
+                         "mixers' in_proj, whose interleaved per-head and per-group outputs it does not shard; use "
+                         "tensor_parallel_size=1")
     if stage.size > 1:
-        raise ValueError(f"Mamba2ForCausalLM runs as one pipeline stage: pipeline_parallel_size={stage.size} "
+        raise ValueError(f"{architecture} runs as one pipeline stage: pipeline_parallel_size={stage.size} "
                          "is not supported for it; use pipeline_parallel_size=1")
+
+
+# A hybrid's state tensors grow by this many slots at a time: few reallocations as requests ramp up,
+# little past the slots in use.
+STATE_ROWS_STEP = 16
+
+
+@dataclass(frozen=True)
+class PooledStates:
+    """One step's requests' states in the pool: request r's are in slot `slots[r]` (its state
+    group's table, `block_tables[r, 0]`) of each state layer's tensor [1, slots, elements], float32:
+    the convolution's inputs [conv_dim, conv_kernel], then the scan state [heads, head_dim,
+    state_size]. A request computing from position 0 (its chunk is its whole sequence so far)
+    starts from zeros, whatever its slot held before."""
+
+    slots: torch.Tensor
+    fresh: list[int]  # requests starting from zeros
+    query_lens: list[int]
+    decode: bool  # one token per request: the states stepped stacked, in place
+    highest_slot: int | None = field(default=None, compare=False)  # with `grows`: the step's largest slot
+
+    @classmethod
+    def of_step(cls, meta: AttentionMetadata, grows: bool = False) -> PooledStates:
+        """`grows`: the state tensors are a hybrid's, grown to the slots a step names (`mix`)."""
+        slots = meta.block_tables[:, 0]
+        fresh = [r for r, (q, n) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)) if q == n]
+        return cls(slots, fresh, meta.query_lens_cpu, all(n == 1 for n in meta.query_lens_cpu),
+                   int(slots.max()) if grows else None)
+
+    def mix(self, mixer: Mamba2Mixer, normed: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """Run `mixer` over the step's rows `normed` from the states in `cache`, and write the new
+        states back. A decode step steps them stacked, in place (no state object per request); one
+        with prompt chunks hands the mixer a state per request."""
+        if self.highest_slot is not None:
+            state_rows(cache, self.highest_slot + 1)
+        pool = cache[0]
+        rows = pool[self.slots]  # the step's copy: the scan states below are views of it
+        if self.fresh:
+            rows[self.fresh] = 0.0
+        conv, ssm = _split(mixer.cfg, rows, normed.dtype)
+        if self.decode:
+            out, conv, _ = mixer.decode_stacked(normed, conv, ssm)  # ssm stepped in place
+        else:
+            out, states = mixer(normed, [MambaState(c, h) for c, h in zip(conv, ssm)], self.query_lens)
+            conv, ssm[:] = torch.stack([s.conv for s in states]), torch.stack([s.ssm for s in states])
+        rows[:, :mixer.cfg.conv_dim * mixer.cfg.conv_kernel] = conv.flatten(1)
+        pool[self.slots] = rows
+        return out
+
+
+def state_rows(cache: torch.Tensor, rows: int) -> None:
+    """Grow a hybrid's state tensor [1, slots, elements] in place to hold at least `rows` slots (in
+    steps of STATE_ROWS_STEP); the slots it had keep their states, new ones are never read before a
+    request starting from zeros writes them."""
+    if cache.shape[1] < rows:
+        cache.resize_(1, -(-rows // STATE_ROWS_STEP) * STATE_ROWS_STEP, cache.shape[2])
+
+
+def _split(cfg: MixerConfig, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool rows [R, elements] → (conv inputs [R, conv_dim, K] in the model's `dtype`, the scan
+    states [R, heads, head_dim, state_size]: a view of `rows`)."""
+    requests, conv_elements = rows.shape[0], cfg.conv_dim * cfg.conv_kernel
+    conv = rows[:, :conv_elements].view(requests, cfg.conv_dim, cfg.conv_kernel).to(dtype)
+    return conv, rows[:, conv_elements:].view(requests, cfg.num_heads, cfg.head_dim, cfg.state_size)
