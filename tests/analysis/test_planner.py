@@ -596,4 +596,23 @@ def test_kvflow_plan_runs_from_the_command_line(capsys):
     config = json.loads((MAMBA2_130M / "config.json").read_text())
     state = ModelSpec.from_hf_config(config).kv_bytes_for_context(1)
     twin = 2 * config["num_hidden_layers"] * config["hidden_size"] * 2  # K and V of every channel, bf16
-    assert "no attention" in out and "whatever its length" in out and f"reaches it at {state // twin:,} tokens" in out
+    assert "no attention" in out and "whatever its length" in out and f"from {state // twin + 1:,} tokens" in out
+
+
+def test_kvflow_plan_prints_a_hybrids_states_beside_its_kv(tmp_path, capsys):
+    """A hybrid (Bamba) holds its mixers' states plus its attention layers' KV; it beats the model
+    with attention in every layer from the context where the KV it spares outweighs the states."""
+    from tiny_hybrid_models import _BAMBA
+
+    from kvflow.entrypoints.cli import main
+
+    config = {**_BAMBA, "architectures": ["BambaForCausalLM"], "model_type": "bamba"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--model", str(tmp_path), "--context-len", "1000"]) == 0
+    out = capsys.readouterr().out
+    spec = ModelSpec.from_hf_config(config)
+    states, per_token = spec.state_bytes_per_request(), spec.kv_bytes_per_token()
+    spared = spec.attention_twin().kv_bytes_per_token() - per_token
+    assert f"{states / 1e6:,.1f} MB of states" in out and f"{per_token / 1024:,.1f} KiB/token" in out
+    assert f"{(states + 1000 * per_token) / 1e6:,.1f} MB per 1000-token request" in out
+    assert f"from {states // spared + 1:,} tokens" in out

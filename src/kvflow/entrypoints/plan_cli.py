@@ -185,16 +185,19 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _memory_line(r: PlanResult) -> str:
-    """What a request holds: KV growing per token, or (a state-space model) one state whatever its
-    length, with the context at which an attention model's KV of the same bytes per token as the
-    dense twin's (its hidden size, heads of 64) would reach it."""
+    """What a request holds: KV growing per token; or (a model with recurrent state) its states,
+    whatever its length, beside its attention layers' KV where it has some, and the context from
+    which that is less than its attention twin's KV (`ModelSpec.attention_twin`)."""
     m = r.model
+    kv = f"{r.kv_bytes_per_token / 1024:,.1f} KiB/token ({_kv_storage(r)})"
+    per_request = f"{r.kv_bytes_per_sequence / 1e6:,.1f} MB per {r.context_len}-token request"
     if m.ssm is None:
-        return (f"KV cache  {r.kv_bytes_per_token / 1024:,.1f} KiB/token ({_kv_storage(r)}); "
-                f"{r.kv_bytes_per_sequence / 1e6:,.1f} MB per {r.context_len}-token request")
-    twin = 2 * m.num_layers * m.hidden_size * dtype_bits(r.dtype) // 8  # K and V of every channel, every layer
-    return (f"state     {r.kv_bytes_per_sequence / 1e6:,.1f} MB per request (float32), whatever its length; "
-            f"an attention twin's KV ({twin / 1024:,.1f} KiB/token) reaches it at {r.kv_bytes_per_sequence // twin:,} tokens")
+        return f"KV cache  {kv}; {per_request}"
+    twin = m.attention_twin().kv_bytes_per_token(r.dtype, r.kv_cache_dtype)
+    held = (f"{m.state_bytes_per_request() / 1e6:,.1f} MB of states (float32) + {kv} of KV; {per_request}"
+            if m.hybrid else f"{r.kv_bytes_per_sequence / 1e6:,.1f} MB per request (float32), whatever its length")
+    return (f"state     {held}; less than an attention twin's ({twin / 1024:,.1f} KiB/token) from "
+            f"{m.state_crossover_tokens(r.dtype, r.kv_cache_dtype):,} tokens")
 
 
 def _summary(r: PlanResult) -> list[str]:
