@@ -124,6 +124,24 @@ def test_sliding_window_groups_and_given_back_blocks_are_counted_exactly(model_d
     assert any(s[SHARED] for s in seen)
 
 
+def test_a_hybrids_state_slots_are_not_shown_as_blocks(tmp_path):
+    """A hybrid's (Bamba's) state-group tables hold state slots, not blocks of the pool: the grid
+    shows the attention blocks alone, every one of them accounted for."""
+    from tiny_hybrid_models import make_tiny_bamba
+
+    make_tiny_bamba("bamba-g1", tmp_path)
+    engine = _engine(tmp_path, enable_prefix_caching=False)
+    for i in range(3):
+        engine.add_request(str(i), _tokens(9 + i, i), _params(4))
+    engine.step()
+    snapshot = take_snapshot(engine.scheduler, engine.get_stats(), None, 1)
+    grid = derive_grid(snapshot)
+    held = {b for _, groups in snapshot.holders for table in groups for b in table if b != NULL_BLOCK}
+    assert grid.unaccounted == []
+    assert grid.count(HELD) + grid.count(SHARED) == len(held) == engine.scheduler.kv_cache.pool.num_blocks - \
+        engine.scheduler.kv_cache.pool.num_free_blocks > 0
+
+
 def test_a_grid_that_miscounted_sharing_would_be_caught(model_dirs):
     """The checks above compare against the pool, not against the snapshot's own arithmetic."""
     engine = _engine(model_dirs["llama-mha-tied"])

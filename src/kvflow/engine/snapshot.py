@@ -148,7 +148,8 @@ def take_snapshot(scheduler: Scheduler, stats: EngineStats, steps: StepLog | Non
         sliding_windows=kv.sliding_windows, budget=scheduler.config.max_num_batched_tokens,
         max_num_seqs=scheduler.config.max_num_seqs, ref_counts=pool.ref_counts.copy(),
         cached_blocks=list(pool.cached.values()),
-        holders=tuple((rid, tuple(map(tuple, tables))) for rid, tables in kv.all_block_tables()),
+        holders=tuple((rid, tuple(tuple(t) if slots is None else () for t, slots in zip(tables, kv.state_slots)))
+                      for rid, tables in kv.all_block_tables()),  # a hybrid's state slots are not blocks
         running=tuple(map(_view, scheduler.running)),
         queued=tuple(map(_view, itertools.islice(not_running, MAX_QUEUED_SHOWN))),
         num_queued=scheduler.num_waiting, stats=stats, steps=tuple(steps.records) if steps is not None else ())

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvflow.analysis.hardware import Hardware, get_hardware
-from kvflow.analysis.model_spec import DEFAULT_MODEL, dtype_bits, resolve_model
+from kvflow.analysis.model_spec import DEFAULT_MODEL, resolve_model
 from kvflow.analysis.planner import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_CONTEXT_LEN,
