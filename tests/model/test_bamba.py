@@ -122,9 +122,11 @@ def test_layout_keeps_the_states_apart_from_the_block_pool():
     assert layout.block_bytes(16, 4) == 2 * 16 * (2 * 2 * 16) * 4  # 2 layers x 16 tokens x K,V of 2 heads of 16
     state = layout.groups[1].spec.state_elements * STATE_BYTES
     assert layout.state_bytes() == 2 * state and layout.state_bytes(range(1, 4)) == state
-    caches = allocate_kv_caches(layout, 5, 16, torch.float32, "cpu", populate=False)
+    caches = allocate_kv_caches(layout, 5, 16, torch.float32, "cpu", populate=False, num_state_slots=3)
     assert caches[1].shape[1] == caches[3].shape[1] == 5 and caches[1].data_ptr() != caches[3].data_ptr()
-    assert caches[0].shape == caches[2].shape == (1, 0, layout.groups[1].spec.state_elements)
+    assert caches[0].shape == caches[2].shape == (1, 3, layout.groups[1].spec.state_elements)
+    with pytest.raises(ValueError, match="num_state_slots"):
+        allocate_kv_caches(layout, 5, 16, torch.float32, "cpu", populate=False)
 
 
 def test_the_budget_sets_max_num_seqs_states_aside_before_the_blocks():

@@ -18,10 +18,9 @@ Either way dimension 1 is the block, which is all block copies and swaps need to
 
 A recurrent state is `[1, slots, state_elements]`, float32. A model of state layers only keeps
 its states in the pool's blocks (a block is a state). A hybrid's state layers each get a tensor
-of their own, indexed by state slot (kv_cache_spec): it starts empty and the model grows it to the
-slots a step names (`kvflow.model.models.mamba2.state_rows`), which stay below max_num_seqs
-(`core.block_pool.StateSlots`); the budget sets max_num_seqs states aside before it counts the
-attention blocks (`pool_blocks`), so the growth never takes memory the budget gave to blocks.
+of their own, indexed by state slot (kv_cache_spec): [1, max_num_seqs, elements], since slots stay
+below max_num_seqs (`core.block_pool.StateSlots`); the budget sets those states aside before it
+counts the attention blocks (`pool_blocks`).
 """
 
 from __future__ import annotations
@@ -150,13 +149,17 @@ def available_memory_bytes(device: torch.device) -> int | None:
 
 def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype, device,
                        kv_cache_dtype: str = "auto", populate: bool = True,
-                       idle: IdleGate | None = None, layers: range | None = None) -> list[torch.Tensor | None]:
+                       idle: IdleGate | None = None, layers: range | None = None,
+                       num_state_slots: int = 0) -> list[torch.Tensor | None]:
     """One cache per layer (views of the G pool tensors; sharing layers get their target's).
     `layers`: a pipeline stage's; only their pool tensors are allocated, other layers get None.
     `dtype`: the model's, which "auto" keeps; fp8/int8 store codes of that dtype plus scales.
     `populate`: map every page in on a background thread (`populate_in_background`), waiting on
     `idle` (the worker's gate) where one is given. The worker passes False and starts its own
-    (`Worker.start_populate`: ahead of its steps, or gated)."""
+    (`Worker.start_populate`: ahead of its steps, or gated). `num_state_slots`: the rows of a
+    hybrid's state tensors (max_num_seqs; a model without state slots ignores it)."""
+    if layout.state_layers and num_state_slots < 1:
+        raise ValueError("a hybrid model's state tensors need num_state_slots (max_num_seqs) rows")
     codes = kv_quant.storage_dtype(kv_cache_dtype)
     quantized = codes is not None
     first = layout.groups[layout.pool_groups()[0]].spec
@@ -172,10 +175,11 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     caches = [pool[slot].view(kv_cache_shape(layout.groups[group].spec, num_blocks, block_size, quantized))
               if (layers is None or i in layers) and i not in layout.state_layers else None
               for i, (group, slot) in enumerate(layout.places)]
-    for i in layout.state_layers:  # a hybrid's: empty until the model grows them to the slots in use
+    for i in layout.state_layers:  # a hybrid's: a row per state slot
         if layers is None or i in layers:
             spec = layout.groups[layout.places[i][0]].spec
-            caches[i] = torch.zeros(kv_cache_shape(spec, 0, block_size, quantized), dtype=torch.float32, device=device)
+            caches[i] = torch.zeros(kv_cache_shape(spec, num_state_slots, block_size, quantized), dtype=torch.float32,
+                                    device=device)
     return caches
 
 

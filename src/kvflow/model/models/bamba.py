@@ -100,7 +100,7 @@ class BambaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta) -> torch.Tensor:
-        states = PooledStates.of_step(meta[self.state_group], grows=True)
+        states = PooledStates.of_step(meta[self.state_group])
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions)
         for layer, cache in zip(self.layers, kv_caches):

@@ -24,7 +24,7 @@ pool's state group (kv_cache_spec.MambaStateSpec), read before the step and writ
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -188,11 +188,6 @@ def refuse_parallel(architecture: str = "Mamba2ForCausalLM") -> None:
                          "is not supported for it; use pipeline_parallel_size=1")
 
 
-# A hybrid's state tensors grow by this many slots at a time: few reallocations as requests ramp up,
-# little past the slots in use.
-STATE_ROWS_STEP = 16
-
-
 @dataclass(frozen=True)
 class PooledStates:
     """One step's requests' states in the pool: request r's are in slot `slots[r]` (its state
@@ -205,22 +200,17 @@ class PooledStates:
     fresh: list[int]  # requests starting from zeros
     query_lens: list[int]
     decode: bool  # one token per request: the states stepped stacked, in place
-    highest_slot: int | None = field(default=None, compare=False)  # with `grows`: the step's largest slot
 
     @classmethod
-    def of_step(cls, meta: AttentionMetadata, grows: bool = False) -> PooledStates:
-        """`grows`: the state tensors are a hybrid's, grown to the slots a step names (`mix`)."""
+    def of_step(cls, meta: AttentionMetadata) -> PooledStates:
         slots = meta.block_tables[:, 0]
         fresh = [r for r, (q, n) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)) if q == n]
-        return cls(slots, fresh, meta.query_lens_cpu, all(n == 1 for n in meta.query_lens_cpu),
-                   int(slots.max()) if grows else None)
+        return cls(slots, fresh, meta.query_lens_cpu, all(n == 1 for n in meta.query_lens_cpu))
 
     def mix(self, mixer: Mamba2Mixer, normed: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """Run `mixer` over the step's rows `normed` from the states in `cache`, and write the new
         states back. A decode step steps them stacked, in place (no state object per request); one
         with prompt chunks hands the mixer a state per request."""
-        if self.highest_slot is not None:
-            state_rows(cache, self.highest_slot + 1)
         pool = cache[0]
         rows = pool[self.slots]  # the step's copy: the scan states below are views of it
         if self.fresh:
@@ -234,14 +224,6 @@ class PooledStates:
         rows[:, :mixer.cfg.conv_dim * mixer.cfg.conv_kernel] = conv.flatten(1)
         pool[self.slots] = rows
         return out
-
-
-def state_rows(cache: torch.Tensor, rows: int) -> None:
-    """Grow a hybrid's state tensor [1, slots, elements] in place to hold at least `rows` slots (in
-    steps of STATE_ROWS_STEP); the slots it had keep their states, new ones are never read before a
-    request starting from zeros writes them."""
-    if cache.shape[1] < rows:
-        cache.resize_(1, -(-rows // STATE_ROWS_STEP) * STATE_ROWS_STEP, cache.shape[2])
 
 
 def _split(cfg: MixerConfig, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
