@@ -17,7 +17,7 @@ import torch
 from kvflow.core.kv_eviction import POLICIES as KV_EVICTION_POLICIES
 from kvflow.core.kv_eviction import KVEviction
 from kvflow.kv_cache_spec import KV_CACHE_DTYPE_CHOICES, QUANTIZED_KV_CACHE_DTYPES
-from kvflow.kv_transfer_config import KVTransferConfig
+from kvflow.kv_transfer_config import KVOffloadConfig, KVTransferConfig
 from kvflow.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -132,6 +132,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None  # None: no KV moves between engines
+    kv_offload: KVOffloadConfig | None = None  # None: no KV offloading tiers
     batch_invariant: bool = False  # model.layers.batch_invariant
     kernels: KernelConfig = KernelConfig()
 
@@ -193,6 +194,12 @@ class EngineArgs:
     node_rank: int = 0
     distributed_timeout_s: float = 60.0
     kv_transfer_config: dict | str | None = None  # {"kv_connector": "SharedStorageConnector", "kv_role": ...}
+    # KV offloading (kvflow.kv_store.tiered): vLLM's --kv-offloading-size (GiB of host memory), then
+    # LMCache's tiers below it: a local disk directory and its bound, and a shared store (remote_url).
+    kv_offloading_size: float | None = None
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float = 16.0
+    kv_offloading_remote_url: str | None = None
     data_parallel_size: int = 1  # replicas, one process each, behind one server
     # vLLM's compilation_config custom_ops, whole: "all" (kvflow's fused RMSNorm, RoPE and SiLU·up
     # kernels) or "none" (their torch code, the reference they are tested against; KernelConfig).
@@ -276,6 +283,7 @@ class EngineArgs:
                  "structured_outputs_backend", "auto, guidance or xgrammar")
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds")
         kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        kv_offload = self._kv_offload(kv_transfer)
         self._check_kv_eviction()
         if self.enable_lora and self.quantization in ("w4a8", "w4a4") and self.quantization_rotation:
             raise ValueError(f"enable_lora: adapters add to the residual stream as trained, and quantization="
@@ -333,11 +341,31 @@ class EngineArgs:
                                     self.distributed_timeout_s, self.data_parallel_size, self.pipeline_parallel_size),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             kv_transfer=kv_transfer,
+            kv_offload=kv_offload,
             batch_invariant=self.batch_invariant,
             # The CPU decode step calls the dense kernel itself: sparse decode runs through the modules.
             kernels=KernelConfig(self.custom_ops == "all", not self.enforce_eager and self.sparse_decode_blocks is None,
                                  self.cpu_weight_layouts, self.sparse_decode_blocks),
         )
+
+    def _kv_offload(self, kv_transfer: KVTransferConfig | None) -> KVOffloadConfig | None:
+        """The offloading tiers the arguments ask for; what they do not compose with refused by name."""
+        offload = KVOffloadConfig.from_args(self.kv_offloading_size, self.kv_offloading_disk_path,
+                                            self.kv_offloading_disk_size, self.kv_offloading_remote_url)
+        if offload is None:
+            return None
+        reasons = {
+            "kv_transfer_config": (kv_transfer is not None, "an engine has one KV connector; a kv_consumer deletes "
+                                   "the blocks its requests used, offloading keeps every block for later requests"),
+            "enable_prefix_caching": (not self.enable_prefix_caching, "offloaded blocks are found by the prefix "
+                                      "cache's block hashes; turn prefix caching on"),
+            "sparse_decode_blocks": (self.sparse_decode_blocks is not None, "loaded blocks would need their key "
+                                     "summaries remade, which the runner does only for its own loads"),
+        }
+        for name, (asked, why) in reasons.items():
+            if asked:
+                raise ValueError(f"kv_offloading_size with {name}: {why}")
+        return offload
 
     def _check_kv_eviction(self) -> None:
         """The eviction default is one that runs; what it composes with is the engine's to check
@@ -440,6 +468,17 @@ class EngineArgs:
                             '"kv_role": "kv_producer"}\' (roles: kv_producer, kv_consumer, kv_both; '
                             'across hosts: "RedisStoreConnector" '
                             'with "kv_connector_extra_config": {"kv_store_url": "redis://HOST:PORT"}, a Redis server)')
+        g.add_argument("--kv-offloading-size", type=float, default=None,
+                       help="KV offloading (vLLM's flag): GiB of host memory that keeps every computed KV block after "
+                            "the pool lets it go; a later prompt with that prefix loads it instead of computing it")
+        g.add_argument("--kv-offloading-disk-path", default=None,
+                       help="a local directory below the host tier (LMCache's local_disk): blocks host memory evicts "
+                            "go there")
+        g.add_argument("--kv-offloading-disk-size", type=float, default=d.kv_offloading_disk_size,
+                       help="GiB the disk tier may hold (LMCache's max_local_disk_size)")
+        g.add_argument("--kv-offloading-remote-url", default=None,
+                       help="the last tier (LMCache's remote_url): redis://[:password@]host:port[/db], or the absolute "
+                            "path of a directory engines share")
         g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                        help="serve from N engine replicas, one process each, behind one router (kvflow serve)")
         g.add_argument("--custom-ops", default=d.custom_ops, choices=CUSTOM_OPS,
@@ -487,6 +526,8 @@ def _check_pipeline_parallel(args: EngineArgs) -> None:
         "enable_lora": (args.enable_lora, "adapters are not split over stages yet"),
         "kv_transfer_config": (args.kv_transfer_config is not None, "the connector saves and loads every layer's KV "
                                "on one rank; a stage holds only its layers'"),
+        "kv_offloading_size": (args.kv_offloading_size is not None, "the offloading connector saves and loads every "
+                               "layer's KV on one rank; a stage holds only its layers'"),
         "data_parallel_size": (args.data_parallel_size > 1, "replicas of a pipeline are not built yet"),
     }
     for name, (asked, why) in reasons.items():

@@ -105,14 +105,61 @@ def _check_extra(connector: str, extra: object) -> None:
         check_redis_url(extra["kv_store_url"])
 
 
-def check_redis_url(url: str) -> None:
-    """`redis://[:password@]host:port[/db]` (rediss:// for TLS); ValueError naming kv_store_url otherwise."""
+def check_redis_url(url: str, name: str = "kv_store_url") -> None:
+    """`redis://[:password@]host:port[/db]` (rediss:// for TLS); ValueError naming `name` otherwise."""
     form = "redis://[:password@]host:port[/db] (a Redis server)"
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as e:
-        raise ValueError(f"kv_store_url {url!r} is not {form}: {e}") from None
+        raise ValueError(f"{name} {url!r} is not {form}: {e}") from None
     db = parts.path.strip("/")
     if parts.scheme not in ("redis", "rediss") or not parts.hostname or port is None or not (db == "" or db.isdigit()):
-        raise ValueError(f"kv_store_url must be {form}; got {url!r}")
+        raise ValueError(f"{name} must be {form}; got {url!r}")
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """KV offloading (`--kv-offloading-size` and its tiers): every full block a request computes is
+    also kept in host memory, then on a local disk, then in a shared store, and a later prompt with
+    that prefix loads it back instead of computing it (`kvflow.kv_store.tiered`)."""
+
+    host_bytes: int  # the host-memory tier's bound (vLLM's --kv-offloading-size, in GiB there)
+    disk_path: str | None = None  # the local disk tier's directory (LMCache's local_disk)
+    disk_bytes: int = 0  # its bound (LMCache's max_local_disk_size)
+    remote_url: str | None = None  # the shared tier: redis://host:port[/db], or a shared directory's path
+    remote_timeout_s: float = DEFAULT_KV_STORE_TIMEOUT_S
+    # The backstop for a load: every tier bounds its own calls (Redis by remote_timeout_s), but a
+    # load also waits behind the saves queued before it; past this it fails and its request
+    # computes its prompt.
+    load_timeout_s: float = 30.0
+    # Set by the engine, not the user: what its blocks' bytes depend on (kvflow.kv_store.namespaced).
+    namespace: str = ""
+
+    def with_namespace(self, engine_namespace: str) -> KVOffloadConfig:
+        return replace(self, namespace=engine_namespace)
+
+    @property
+    def remote_is_redis(self) -> bool:
+        return self.remote_url is not None and self.remote_url.startswith(("redis://", "rediss://"))
+
+    @classmethod
+    def from_args(cls, size_gib: float | None, disk_path: str | None, disk_size_gib: float,
+                  remote_url: str | None) -> KVOffloadConfig | None:
+        """From the engine arguments; ValueError naming the argument otherwise. None: no offloading."""
+        if size_gib is None:
+            for name, value in (("kv_offloading_disk_path", disk_path), ("kv_offloading_remote_url", remote_url)):
+                if value is not None:
+                    raise ValueError(f"{name} is a tier below host memory: it needs kv_offloading_size "
+                                     "(--kv-offloading-size GiB), the tier every offloaded block goes to first")
+            return None
+        if not size_gib > 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB; got {size_gib}")
+        if disk_path is not None and not disk_size_gib > 0:
+            raise ValueError(f"kv_offloading_disk_size must be > 0 GiB; got {disk_size_gib}")
+        if remote_url is not None and remote_url.startswith(("redis://", "rediss://")):
+            check_redis_url(remote_url, "kv_offloading_remote_url")
+        elif remote_url is not None and not remote_url.startswith("/"):
+            raise ValueError("kv_offloading_remote_url must be redis://[:password@]host:port[/db] or the absolute "
+                             f"path of a directory the engines share; got {remote_url!r}")
+        return cls(int(size_gib * (1 << 30)), disk_path, int(disk_size_gib * (1 << 30)) if disk_path else 0, remote_url)

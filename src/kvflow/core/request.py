@@ -24,6 +24,8 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # KV freed: recomputed on resumption
     SWAPPED = "swapped"  # KV copied to host memory: copied back on resumption
+    # Blocks allocated, its KV being loaded beside the steps (KV offloading's tiers); vLLM's name.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

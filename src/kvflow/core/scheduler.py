@@ -32,6 +32,13 @@ there ever sees a request in flight.
 
 A request with a KV budget (`core/kv_eviction.py`) computes no chunk across an eviction point,
 and is preempted by recompute (its evictions happen again at the same points).
+
+A connector whose loads run beside the steps (`kv_connector.loads_async`: KV offloading) parks a
+request whose tokens it loads in WAITING_FOR_REMOTE_KVS, its blocks allocated: it is neither
+waiting nor running, takes a sequence slot, and may be preempted (its load cancelled) like a
+running request. Other requests keep stepping. When the worker reports its blocks landed
+(`loads_landed`) it runs from there; when the load fails (`recompute_failed_loads`) its blocks go
+back and it waits again, to compute its prompt.
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self.in_flight: set[str] = set()  # requests in a batch that has not landed
         self._free_when_landed: dict[str, Request] = {}  # ended while in flight: their blocks wait
+        # WAITING_FOR_REMOTE_KVS: request id → (its status before, tokens computed once its load lands)
+        self._loading: dict[str, tuple[RequestStatus, int]] = {}
         self._arrivals = itertools.count()
         self.num_preemptions_total = 0
 
@@ -138,7 +147,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Waiting to start, and waiting for their KV to load."""
+        return len(self.waiting) + len(self._loading)
 
     # -- one step --------------------------------------------------------------------------
     def schedule(self, held: Set[str] = frozenset()) -> SchedulerOutput:
@@ -163,7 +173,7 @@ class Scheduler:
                 out.add(self._chunk(request, num_new, drafts))
         if not out.preempted_request_ids or self.config.policy == "priority":
             self._admit_waiting(out, held)
-        if self.waiting and not self.running and not out.preempted_request_ids and not held:
+        if self.waiting and not self.running and not self._loading and not out.preempted_request_ids and not held:
             self._finished_since_last_step |= out.finished_request_ids  # still owed to the worker
             raise SchedulerStallError([self.waiting.peek().request_id])
         if self._host_blocks_read:
@@ -205,8 +215,9 @@ class Scheduler:
         # Requests whose prefix another request is computing, whose adapter has no slot, or that
         # may not sample yet (a resumed request's first chunk may be its last).
         held_back = []
-        adapters = {r.lora_int_id for r in self.running} - {0}
-        while self.waiting and self._budget_left(out) > 0 and len(self.running) < self.config.max_num_seqs:
+        adapters = {r.lora_int_id for r in self._holding_slots()} - {0}
+        while (self.waiting and self._budget_left(out) > 0
+               and len(self.running) + len(self._loading) < self.config.max_num_seqs):
             request = self.waiting.pop()
             if request.request_id in held or (
                     request.lora_int_id and request.lora_int_id not in adapters and len(adapters) >= (self.max_loras or 0)):
@@ -220,10 +231,17 @@ class Scheduler:
             if allocated is None:
                 self._enqueue(request)
                 break
-            self._start_running(request, *allocated, out)
+            if allocated[2]:
+                self._start_running(request, *allocated, out)
+            else:  # its external tokens load beside the steps; no chunk until they land
+                self._park_for_load(request, allocated[0], allocated[1])
             adapters |= {request.lora_int_id} - {0}
         for request in held_back:
             self._enqueue(request)
+
+    def _holding_slots(self) -> list[Request]:
+        """Requests holding a sequence slot and blocks: running, and waiting for their KV to load."""
+        return [*self.running, *(self.requests[request_id] for request_id in self._loading)]
 
     def _start_points(self, request: Request) -> list[tuple[tuple[list[int], ...], int]]:
         """Where a waiting request may resume: (cached blocks to reuse, tokens they cover), best
@@ -266,13 +284,15 @@ class Scheduler:
     def _allocate_first_chunk(self, request: Request, starts: list[tuple[tuple[list[int], ...], int]],
                               out: SchedulerOutput) -> tuple[int, int, int] | None:
         """(tokens cached locally, tokens the connector loads, first chunk's length) from the
-        first start point whose blocks fit; None if none does."""
+        first start point whose blocks fit; None if none does. A chunk of 0: the connector loads
+        beside the steps, and the blocks are the loaded tokens' alone."""
         for blocks, n in starts:
             external = 0
             if self.kv_connector is not None and self._reuses_cache(request):
                 external = self.kv_connector.get_num_matched_tokens(request, n)
-            num_new = self._allocate_for_waiting(request, n, blocks, out, external)
-            if num_new:
+            compute = not (external and self.kv_connector.loads_async)
+            num_new = self._allocate_for_waiting(request, n, blocks, out, external, compute)
+            if num_new is not None:
                 if external:
                     self.kv_connector.update_state_after_alloc(request, self.kv_cache.block_ids(request.request_id)[0],
                                                                n, external)
@@ -280,15 +300,17 @@ class Scheduler:
         return None
 
     def _allocate_for_waiting(self, request: Request, num_cached: int, cached: tuple[list[int], ...],
-                              out: SchedulerOutput, num_external: int = 0) -> int:
-        """Blocks for the external tokens and the first chunk; returns the chunk's length (0: no
-        room). Under the priority policy a waiting request may preempt running ones behind it."""
+                              out: SchedulerOutput, num_external: int = 0, compute: bool = True) -> int | None:
+        """Blocks for the external tokens and (with `compute`) the first chunk; returns the chunk's
+        length (None: no room). Under the priority policy a waiting request may preempt running
+        ones behind it."""
         # Loaded tokens spend no budget, but their blocks are allocated with the chunk's.
-        num_new = min(request.num_tokens - num_cached - num_external, self._budget_left(out), self._chunk_limit(request))
+        num_new = min(request.num_tokens - num_cached - num_external, self._budget_left(out),
+                      self._chunk_limit(request)) if compute else 0
         while not self.kv_cache.allocate_slots(request, num_cached, num_external + num_new, cached):
             victim = self._victim()
             if self.config.policy != "priority" or victim is None or self._order(victim) < self._order(request):
-                return 0
+                return None
             self._preempt(victim, out)
         return num_new
 
@@ -305,8 +327,10 @@ class Scheduler:
         return True
 
     def _victim(self) -> Request | None:
-        """The last running request in order that is not in flight (it may be preempted)."""
-        return max((r for r in self.running if r.request_id not in self.in_flight), key=self._order, default=None)
+        """The last request in order holding blocks that is not in flight (it may be preempted):
+        running, or waiting for its KV to load."""
+        return max((r for r in self._holding_slots() if r.request_id not in self.in_flight), key=self._order,
+                   default=None)
 
     def _proposals_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The proposals a decode verifies this step: what the budget, max_tokens (k proposals
@@ -335,6 +359,9 @@ class Scheduler:
         return k
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        if request.request_id in self._loading:
+            self._preempt_load(request, out)
+            return
         self.running.remove(request)
         request.spec_token_ids = []
         if self.config.preemption_mode == "swap" and request.eviction is None and self._swap_out(request, out):
@@ -346,6 +373,44 @@ class Scheduler:
         self.num_preemptions_total += 1
         out.preempted_request_ids.append(request.request_id)
         out.drop(request.request_id)  # it may have been scheduled earlier in this step
+        self._enqueue(request)
+
+    def _park_for_load(self, request: Request, num_cached: int, num_external: int) -> None:
+        """Blocks are allocated for its cached and external tokens, the connector told which to
+        load into: it waits for the load."""
+        self._loading[request.request_id] = (request.status, num_cached + num_external)
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def loads_landed(self, request_ids: Set[str]) -> None:
+        """The worker copied these requests' loaded KV into their blocks: they run from there
+        (the loaded blocks findable in the prefix cache at once, counted as prefix-cache hits)."""
+        for request_id in request_ids:
+            if request_id not in self._loading:  # ended or preempted since (the worker dropped it)
+                continue
+            request = self.requests[request_id]
+            status, computed = self._loading.pop(request_id)
+            self.kv_connector.loads_landed([request_id])
+            self.kv_cache.record_lookup(request.num_tokens, computed)
+            if status is RequestStatus.WAITING:
+                request.num_cached_tokens = computed
+            request.num_computed_tokens = computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.kv_cache.cache_computed_blocks(request)
+
+    def _drop_load(self, request: Request) -> None:
+        """Out of WAITING_FOR_REMOTE_KVS, its blocks freed (fresh, never findable), back to what
+        it was before; the caller says what the connector does and where the request goes."""
+        request.status, _ = self._loading.pop(request.request_id)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+
+    def _preempt_load(self, request: Request, out: SchedulerOutput) -> None:
+        self._drop_load(request)
+        self.kv_connector.cancel_load(request)
+        self.num_preemptions_total += 1
+        out.preempted_request_ids.append(request.request_id)
         self._enqueue(request)
 
     def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
@@ -424,6 +489,11 @@ class Scheduler:
         compute their prompts here: the connector loads nothing more for them."""
         for request_id in request_ids:
             request = self.requests.get(request_id)
+            if request_id in self._loading:
+                self._drop_load(request)
+                self.kv_connector.request_load_failed(request)
+                self._enqueue(request)
+                continue
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             self.running.remove(request)
@@ -443,6 +513,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.request_id in self._loading:
+            self._drop_load(request)  # the connector cancels its load (request_finished)
         else:
             self.waiting.remove(request)
         request.status = status

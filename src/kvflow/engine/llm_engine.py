@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from kvflow.config import EngineArgs, EngineConfig
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.kv_connector import KVStoreConnector
+from kvflow.core.kv_connector import KVConnectorScheduler, KVStoreConnector, OffloadConnector
 from kvflow.core.kv_eviction import NOT_COMPOSED, KVEviction
 from kvflow.core.request import PromptImage, Request, RequestStatus
 from kvflow.core.runner_output import ModelRunnerOutput
@@ -158,7 +158,8 @@ class LLMEngine:
     def _for_recurrent_state(self, config: EngineConfig) -> EngineConfig:
         """A state-space model: without the prefix cache (a state is the whole past, not a block of
         it; caching states at block ends is not built yet), refusing what needs per-position KV."""
-        refused = {"speculative_config": config.speculative, "kv_transfer_config": config.kv_transfer}
+        refused = {"speculative_config": config.speculative, "kv_transfer_config": config.kv_transfer,
+                   "kv_offloading_size": config.kv_offload}
         for name, setting in refused.items():
             if setting is not None:
                 raise ValueError(f"{name}: {self.arch.architecture} keeps a recurrent state, not per-position KV; "
@@ -168,11 +169,21 @@ class LLMEngine:
         return dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
 
     def _check_kv_transfer(self) -> None:
-        if self.config.kv_transfer is not None and self.arch.kv_layout.sliding_windows != (None,):
-            raise ValueError(f"kv_transfer_config: {self.arch.architecture} has sliding-window or several KV "
-                             "groups; KV transfer supports models whose layers all keep full attention for now")
+        for name, asked in (("kv_transfer_config", self.config.kv_transfer), ("kv_offloading_size", self.config.kv_offload)):
+            if asked is not None and self.arch.kv_layout.sliding_windows != (None,):
+                raise ValueError(f"{name}: {self.arch.architecture} has sliding-window or several KV groups; KV "
+                                 "connectors support models whose layers all keep full attention for now")
+        if self.config.kv_offload is not None and getattr(self.quant_config, "needs_calibration", False):
+            raise ValueError(f"kv_offloading_size with quantization='{self.quant_config.name}': calibration runs the "
+                             "float model, whose KV must not be offloaded; write the checkpoint with `kvflow quantize` "
+                             "and serve that")
 
-    def _make_kv_connector(self) -> KVStoreConnector | None:
+    def _make_kv_connector(self) -> KVConnectorScheduler | None:
+        """KV offloading's connector shares rank 0's tiers (host memory is that worker's, in this
+        process) to look blocks up; a transfer connector opens the store both halves share."""
+        if self.config.kv_offload is not None:
+            return OffloadConnector(self.model_executor.driver_worker.kv_offload_store, self.config.cache.block_size,
+                                    self.config.parallel.tensor_parallel_size)
         kv_transfer = self.config.kv_transfer
         if kv_transfer is None:
             return None
@@ -443,6 +454,7 @@ class LLMEngine:
                 self.set_token_budget(budget)
         if runner_out.kv_load_failed:  # before anything of theirs counts
             self.scheduler.recompute_failed_loads(sched, runner_out.kv_load_failed)
+        self.scheduler.loads_landed({r for r, transfer in runner_out.kv_transfer.items() if transfer.loaded})
         produced = self.scheduler.update_from_output(sched, runner_out.sampled, runner_out.draft_token_ids)
         if runner_out.kv_transfer:
             self.output_processor.record_kv_transfers(runner_out)
@@ -625,7 +637,7 @@ class LLMEngine:
 def with_kv_store_namespace(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
     """`config` with its KV transfer namespaced by what a block's bytes depend on besides its
     tokens (kvflow.kv_store.namespaced): both connector halves, on every rank, read it from here."""
-    if config.kv_transfer is None:
+    if config.kv_transfer is None and config.kv_offload is None:
         return config
     m, c, p = config.model, config.cache, config.parallel
     # longrope's factors and dynamic NTK's base are chosen for max_model_len (model/layers/rotary.py)
@@ -633,7 +645,9 @@ def with_kv_store_namespace(config: EngineConfig, arch: ArchConfig) -> EngineCon
     served = f"; rotated for {m.max_model_len} positions" if length_dependent else ""
     namespace = (f"{arch!r}; weights {m.dtype} {m.quantization} g{m.group_size}; KV {c.cache_dtype} in blocks of "
                  f"{c.block_size}; tp {p.tensor_parallel_size} pp {p.pipeline_parallel_size}{served}")
-    return dataclasses.replace(config, kv_transfer=config.kv_transfer.with_namespace(namespace))
+    return dataclasses.replace(
+        config, kv_transfer=None if config.kv_transfer is None else config.kv_transfer.with_namespace(namespace),
+        kv_offload=None if config.kv_offload is None else config.kv_offload.with_namespace(namespace))
 
 
 def eos_token_ids(arch: ArchConfig, tokenizer: Tokenizer | None) -> frozenset[int]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvflow.kv_store.base import Blob, KVBlockStore, check_keys
@@ -33,13 +33,19 @@ SUFFIX = ".kv"
 
 
 class DirectoryKVStore(KVBlockStore):
-    def __init__(self, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
+    def __init__(self, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_STORE_BYTES,
+                 on_evict: Callable[[list[tuple[bytes, bytes]]], None] | None = None,
+                 setting: str = "kv_transfer_config.kv_connector_extra_config.shared_storage_path") -> None:
+        """`on_evict`: given the (key, bytes) of the blocks the bound evicts (a tier of KV offloading
+        demotes them to the next); None: evicted blocks are deleted unread. `setting`: the engine
+        argument that named `path`, for a refusal."""
         if max_bytes <= 0:
             raise ValueError(f"max_store_bytes must be positive; got {max_bytes}")
         self.path = Path(path)
-        _check_creatable(self.path)
+        _check_creatable(self.path, setting)
         self.location = str(self.path.resolve())
         self.max_bytes = max_bytes
+        self.on_evict = on_evict
         self._bytes_at_scan = 0  # the directory's size when this store last counted it
         self._written_since_scan = 0
 
@@ -111,15 +117,27 @@ class DirectoryKVStore(KVBlockStore):
         total = sum(size for _, size, _ in files)
         mine = set(batch)
         order = sorted(f for f in files if f[2] not in mine) + sorted((f for f in files if f[2] in mine), reverse=True)
-        evicted_mine = 0
+        evicted_mine, evicted = 0, []
         for _, size, path in order:
             if total <= max_bytes:
                 break
+            if self.on_evict is not None:
+                evicted.extend(_read_for_demotion(Path(path)))
             Path(path).unlink(missing_ok=True)
             total -= size
             evicted_mine += path in mine
         self._bytes_at_scan, self._written_since_scan = total, 0
+        if evicted:
+            self.on_evict(evicted)
         return evicted_mine
+
+
+def _read_for_demotion(path: Path) -> list[tuple[bytes, bytes]]:
+    """[(key, bytes)] of a block file about to be evicted; [] if another process took it first."""
+    try:
+        return [(bytes.fromhex(path.name[:-len(SUFFIX)]), path.read_bytes())]
+    except (FileNotFoundError, ValueError):
+        return []
 
 
 def _entries(directory: Path) -> list[os.DirEntry]:
@@ -131,14 +149,14 @@ def _entries(directory: Path) -> list[os.DirEntry]:
         return []
 
 
-def _check_creatable(path: Path) -> None:
+def _check_creatable(path: Path, setting: str) -> None:
     """Refuse, creating nothing, a path no write could ever make a directory of: an existing
     non-directory, or one whose nearest existing ancestor is not a directory this process may
     write into."""
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    name = f"kv_transfer_config.kv_connector_extra_config.shared_storage_path {str(path)!r}"
+    name = f"{setting} {str(path)!r}"
     if not existing.is_dir():
         raise ValueError(f"{name} is not a directory ({existing} is a file)")
     if existing != path and not os.access(existing, os.W_OK | os.X_OK):

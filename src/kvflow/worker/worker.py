@@ -36,7 +36,7 @@ from kvflow.core.sched_output import SchedulerOutput
 from kvflow.cpu_extension import kernel_scope
 from kvflow.distributed.parallel_state import SINGLE, TensorParallel
 from kvflow.distributed.pipeline import WHOLE, PipelineStage, stage_layers
-from kvflow.kv_store import open_kv_block_store
+from kvflow.kv_store import KVBlockStore, open_kv_block_store, open_offload_store
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
 from kvflow.model.arch_config import ArchConfig
@@ -55,7 +55,7 @@ from kvflow.worker.kv_cache import (
     unique_caches,
     utilization_budget_gb,
 )
-from kvflow.worker.kv_connector import KVStoreConnectorWorker
+from kvflow.worker.kv_connector import KVStoreConnectorWorker, OffloadConnectorWorker
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.rank_model import load_model, rank_arch
 from kvflow.worker.speculation import build_speculator
@@ -85,6 +85,10 @@ class Worker:
         # host cache never evicts them, and a removed adapter is forgotten only once unused.
         self._adapters_in_use: frozenset[int] = frozenset()
         self._pools: tuple[list[torch.Tensor], list[torch.Tensor] | None, int] | None = None
+        # KV offloading's tiers (rank 0's are shared with the scheduler's connector, for lookups)
+        # and the connector that saves to and loads from them.
+        self.kv_offload_store: KVBlockStore | None = None
+        self.kv_offload: OffloadConnectorWorker | None = None
         if self.device.type == "cpu":
             host_malloc.keep_freed_memory()  # each step's activations on pages the last step freed
 
@@ -118,11 +122,14 @@ class Worker:
         layout = self.local_arch.kv_layout
         layers = self.stage.layers
         kv_caches = allocate_kv_caches(layout, num_blocks, cache.block_size, dtype, self.device, cache.cache_dtype,
-                                       populate=False, layers=layers)
+                                       populate=False, layers=layers, num_state_slots=self.config.scheduler.max_num_seqs)
         host_caches = (allocate_kv_caches(layout, num_host_blocks, cache.block_size, dtype, "cpu", cache.cache_dtype,
                                           populate=False, layers=layers) if num_host_blocks else None)
         self.start_populate(kv_caches, host_caches)
         self._pools = (kv_caches, host_caches, num_blocks)
+        if self.config.kv_offload is not None:  # before calibration: the engine's scheduler reads it
+            self.kv_offload_store = open_offload_store(self.config.kv_offload, self.tp.rank, self.tp.size,
+                                                       pin_memory=self.device.type == "cuda")
         if self.needs_calibration:
             self.model_runner = self._bare_runner()
         else:
@@ -155,6 +162,10 @@ class Worker:
                                     row_tile=ROW_TILE if cfg.batch_invariant else None)
         connector = None if cfg.kv_transfer is None else KVStoreConnectorWorker(open_kv_block_store(cfg.kv_transfer),
                                                                                  kv_caches, self.tp)
+        if self.kv_offload_store is not None:
+            self.kv_offload = connector = OffloadConnectorWorker(
+                self.kv_offload_store, kv_caches, self.tp, cfg.kv_offload.load_timeout_s,
+                max_backlog_bytes=cfg.kv_offload.host_bytes)
         speculator = None if cfg.speculative is None else (
             lambda runner: build_speculator(cfg, self.arch, runner, num_blocks))
         return ModelRunner(self.model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, host_caches,
@@ -204,9 +215,19 @@ class Worker:
                 device_block, host_block = highest_blocks(sched)
                 for populator, host in self.populators:
                     populator.reach(host_block if host else device_block)
-            return self.model_runner.execute(sched)
+            return self._execute(sched)
         with self.idle:
+            return self._execute(sched)
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The step, and with KV offloading first the loads that landed copied into their blocks
+        (before the forward pass; the requests they belong to run from the next step)."""
+        if self.kv_offload is None:
             return self.model_runner.execute(sched)
+        landed, failed = self.kv_offload.begin_step(sched.kv_connector_metadata, idle=not sched.chunks)
+        out = self.model_runner.execute(sched)
+        self.kv_offload.report(out, landed, failed)
+        return out
 
     # -- LoRA adapters, between steps ------------------------------------------------------
     def add_lora(self, request: LoRARequest, in_use: frozenset[int]) -> bool:
