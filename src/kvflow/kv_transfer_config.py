@@ -112,10 +112,19 @@ def check_redis_url(url: str, name: str = "kv_store_url") -> None:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as e:
-        raise ValueError(f"{name} {url!r} is not {form}: {e}") from None
+        raise ValueError(f"{name} {_without_password(url)!r} is not {form}: {e}") from None
     db = parts.path.strip("/")
     if parts.scheme not in ("redis", "rediss") or not parts.hostname or port is None or not (db == "" or db.isdigit()):
-        raise ValueError(f"{name} must be {form}; got {url!r}")
+        raise ValueError(f"{name} must be {form}; got {_without_password(url)!r}")
+
+
+def _without_password(url: str) -> str:
+    """The URL as an error may show it: a password in it (logs, a client's 400) replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not at or ":" not in credentials:
+        return url
+    return f"{scheme}{sep}{credentials.split(':', 1)[0]}:***@{host}"
 
 
 @dataclass(frozen=True)

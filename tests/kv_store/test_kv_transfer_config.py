@@ -82,3 +82,12 @@ def test_redis_urls_are_checked_and_name_the_field(url, ok):
     else:
         with pytest.raises(ValueError, match="kv_store_url must be redis://"):
             KVTransferConfig.parse(raw)
+
+
+@pytest.mark.parametrize("url", ["redis://:s3cret@h", "redis://user:s3cret@h:6379/x", "redis://:s3cret@h:port"])
+def test_a_refused_redis_url_keeps_its_password_out_of_the_error(url):
+    """The error reaches logs and (offloading's flag) the console: the password is starred out."""
+    raw = {"kv_connector": "RedisStoreConnector", "kv_connector_extra_config": {"kv_store_url": url}}
+    with pytest.raises(ValueError, match="kv_store_url") as refused:
+        KVTransferConfig.parse(raw)
+    assert "s3cret" not in str(refused.value) and ":***@h" in str(refused.value)
