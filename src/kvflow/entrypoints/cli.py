@@ -1,4 +1,4 @@
-"""The `kvflow` command: serve, generate, chat, bench, plan, quantize, eval."""
+"""The `kvflow` command: serve, generate, chat, bench, plan, quantize, train-drafter, eval."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.entrypoints.plan_cli import add_plan_parser
     from kvflow.entrypoints.quantize_cli import add_quantize_parser
     from kvflow.entrypoints.router import add_router_parser
+    from kvflow.entrypoints.train_drafter_cli import add_train_drafter_parser
     from kvflow.eval.perplexity import add_eval_parser
 
     parser = argparse.ArgumentParser(prog="kvflow", description="LLM inference with a paged KV cache and continuous batching")
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory_parser(bench_sub)
     add_plan_parser(sub)
     add_quantize_parser(sub)
+    add_train_drafter_parser(sub)
     add_router_parser(sub)
     add_eval_parser(sub)
     return parser
