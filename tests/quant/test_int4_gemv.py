@@ -205,3 +205,16 @@ def test_rows_are_the_dequantized_rows_bit_for_bit(bits):
         assert torch.equal(weights.rows(ids, torch.bfloat16), w[ids].bfloat16())
     with pytest.raises(RuntimeError, match="id 100 is outside"):
         weights.rows(torch.tensor([1, 100]))
+
+
+def test_no_rows_give_no_rows_on_every_path():
+    """A step can hand a layer zero rows (an EAGLE head in a step where no request samples): the
+    GEMV kernel takes 1 to 8, so the layer answers [0, N] itself, in bfloat16 and float32."""
+    gen = torch.Generator().manual_seed(1)
+    u = torch.randint(0, 16, (64, 128), generator=gen)
+    scale, minimum = torch.rand(64, 4, generator=gen) * 0.02, -torch.rand(64, 4, generator=gen) * 0.1
+    layer = Int4Planes(planes_from_affine(u, scale, minimum, 4), 32, torch.bfloat16, "rows")
+    assert (layer.gemv is not None) == int4_gemv.fast()  # the path that refused zero rows, where it is built
+    for dtype in (torch.bfloat16, torch.float32):
+        assert layer(torch.randn(0, 128).to(dtype)).shape == (0, 64)
+        assert layer(torch.randn(2, 0, 128).to(dtype)).shape == (2, 0, 64)

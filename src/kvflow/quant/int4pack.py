@@ -183,6 +183,8 @@ class Int4Planes(WeightsModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         m, bf16 = x2.shape[0], x2.dtype == torch.bfloat16
+        if m == 0:  # a step with no rows for this layer (a drafter's head sampling nothing): no kernel takes 0
+            return x.new_empty(*x.shape[:-1], self.out_features)
         if bf16 and m <= int4_gemv.MAX_ROWS and self.gemv is not None:
             return self.gemv(x2).reshape(*x.shape[:-1], self.out_features)
         if not (bf16 and (m <= self.max_kernel_rows or self.kernel_at_any_rows)):  # the dense copy's rows

@@ -7,16 +7,19 @@ from dataclasses import dataclass
 
 from kvflow.json_config import config_dict
 
-METHODS = ("ngram", "draft_model", "layer_skip")
+METHODS = ("ngram", "draft_model", "layer_skip", "eagle", "eagle3")
+# The methods whose drafter is a checkpoint of its own (`model`).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model" | "layer_skip"
+    method: str  # "ngram" | "draft_model" | "layer_skip" | "eagle" | "eagle3"
     num_speculative_tokens: int  # k: the most tokens proposed per request and step
     prompt_lookup_min: int = 2  # ngram: shortest suffix to look up
     prompt_lookup_max: int = 4  # ngram: longest suffix to look up (tried first)
-    model: str | None = None  # draft_model: a checkpoint sharing the target's tokenizer
+    # draft_model: a checkpoint sharing the target's tokenizer; eagle / eagle3: the head's checkpoint
+    model: str | None = None
     num_draft_layers: int | None = None  # layer_skip: how many of the target's first layers propose
     # Speculate only while fewer requests run (None: decided by measured cost alone).
     disable_by_batch_size: int | None = None
@@ -51,8 +54,8 @@ class SpeculativeConfig:
             _require(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1", getattr(self, name))
         _require(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                  f"<= prompt_lookup_max ({self.prompt_lookup_max})", self.prompt_lookup_min)
-        _require((self.model is not None) == (self.method == "draft_model"), "model",
-                 "a checkpoint path for method draft_model, and only for it", self.model)
+        _require((self.model is not None) == (self.method in MODEL_METHODS), "model",
+                 f"a checkpoint path for methods {', '.join(MODEL_METHODS)}, and only for them", self.model)
         _require(self.model is None or (isinstance(self.model, str) and self.model), "model", "a path", self.model)
         _require((self.num_draft_layers is not None) == (self.method == "layer_skip"), "num_draft_layers",
                  "given for method layer_skip, and only for it", self.num_draft_layers)

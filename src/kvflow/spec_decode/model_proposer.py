@@ -20,7 +20,7 @@ token, and the slots its proposals write are overwritten by the next verificatio
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +28,9 @@ import torch
 
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.proposer import DraftRequest, Proposals
+
+# A drafter's rows' logits, their requests' params → q per row (DraftModelRunner.probs).
+ProbsFn = Callable[[torch.Tensor, list[SamplingParams]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class DraftModelRunner(Protocol):
 
 class ModelProposer:
     writes_kv = True
+    reads_target_states = False  # a model of its own reads tokens only
 
     def __init__(self, runner: DraftModelRunner, generator: torch.Generator, shares_target_kv: bool) -> None:
         self.runner = runner
@@ -68,7 +72,7 @@ class ModelProposer:
         spans = [self._catch_up(r) for r in requests]
         while active:
             logits = self.runner.forward(spans)
-            drawn = self._draw(logits, [requests[i] for i in active])
+            drawn = draw_proposals(logits, [requests[i] for i in active], self.runner.probs, self.generator)
             for i, (token, q) in zip(active, drawn):
                 tokens[i].append(token)
                 if q is not None:
@@ -94,17 +98,20 @@ class ModelProposer:
             start = min(seen + accepted, known - 1)
         return DraftSpan(request.token_ids[start:], start, request.block_ids)
 
-    def _draw(self, logits: torch.Tensor, requests: list[DraftRequest]) -> list[tuple[int, torch.Tensor | None]]:
-        """A proposal per row: the argmax for greedy requests, else a draw from q (returned)."""
-        greedy = [r.sampling_params.greedy for r in requests]
-        tokens = logits.argmax(dim=-1)
-        q = None
-        if not all(greedy):
-            q = self.runner.probs(logits, [r.sampling_params for r in requests])
-            noise = torch.empty_like(q).exponential_(generator=self.generator)
-            for row, r in enumerate(requests):
-                if r.generator is not None and not greedy[row]:
-                    noise[row].exponential_(generator=r.generator)
-            tokens = torch.where(torch.tensor(greedy, device=q.device), tokens, (q / noise).argmax(dim=-1))
-        ids = tokens.tolist()
-        return [(ids[row], None if greedy[row] else q[row]) for row in range(len(requests))]
+
+def draw_proposals(logits: torch.Tensor, requests: list[DraftRequest], probs: ProbsFn,
+                   generator: torch.Generator) -> list[tuple[int, torch.Tensor | None]]:
+    """A proposal per row: the argmax for greedy requests, else a draw from q = `probs(logits,
+    params)` (returned with it), with the request's own generator if seeded, else `generator`."""
+    greedy = [r.sampling_params.greedy for r in requests]
+    tokens = logits.argmax(dim=-1)
+    q = None
+    if not all(greedy):
+        q = probs(logits, [r.sampling_params for r in requests])
+        noise = torch.empty_like(q).exponential_(generator=generator)
+        for row, r in enumerate(requests):
+            if r.generator is not None and not greedy[row]:
+                noise[row].exponential_(generator=r.generator)
+        tokens = torch.where(torch.tensor(greedy, device=q.device), tokens, (q / noise).argmax(dim=-1))
+    ids = tokens.tolist()
+    return [(ids[row], None if greedy[row] else q[row]) for row in range(len(requests))]

@@ -19,6 +19,7 @@ from kvflow.spec_decode.proposer import DraftRequest, Proposals
 
 class NgramProposer:
     writes_kv = False  # proposals are looked up, not computed
+    reads_target_states = False
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max

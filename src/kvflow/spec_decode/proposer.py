@@ -2,7 +2,10 @@
 
 The worker calls `propose` once per step for every request the scheduler asked proposals of, and
 `drop` for requests that finished or lost their KV (preempted). A proposer that runs a model
-(`writes_kv`) writes the KV of its proposals into slots the scheduler reserved for them.
+(`writes_kv`) writes the KV of its proposals into slots the scheduler reserved for them. One that
+drafts from the target's hidden states (`reads_target_states` true: EAGLE) is called as
+`propose(requests, target)` with the step's rows (`TargetStates`) of every chunk, prompt chunks
+too, even in a step where no request asks for proposals.
 """
 
 from __future__ import annotations
@@ -35,9 +38,30 @@ class Proposals:
     probs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FeatureSpan:
+    """One chunk of the step as a drafter that reads the target's states sees it: its rows
+    `first_row`.. in the step's states, at positions `start_pos`.., and the token that followed
+    each row. Only rows whose input the target kept count: after a verification, the rows past
+    the accepted proposals are dropped (len(next_tokens) <= the chunk's rows)."""
+
+    request_id: str
+    start_pos: int
+    first_row: int
+    next_tokens: list[int]
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass(frozen=True)
+class TargetStates:
+    spans: list[FeatureSpan]
+    hidden: torch.Tensor  # the step's final hidden states, a row per token of the flat batch
+
+
 class Proposer(Protocol):
     writes_kv: bool
+    reads_target_states: bool  # propose(requests, TargetStates) with the step's rows (EAGLE)
 
-    def propose(self, requests: list[DraftRequest]) -> Proposals: ...
+    def propose(self, requests: list[DraftRequest], states: TargetStates | None = None) -> Proposals: ...
 
     def drop(self, request_ids: Iterable[str]) -> None: ...

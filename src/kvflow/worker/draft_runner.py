@@ -1,10 +1,11 @@
 """What the worker lends a model drafter (`spec_decode.model_proposer`): forward passes over a
 draft model's paged KV, built by the target runner's own flat-batch code, and the sampling filters.
 
-For a draft model the KV tensors are its own, indexed by the block ids of one of the target's KV
-groups (`target_groups`: the target group whose table each draft group follows). For layer-skip
-self-speculation the model is the target and the KV tensors are the target's first layers': a
-decoder runs one layer per KV tensor it is given, then its final norm, and the LM head follows.
+For a draft model, and an EAGLE head (`HeadRunner`), the KV tensors are its own, indexed by the
+block ids of one of the target's KV groups (`target_groups`: the target group whose table each
+draft group follows). For layer-skip self-speculation the model is the target and the KV tensors
+are the target's first layers': a decoder runs one layer per KV tensor it is given, then its
+final norm, and the LM head follows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kvflow.core.sched_output import ScheduledChunk
 from kvflow.model.layers.sampler import filter_logits
 from kvflow.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from kvflow.spec_decode.model_proposer import DraftSpan
-from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.model_runner import FlatBatch, ModelRunner
 
 
 class DraftRunner:
@@ -32,11 +33,15 @@ class DraftRunner:
 
     @torch.inference_mode()
     def forward(self, spans: list[DraftSpan]) -> torch.Tensor:
-        chunks = [ScheduledChunk("", s.token_ids, s.start_pos, self._tables(s.block_ids), True, self._plain, [], [],
-                                 frozenset()) for s in spans]
-        batch = self.target_runner.prepare(chunks)
+        batch = self._batch(spans, [True] * len(spans))
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         return self.model.compute_logits(hidden[batch.sample_rows])
+
+    def _batch(self, spans: list[DraftSpan], sampled: list[bool]) -> FlatBatch:
+        """The spans as one flat batch; logit rows at the last row of each span `sampled` says."""
+        return self.target_runner.prepare([
+            ScheduledChunk("", s.token_ids, s.start_pos, self._tables(s.block_ids), sample, self._plain, [], [],
+                           frozenset()) for s, sample in zip(spans, sampled)])
 
     def _tables(self, target_tables: tuple[list[int], ...]) -> tuple[list[int], ...]:
         return target_tables if self.target_groups is None else tuple(target_tables[g] for g in self.target_groups)
@@ -49,3 +54,17 @@ class DraftRunner:
         filtered = filter_logits(logits.float() / temperature[:, None], column("top_k", torch.long), column("top_p"),
                                  column("min_p"), any(p.top_k > 0 or p.top_p < 1 for p in params))
         return filtered.softmax(dim=-1)
+
+
+class HeadRunner(DraftRunner):
+    """Forward passes of an EAGLE head (kvflow.model.models.eagle) over its own KV: each row takes
+    a feature beside its token."""
+
+    @torch.inference_mode()
+    def forward_features(self, spans: list[DraftSpan], features: torch.Tensor,
+                         sampled: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, the head's next feature) at the last row of each span `sampled` says; `features`:
+        a row per token of the spans, in order. Writes every row's KV."""
+        batch = self._batch(spans, sampled)
+        hidden, fed = self.model(batch.input_ids, batch.positions, features, self.kv_caches, batch.attn)
+        return self.model.compute_logits(hidden[batch.sample_rows]), fed[batch.sample_rows]

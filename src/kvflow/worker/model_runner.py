@@ -28,7 +28,7 @@ from kvflow.worker.cuda_graphs import DecodeGraphs
 from kvflow.worker.kv_cache import unique_caches
 from kvflow.worker.kv_connector import KVStoreConnectorWorker
 from kvflow.worker.multimodal import ImageRows
-from kvflow.worker.speculator import Speculator, VerifyRow
+from kvflow.worker.speculator import Speculator, StepRows, VerifyRow
 
 # Prompt-logprob rows are scored this many at a time: a long prompt's [rows, vocab] logits (and
 # their log-softmax) would otherwise take gigabytes at once.
@@ -46,6 +46,7 @@ class FlatBatch:
     prompt_targets: list[int]
     prompt_spans: dict[str, tuple[int, int, int, int]]  # request → (first position, first row index, count, top-N)
     inputs_embeds: torch.Tensor | None = None  # the first layer's input rows, when images replace some
+    chunks: list[ScheduledChunk] | None = None  # every chunk, in row order (an EAGLE head reads their rows)
 
 
 class ModelRunner:
@@ -76,6 +77,9 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self.kv_connector = kv_connector
         self.speculator: Speculator | None = None if build_speculator is None else build_speculator(self)
+        # An EAGLE-3 head reads layers' inputs, which the fast steps (running no module) do not keep:
+        # its steps run through the modules. EAGLE-1's feature is the fast steps' output as it is.
+        self.modules_only = self.speculator is not None and self.speculator.reads_layer_states
         # A model that reads images in its prompts (kvflow.model.models.idefics3): their rows, by hash.
         self.image_rows = ImageRows(model) if hasattr(model, "encode_images") else None
         # With sparse decode, the attention backend's per-block key summaries (one backend per model).
@@ -128,7 +132,9 @@ class ModelRunner:
         out.target_seconds = time.perf_counter() - started  # the sampled ids were read back: the device is done
         if self.speculator is not None:
             proposing = time.perf_counter()
-            self.speculator.propose(batch.sample_chunks, self._generator, out)
+            # An EAGLE head reads the rows of the whole step: `hidden` is already there, so it costs nothing.
+            step = StepRows(batch.chunks, hidden) if self.speculator.reads_target_states else None
+            self.speculator.propose(batch.sample_chunks, self._generator, out, step)
             out.proposer_seconds = time.perf_counter() - proposing
         if out.kv_load_failed:
             self._discard_failed_loads(out)
@@ -150,7 +156,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if batch.inputs_embeds is not None:
             return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, batch.inputs_embeds)
-        if graphs is not None and graphs.can_replay(batch.attn[0].query_lens_cpu):
+        if graphs is not None and not self.modules_only and graphs.can_replay(batch.attn[0].query_lens_cpu):
             return graphs.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
@@ -235,7 +241,7 @@ class ModelRunner:
                      for slots, gone in zip(slot_tables, offsets))
         positions = _tensor(positions, dev)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)
-        batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {})
+        batch = FlatBatch(input_ids, positions, attn, [], [], [], [], {}, chunks=chunks)
         if self.image_rows is not None:
             batch.inputs_embeds = self.image_rows.inputs_embeds(chunks, input_ids)
         offset = 0

@@ -6,6 +6,9 @@ each proposal). Each row gets the request's full sampling treatment as if decode
 time: its penalties count the proposals before it, its min_tokens ban counts them too. The
 rejection sampler then compares these target distributions p with the proposals' q; its random
 numbers come from the request's own generator when seeded, so seeded requests reproduce.
+
+Proposing: a proposer that drafts from the target's hidden states (EAGLE) also gets the step's
+rows, every chunk's, with the token that followed each row the target kept (`feature_span`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from kvflow.core.runner_output import ModelRunnerOutput, PositionLogprobs
 from kvflow.core.sched_output import ScheduledChunk
 from kvflow.model.layers.sampler import Sampler, SamplingBatch, first_argmax, gather_logprobs
 from kvflow.sampling_params import SamplingParams
-from kvflow.spec_decode.proposer import DraftRequest, Proposer
+from kvflow.spec_decode.proposer import DraftRequest, FeatureSpan, Proposer, TargetStates
 from kvflow.spec_decode.rejection_sampler import pad_rows, rejection_sample, verify_greedy
 
 GeneratorOf = Callable[[ScheduledChunk], torch.Generator | None]
@@ -40,11 +43,24 @@ class VerifyRow(NamedTuple):
 BatchBuilder = Callable[[list[ScheduledChunk | VerifyRow]], SamplingBatch]
 
 
+class StepRows(NamedTuple):
+    """The step's flat batch as the target ran it: its chunks in row order, and the hidden states
+    of their rows (the model's output, after the final norm)."""
+
+    chunks: list[ScheduledChunk]
+    hidden: torch.Tensor
+
+
 class Speculator:
-    def __init__(self, proposer: Proposer, sampler: Sampler, device: torch.device) -> None:
+    def __init__(self, proposer: Proposer, sampler: Sampler, device: torch.device,
+                 reads_layer_states: bool = False) -> None:
+        """`reads_layer_states`: the proposer reads the target's intermediate states, which only a
+        forward pass through the modules keeps (EAGLE-3): the runner's fast steps are not taken."""
         self.proposer = proposer
         self.sampler = sampler
         self.device = device
+        self.reads_target_states = proposer.reads_target_states
+        self.reads_layer_states = reads_layer_states
         self._draft_probs: dict[str, torch.Tensor] = {}  # q of each request's pending proposals
 
     def drop(self, request_ids: Iterable[str]) -> None:
@@ -136,16 +152,40 @@ class Speculator:
             j += produced
 
     # -- proposing -------------------------------------------------------------------------
-    def propose(self, chunks: list[ScheduledChunk], generator_of: GeneratorOf, out: ModelRunnerOutput) -> None:
+    def propose(self, chunks: list[ScheduledChunk], generator_of: GeneratorOf, out: ModelRunnerOutput,
+                step: StepRows | None = None) -> None:
         """The next step's proposals of the chunks that asked for some (a request's grammar, if it
-        has one, cuts them on the engine's side before they are verified)."""
+        has one, cuts them on the engine's side before they are verified). `step`: the whole
+        step's rows, for a proposer that `reads_target_states` (which then runs even when no
+        chunk asks, to read the rows)."""
         requests = [
             DraftRequest(c.request_id, [*c.prompt_token_ids, *c.output_token_ids, *out.sampled[c.request_id]],
                          c.num_lookahead_tokens, c.block_ids, c.sampling_params, generator_of(c))
             for c in chunks if c.num_lookahead_tokens and c.request_id in out.sampled
         ]
-        if not requests:
+        if self.reads_target_states:
+            spans, row = [], 0
+            for chunk in step.chunks:
+                spans.append(feature_span(chunk, row, out.sampled.get(chunk.request_id)))
+                row += chunk.num_tokens
+            proposals = self.proposer.propose(requests, TargetStates(spans, step.hidden))
+        elif requests:
+            proposals = self.proposer.propose(requests)
+        else:
             return
-        proposals = self.proposer.propose(requests)
         self._draft_probs.update(proposals.probs)
         out.draft_token_ids = {rid: t for rid, t in proposals.token_ids.items() if t}
+
+
+def feature_span(chunk: ScheduledChunk, first_row: int, sampled: list[int] | None) -> FeatureSpan:
+    """The chunk's rows whose inputs the target kept, each with the token that followed it: the
+    chunk's own next tokens, then what it sampled (the accepted proposals, which were the inputs
+    of the rows after them, and the token after the last) or, for a chunk that does not sample,
+    the request's next known token."""
+    verified = chunk.num_tokens - chunk.num_spec_tokens  # rows before the proposals
+    following = chunk.token_ids[1:verified]
+    if chunk.sample:
+        return FeatureSpan(chunk.request_id, chunk.start_pos, first_row, following + (sampled or []), chunk.block_ids)
+    end = chunk.start_pos + chunk.num_tokens
+    known = chunk.prompt_token_ids if end < len(chunk.prompt_token_ids) else chunk.prompt_token_ids + chunk.output_token_ids
+    return FeatureSpan(chunk.request_id, chunk.start_pos, first_row, following + known[end:end + 1], chunk.block_ids)
