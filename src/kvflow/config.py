@@ -413,7 +413,8 @@ class EngineArgs:
                             "at some speed (CPU, dense attention)")
         g.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                            '(methods: ngram, draft_model with "model", layer_skip with "num_draft_layers")')
+                            '(methods: ngram, draft_model with "model", layer_skip with "num_draft_layers", '
+                            'eagle / eagle3 with "model": an EAGLE head)')
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="the most logprobs / prompt_logprobs one request may ask for (-1: no cap)")
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
