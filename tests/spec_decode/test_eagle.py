@@ -316,6 +316,19 @@ def test_a_missing_model_is_refused_naming_the_field(dirs, method):
         _llm(dirs[1], {"method": method, "num_speculative_tokens": 2})
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_the_heads_kv_comes_out_of_the_kv_budget(dirs, method):
+    """The head's KV sits at the target's block ids, a block of it per target block: a budget holds
+    as many blocks as fit the target's KV and the head's together, not the target's alone."""
+    budget_gb = 4 / 1024
+    plain = _llm(dirs[1], kv_cache_memory_gb=budget_gb, block_size=8).llm_engine
+    drafted = _llm(dirs[1], _spec(method, dirs[2][method]), kv_cache_memory_gb=budget_gb, block_size=8).llm_engine
+    target_block = plain.arch.kv_layout.block_bytes(8, 4)
+    head_block = drafted.runner.speculator.proposer.runner.kv_caches[0][:, :1].nbytes  # K and V of one block
+    assert plain.num_kv_blocks == int(budget_gb * 1024**3) // target_block
+    assert drafted.num_kv_blocks == int(budget_gb * 1024**3) // (target_block + head_block) < plain.num_kv_blocks
+
+
 # -- tensor parallel ----------------------------------------------------------------------------
 @pytest.mark.timeout(600, method="thread")  # a lost rank must fail the test, not hang it
 @pytest.mark.parametrize("method", METHODS)

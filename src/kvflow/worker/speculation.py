@@ -44,6 +44,18 @@ def build_speculator(config: EngineConfig, arch: ArchConfig, runner, num_blocks:
                       reads_layer_states=config.speculative.method == "eagle3")
 
 
+def drafter_block_bytes(config: EngineConfig, tp) -> int:
+    """What each block of the pool costs beside the target's KV for a drafter with KV of its own (a
+    draft model, an EAGLE head: their tensors sit at the target's block ids, one block each per
+    target block), on this rank (`tp`); 0 for a drafter without (ngram, layer_skip). Read from the
+    drafter's config alone, before any weight loads: the pool is sized before the drafter is built."""
+    spec = config.speculative
+    if spec is None or spec.method not in ("draft_model", "eagle", "eagle3"):
+        return 0
+    draft_arch = ArchConfig.from_hf(load_checkpoint(spec.model, load_tokenizer=False, load_weights=False).hf_config)
+    return rank_arch(draft_arch, tp).kv_layout.block_bytes(config.cache.block_size, config.model.dtype.itemsize)
+
+
 def make_proposer(config: EngineConfig, arch: ArchConfig, runner, num_blocks: int) -> Proposer:
     spec = config.speculative
     if spec.method == "ngram":

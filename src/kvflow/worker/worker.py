@@ -58,7 +58,7 @@ from kvflow.worker.kv_cache import (
 from kvflow.worker.kv_connector import KVStoreConnectorWorker, OffloadConnectorWorker
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.rank_model import load_model, rank_arch
-from kvflow.worker.speculation import build_speculator
+from kvflow.worker.speculation import build_speculator, drafter_block_bytes
 
 
 class Worker:
@@ -108,6 +108,7 @@ class Worker:
                                                                                         self.device))
         layout = self.local_arch.kv_layout
         side = 0 if cfg.kernels.sparse_decode_blocks is None else sparse_decode.summary_bytes(layout, self.stage.layers)
+        side += drafter_block_bytes(cfg, self.tp)  # the drafter's KV sits at the same block ids
         return pool_blocks(cache, layout, cfg.model.dtype.itemsize, cfg.model.max_model_len,
                            cfg.scheduler.max_num_seqs, available_memory_bytes(self.device), self.stage.layers, side)
 
