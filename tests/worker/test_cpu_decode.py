@@ -105,6 +105,30 @@ def test_cpp_step_on_panels_matches_the_python_loop_and_the_modules(llama_dir, q
     assert native == python_loop == modules
 
 
+@pytest.mark.parametrize("quantization,num_prompts", [("int4", 1), (None, 3)])
+def test_speculative_verifications_run_in_the_loop_and_match_the_modules(llama_dir, quantization, num_prompts):
+    """A verification's k + 1 rows per request are attended in place by the paged kernel in the
+    modules too (cpu_paged.takes): the loop takes those steps (the C++ step where its products
+    can: int4's GEMV up to 8 rows, bf16 panels at any), with the same numbers. Prompts that repeat
+    themselves, so that n-gram lookups propose on most steps."""
+    if not panel_linear.available():
+        pytest.skip("no AVX-512 BF16 here: the C++ step's bf16 products are not used")
+    prompts = [[3, 4, 5, 6, 7] * 4, [9, 8, 7] * 5, [20, 21, 22, 23] * 4][:num_prompts]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False, "prompt_lookup_min": 1}
+    kw = dict(quantization=quantization, speculative_config=spec)
+    steps, loop_rows = [], []
+    loop_engine = _count_steps(_engine(llama_dir, "bfloat16", True, **kw), steps)
+    loop = loop_engine.runner.decode_graphs
+    run = loop.run
+    loop.run = lambda ids, *a: loop_rows.append(ids.shape[0]) or run(ids, *a)
+    native = _generate(loop_engine, prompts)
+    python_loop = _generate(_engine(llama_dir, "bfloat16", True, native=False, **kw), prompts)
+    modules = _generate(_engine(llama_dir, "bfloat16", False, **kw), prompts)
+    assert any(rows > num_prompts for rows in loop_rows)  # verifications (k + 1 rows a request) took the loop
+    assert steps and max(steps) > num_prompts  # ...and the C++ step
+    assert native == python_loop == modules  # tokens and logprobs, bit for bit
+
+
 def test_no_cpp_step_where_a_product_runs_elsewhere(llama_dir):
     """int8 rows (`--quantization int8`) past the GEMV's rows publish "call me" plans: every step
     stays in Python, and the row count is planned once."""

@@ -114,11 +114,15 @@ class CpuDecodeLoop:
         """The loop for `model`, or None where it does not take this model (see the module's doc)."""
         return cls(model, kv_caches, native) if _takes(model, kv_caches) else None
 
-    def can_replay(self, query_lens: list[int]) -> bool:
-        return all(n == 1 for n in query_lens)
+    def can_replay(self, meta: AttentionMetadata) -> bool:
+        """One-token decodes, and chunks the paged kernel attends in place in the modules too
+        (`cpu_paged.takes`: a speculative verification's k + 1 rows, a short chunk after its
+        context): the same kernel on the same metadata, so the same numbers."""
+        return all(n == 1 or (n <= cpu_paged.MAX_QUERIES and n < s)
+                   for n, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: tuple[AttentionMetadata, ...]) -> torch.Tensor:
-        """As model(input_ids, positions, kv_caches, attn) for a step of one-token decodes (one KV
+        """As model(input_ids, positions, kv_caches, attn) for a step `can_replay` takes (one KV
         group and no LoRA rows: `build` takes no model that could have others)."""
         meta = attn[0]
         hidden = self.embed(input_ids)
@@ -146,7 +150,7 @@ class CpuDecodeLoop:
                     tiles: bool, products: list[_Products]) -> torch.Tensor:
         """The step through the layers' plans, kernel call by kernel call."""
         rows, dtype = hidden.shape[0], hidden.dtype
-        requests = torch.arange(rows)
+        requests = torch.arange(len(meta.seq_lens_cpu))
         cos, sin = self.rotary.cos, self.rotary.sin
         q_size, k_size, _ = self.sizes
         eps, heads, kv_heads, d = self.eps, self.heads, self.kv_heads, self.head_dim
@@ -188,7 +192,7 @@ class CpuDecodeLoop:
         out = torch.empty_like(hidden)
         torch.ops.kvflow_cpu_decode.llama_step(
             out, hidden, positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
-            meta.seq_lens, meta.query_start_loc, torch.arange(hidden.shape[0]), tensors, kinds, self.final_norm,
+            meta.seq_lens, meta.query_start_loc, torch.arange(len(meta.seq_lens_cpu)), tensors, kinds, self.final_norm,
             self.eps, self.heads, self.kv_heads, self.head_dim, self.scale, act_width, tiles, panel_linear.has_tiles())
         return out
 

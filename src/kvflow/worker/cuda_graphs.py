@@ -47,7 +47,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(size + 1, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def can_replay(self, query_lens: list[int]) -> bool:
+    def can_replay(self, meta: AttentionMetadata) -> bool:
+        query_lens = meta.query_lens_cpu
         return len(query_lens) <= self.buckets[-1] and all(n == 1 for n in query_lens)
 
     def bucket_for(self, num_requests: int) -> int:

@@ -156,7 +156,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if batch.inputs_embeds is not None:
             return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, batch.inputs_embeds)
-        if graphs is not None and not self.modules_only and graphs.can_replay(batch.attn[0].query_lens_cpu):
+        if graphs is not None and not self.modules_only and graphs.can_replay(batch.attn[0]):
             return graphs.run(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
