@@ -8,10 +8,11 @@ CPU, where the weights take 5 ms to read. This is the CPU's counterpart of the C
 the same kernels the modules would call, in the same order, on the same tensors, so its numbers
 are the model's (tests/worker/test_cpu_decode.py holds it to that, bit for bit).
 
-It takes steps whose every request decodes one token, of models built from `blocks.py`'s Llama
-parts (RopeAttention without q/k norms or biases, GatedMLP with SiLU) with the C++ CPU kernels
-loaded, one KV group, no window, no LoRA, one rank; a KV cache of the model's dtype or int8/fp8
-(written by the quantizing op, read in place by the same kernel). Anything else runs through the
+It takes steps whose every request decodes one token or brings a few that the paged kernel attends
+in place in the modules too (a speculative verification's k + 1 rows: `can_replay`), of models
+built from `blocks.py`'s Llama parts (RopeAttention without q/k norms or biases, GatedMLP with SiLU)
+with the C++ CPU kernels loaded, one KV group, no window, no LoRA, one rank; a KV cache of the
+model's dtype or int8/fp8 (written by the quantizing op, read in place by the same kernel). Anything else runs through the
 modules; so does every step with `enforce_eager` or `custom_ops="none"` (the worker builds no loop).
 
 The projections are the layers' business: at a row count's first step the loop asks each layer
