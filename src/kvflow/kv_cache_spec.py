@@ -9,7 +9,10 @@ A layer declares one spec:
 - `SharedKVSpec`: the layer reads an earlier layer's KV and writes none (cross-layer sharing);
 - `MambaStateSpec`: a recurrent layer's state (a state-space model's convolution inputs and scan
   state): a fixed size per request whatever its length, so a request holds one block of a state
-  group, its *state slot*, from its first token to its end.
+  group, its *state slot*, from its first token to its end;
+- `ShortConvStateSpec`: a gated short convolution's state (LFM2): the convolution's last inputs
+  only, no scan; a state as `MambaStateSpec`'s is in every other respect (both are
+  `RecurrentStateSpec`s, which is all the layout, the pool and the planner ask).
 
 Layers with equal specs form a *KV group* with its own block table per request. All groups draw
 from one pool of blocks, so every group's block must cost the same memory: a spec with L layers
@@ -18,7 +21,7 @@ hybrid allocator does the same). Gemma-3-270M (15 sliding, 3 full layers) has G 
 groups and one full group; block b of any group holds G layers' KV, slot j of the group in the
 j-th of G KV tensors.
 
-A hybrid (state layers beside attention layers: Bamba) keeps its states apart from that pool.
+A hybrid (state layers beside attention layers: Bamba, LFM2) keeps its states apart from that pool.
 One state is megabytes (Bamba-9B: 4.3 MB a layer) where an attention block of 16 tokens is 64 KB,
 so one page size for both (vLLM's way) would mean attention blocks of ~1000 tokens, or every
 attention block the size of a state. Instead the attention layers form the block pool's groups
@@ -109,19 +112,13 @@ class SharedKVSpec:
         return None  # it holds nothing, so there is nothing to cap
 
 
-@dataclass(frozen=True)
-class MambaStateSpec:
-    conv_dim: int  # channels of the causal convolution (x, B and C)
-    conv_kernel: int  # its width: the state keeps that many inputs per channel
-    num_heads: int
-    head_dim: int
-    state_size: int  # the scan state per head is head_dim x state_size
+class RecurrentStateSpec:
+    """A layer whose memory of a request is one state of `state_elements` float32 numbers, whatever
+    the request's length: nothing per token, no window."""
 
     @property
     def state_elements(self) -> int:
-        """float32 numbers of one request's state in one layer: the convolution's inputs, then the
-        scan state (kvflow.model.models.mamba2 lays them out)."""
-        return self.conv_dim * self.conv_kernel + self.num_heads * self.head_dim * self.state_size
+        raise NotImplementedError
 
     @property
     def elements_per_token(self) -> int:
@@ -136,9 +133,37 @@ class MambaStateSpec:
         return None
 
 
+@dataclass(frozen=True)
+class MambaStateSpec(RecurrentStateSpec):
+    conv_dim: int  # channels of the causal convolution (x, B and C)
+    conv_kernel: int  # its width: the state keeps that many inputs per channel
+    num_heads: int
+    head_dim: int
+    state_size: int  # the scan state per head is head_dim x state_size
+
+    @property
+    def state_elements(self) -> int:
+        """float32 numbers of one request's state in one layer: the convolution's inputs, then the
+        scan state (kvflow.model.models.mamba2 lays them out)."""
+        return self.conv_dim * self.conv_kernel + self.num_heads * self.head_dim * self.state_size
+
+
+@dataclass(frozen=True)
+class ShortConvStateSpec(RecurrentStateSpec):
+    conv_dim: int  # channels of the depthwise causal convolution
+    conv_kernel: int  # its width
+
+    @property
+    def state_elements(self) -> int:
+        """The convolution's last conv_kernel - 1 inputs per channel, all the next token reads
+        (kvflow.model.layers.short_conv lays them out)."""
+        return self.conv_dim * (self.conv_kernel - 1)
+
+
 STATE_BYTES = 4  # states are float32 whatever the model's dtype: the scan sums every token into them
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedKVSpec | MambaStateSpec
+KVCacheSpec = (FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | SharedKVSpec | MambaStateSpec
+               | ShortConvStateSpec)
 
 # `kv_cache_dtype` settings: "auto" keeps KV in the model's dtype; the others store one byte per
 # number plus a bfloat16 scale per vector, one head's K or V at one position
@@ -196,12 +221,12 @@ class KVLayout:
         a model of state layers only, whose states are the pool's blocks)."""
         if not self.hybrid:
             return ()
-        return tuple(layer for g in self.groups if isinstance(g.spec, MambaStateSpec) for layer in g.layers)
+        return tuple(layer for g in self.groups if isinstance(g.spec, RecurrentStateSpec) for layer in g.layers)
 
     def state_bytes(self, layers: range | None = None) -> int:
         """A hybrid's memory of one request's states in its state layers (those of `layers` only,
         for a pipeline stage): what a state slot costs."""
-        specs = {layer: g.spec for g in self.groups if isinstance(g.spec, MambaStateSpec) for layer in g.layers}
+        specs = {layer: g.spec for g in self.groups if isinstance(g.spec, RecurrentStateSpec) for layer in g.layers}
         return sum(specs[i].state_elements * STATE_BYTES for i in self.state_layers if layers is None or i in layers)
 
     def pool_groups(self) -> list[int]:
@@ -215,7 +240,7 @@ class KVLayout:
     @property
     def state_groups(self) -> tuple[bool, ...]:
         """Per group: whether it holds recurrent states (one block per request) rather than KV."""
-        return tuple(isinstance(g.spec, MambaStateSpec) for g in self.groups)
+        return tuple(isinstance(g.spec, RecurrentStateSpec) for g in self.groups)
 
     @property
     def holds_state(self) -> bool:
@@ -227,7 +252,7 @@ class KVLayout:
         of `layers`' slots only, for a pipeline stage that holds those layers)."""
         num_slots = self.group_size if layers is None else len(self.slots(layers))
         spec = self.groups[self.pool_groups()[0]].spec
-        if isinstance(spec, MambaStateSpec):
+        if isinstance(spec, RecurrentStateSpec):
             return num_slots * spec.state_elements * STATE_BYTES
         return int(num_slots * token_bytes(spec, dtype_bytes, kv_cache_dtype) * block_size)
 
@@ -250,7 +275,7 @@ def kv_layout(specs: list[KVCacheSpec]) -> KVLayout:
         raise ValueError("no layer keeps KV of its own")
     if len({isinstance(s, MLAAttentionSpec) for s in owners}) > 1:
         raise ValueError("latent (MLA) and K/V layers cannot share one block pool")
-    states = {spec: layers for spec, layers in owners.items() if isinstance(spec, MambaStateSpec)}
+    states = {spec: layers for spec, layers in owners.items() if isinstance(spec, RecurrentStateSpec)}
     pooled = {spec: layers for spec, layers in owners.items() if spec not in states} or states
     sizes = {s.elements_per_token for s in pooled}
     if len(sizes) > 1:

@@ -7,37 +7,31 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_oracle import assert_matches_oracle
-from tiny_hybrid_models import _BAMBA, make_tiny_bamba
+from tiny_hybrid_models import (
+    _BAMBA,
+    GREEDY,
+    assert_nothing_held,
+    check_a_preempted_request_recomputes_its_states,
+    check_n_completions_hold_their_own_states,
+    check_swap_is_refused,
+    make_tiny_bamba,
+    token_prompts,
+)
 
 from kvflow import LLM, SamplingParams
-from kvflow.config import CacheConfig, EngineArgs
+from kvflow.config import CacheConfig
 from kvflow.core.block_pool import StateSlots
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request
-from kvflow.engine.llm_engine import LLMEngine
 from kvflow.kv_cache_spec import STATE_BYTES, FullAttentionSpec, MambaStateSpec
 from kvflow.model.arch_config import ArchConfig
 from kvflow.worker.kv_cache import allocate_kv_caches, pool_blocks
-
-GREEDY = dict(temperature=0, logprobs=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["bamba-g1", "bamba-g2-bias"])
 def tiny_bamba(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     return str(directory), make_tiny_bamba(request.param, directory)
-
-
-def _prompts(lengths, seed=1) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 97, (n,), generator=gen).tolist() for n in lengths]
-
-
-def _assert_nothing_held(llm_engine) -> None:
-    """Every block back in the pool and every state slot released."""
-    kv = llm_engine.scheduler.kv_cache
-    assert kv.pool.num_free_blocks == kv.pool.num_blocks
-    assert [slots.num_held for slots in kv.state_slots if slots is not None] == [0]
 
 
 def _tiny_arch() -> ArchConfig:
@@ -55,7 +49,7 @@ def test_prompts_chunked_and_batched_match_transformers(tiny_bamba, step_tokens)
     directory, hf = tiny_bamba
     llm = LLM(directory, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=step_tokens,
               num_kv_blocks=16, enable_prefix_caching=True)
-    prompts = _prompts((21, 5, 40))
+    prompts = token_prompts((21, 5, 40))
     batched = llm.generate(prompts, SamplingParams(max_tokens=12, prompt_logprobs=0, **GREEDY))
     for prompt, out in zip(prompts, batched):
         assert_matches_oracle(hf, prompt, out, 12)
@@ -64,51 +58,19 @@ def test_prompts_chunked_and_batched_match_transformers(tiny_bamba, step_tokens)
             out.outputs[0].token_ids
     kv = llm.llm_engine.scheduler.kv_cache
     assert not kv.pool.enable_caching  # a model with state runs without the prefix cache
-    _assert_nothing_held(llm.llm_engine)
+    assert_nothing_held(llm.llm_engine)
 
 
 def test_n_completions_each_hold_their_own_state(tiny_bamba):
-    """n = 3 sampled completions of one prompt run side by side, each from its own slot: they
-    diverge, and every token's logprob is transformers' for that completion within 1e-4."""
-    directory, hf = tiny_bamba
-    llm = LLM(directory, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
-    prompt = _prompts((19,), seed=3)[0]
-    params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=7, logprobs=0, ignore_eos=True)
-    completions = llm.generate([prompt], params)[0].outputs
-    assert len({tuple(c.token_ids) for c in completions}) > 1
-    for completion in completions:
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
-        ours = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)])
-        assert (ours - ref[torch.arange(10), torch.tensor(completion.token_ids)]).abs().max() < 1e-4
-    _assert_nothing_held(llm.llm_engine)
+    check_n_completions_hold_their_own_states(*tiny_bamba)
 
 
 def test_a_preempted_request_recomputes_its_state(tiny_bamba):
-    """Four attention blocks for two requests that grow to six: the later, more urgent one preempts
-    the first, which starts over from zeros in a slot the other's state may have been in."""
-    directory, hf = tiny_bamba
-    engine = LLMEngine(EngineArgs(directory, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=4,
-                                  max_num_batched_tokens=16, scheduling_policy="priority", disable_log_stats=True))
-    first, second = _prompts((30, 9), seed=4)
-    engine.add_request("first", first, SamplingParams(max_tokens=20, **GREEDY), priority=1)
-    finished = {}
-    for _ in range(4):
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
-    engine.add_request("second", second, SamplingParams(max_tokens=10, **GREEDY), priority=0)
-    while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert engine.scheduler.num_preemptions_total >= 1
-    assert_matches_oracle(hf, first, finished["first"], 20)
-    assert_matches_oracle(hf, second, finished["second"], 10)
-    _assert_nothing_held(engine)
+    check_a_preempted_request_recomputes_its_states(*tiny_bamba)
 
 
 def test_swap_is_refused_naming_the_setting(tiny_bamba):
-    directory, _ = tiny_bamba
-    with pytest.raises(ValueError, match="preemption_mode='swap'.*recompute"):
-        LLMEngine(EngineArgs(directory, dtype="float32", skip_tokenizer_init=True, preemption_mode="swap",
-                             swap_space_gb=0.01, disable_log_stats=True))
+    check_swap_is_refused(tiny_bamba[0])
 
 
 # -- layout, slots, pool budget ----------------------------------------------------------------

@@ -21,7 +21,9 @@ from kvflow.kv_cache_spec import (
     KVCacheSpec,
     MambaStateSpec,
     MLAAttentionSpec,
+    RecurrentStateSpec,
     SharedKVSpec,
+    ShortConvStateSpec,
     SlidingWindowSpec,
     kv_bytes_per_token,
     token_bytes,
@@ -84,16 +86,24 @@ class MoESpec:
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (DeepSeek: the first k)
 
 
-def mixer_params(state: MambaStateSpec, hidden: int) -> int:
+def mixer_params(state: RecurrentStateSpec, hidden: int, conv_bias: bool = False) -> int:
     """A Mamba-2 mixer's parameters: in_proj (z, x, B, C, dt), the depthwise convolution and its
-    bias, A, D and dt's bias, the gated norm, out_proj."""
+    bias, A, D and dt's bias, the gated norm, out_proj. A short convolution's: in_proj (B, C, x),
+    the convolution, out_proj, each with a bias where `conv_bias`."""
+    if isinstance(state, ShortConvStateSpec):
+        channels = state.conv_dim
+        weights = 3 * hidden * channels + channels * state.conv_kernel + channels * hidden
+        return weights + (5 * channels if conv_bias else 0)  # in_proj's 3, the convolution's, out_proj's
     inner = state.num_heads * state.head_dim
     in_proj = hidden * (inner + state.conv_dim + state.num_heads)
     return in_proj + state.conv_dim * (state.conv_kernel + 1) + 3 * state.num_heads + inner + inner * hidden
 
 
-def scan_flops_per_token(state: MambaStateSpec) -> int:
-    """The recurrence per token and layer: decay and input into the state, the state read by C."""
+def scan_flops_per_token(state: RecurrentStateSpec) -> int:
+    """The recurrence per token and layer: decay and input into the state, the state read by C; a
+    short convolution's kernel over each channel and its two gates (B·x before it, C after)."""
+    if isinstance(state, ShortConvStateSpec):
+        return 2 * state.conv_dim * state.conv_kernel + 2 * state.conv_dim
     return 6 * state.num_heads * state.head_dim * state.state_size
 
 
@@ -116,15 +126,24 @@ class ModelSpec:
     mla: MLASpec | None = None
     moe: MoESpec | None = None
     kv_sharing: tuple[tuple[int, int], ...] = ()  # (layer, the earlier layer whose KV it reads)
-    ssm: MambaStateSpec | None = None  # a state-space model (Mamba-2): no attention, no MLP, no KV
-    # With `ssm`, the layers that attend instead of mixing (a hybrid, Bamba: every layer has the MLP).
+    # A state-space model (Mamba-2): no attention, no MLP, no KV; or a hybrid's state layers' state.
+    ssm: RecurrentStateSpec | None = None
+    # With `ssm`, the layers that attend instead of mixing (a hybrid, Bamba, LFM2: every layer has the MLP).
     attention_layers: tuple[int, ...] = ()
+    conv_bias: bool = False  # LFM2's short convolutions and their projections carry biases
+    qk_norm: bool = False  # an RMSNorm over each head of q and k in every attention layer (LFM2's counted)
 
     # ---- shape ----------------------------------------------------------------------------
 
     @property
     def hybrid(self) -> bool:
         return self.ssm is not None and bool(self.attention_layers)
+
+    @property
+    def mixers_only(self) -> bool:
+        """A Mamba-2 stack: each layer a mixer under one norm, no MLP (a hybrid's layers, and every
+        LFM2 layer, have an MLP and two norms)."""
+        return isinstance(self.ssm, MambaStateSpec) and not self.attention_layers
 
     def is_mixer_layer(self, layer: int) -> bool:
         """Does the layer keep a recurrent state rather than attend?"""
@@ -168,7 +187,7 @@ class ModelSpec:
         """Linear weights of one layer's attention block (norms excluded), or of its mixer."""
         d, n = self.hidden_size, self.num_heads
         if self.is_mixer_layer(layer):
-            return mixer_params(self.ssm, d)
+            return mixer_params(self.ssm, d, self.conv_bias)
         if self.mla is None:
             kv = 2 * d * self.num_kv_heads * self.head_dim
             bias = (n + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
@@ -189,7 +208,7 @@ class ModelSpec:
 
     def _ffn_params(self, layer: int, active: bool) -> int:
         """MLP weights of one layer; `active` counts only what a single token runs through."""
-        if self.ssm is not None and not self.hybrid:
+        if self.mixers_only:
             return 0
         if not self._is_moe_layer(layer):
             return self._mlp_params(self.intermediate_size)
@@ -201,11 +220,14 @@ class ModelSpec:
 
     def _norm_params(self) -> int:
         # Two RMSNorm vectors per layer plus the final one (MLA adds its two latent norms).
-        # Extra norms some families carry (Gemma's four, Qwen3's q/k norms) are <0.01%.
-        per_layer = (1 if self.ssm is not None and not self.hybrid else 2) * self.hidden_size
+        # Extra norms some families carry (Gemma's four, Qwen3's q/k norms) are <0.01% and left
+        # out; LFM2's q/k norms are counted (`qk_norm`), so its count is transformers' exactly.
+        per_layer = (1 if self.mixers_only else 2) * self.hidden_size
         if self.mla is not None:
             per_layer += self.mla.kv_lora_rank + (self.mla.q_lora_rank or 0)
-        return self.num_layers * per_layer + self.hidden_size
+        attending = sum(not self.is_mixer_layer(i) for i in range(self.num_layers))
+        qk_norms = attending * 2 * self.head_dim if self.qk_norm else 0
+        return self.num_layers * per_layer + qk_norms + self.hidden_size
 
     def embedding_params(self) -> int:
         """Input embedding plus the LM head (once when they are tied)."""
@@ -393,6 +415,8 @@ class ModelSpec:
             kv_sharing=tuple((i, s.target_layer) for i, s in enumerate(kv_specs) if isinstance(s, SharedKVSpec)),
             ssm=arch.recurrent_state,
             attention_layers=arch.attention_layers,
+            conv_bias=arch.model_type == "lfm2" and bool(arch.hf.get("conv_bias")),
+            qk_norm=arch.model_type == "lfm2",
         )
 
 

@@ -21,7 +21,9 @@ from kvflow.kv_cache_spec import (
     KVLayout,
     MambaStateSpec,
     MLAAttentionSpec,
+    RecurrentStateSpec,
     SharedKVSpec,
+    ShortConvStateSpec,
     SlidingWindowSpec,
     kv_layout,
 )
@@ -44,6 +46,11 @@ FAMILY_DEFAULTS: Mapping[str, Mapping] = MappingProxyType({
         mamba_n_heads=128, mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2,
         mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False, hidden_act="silu", rms_norm_eps=1e-5,
         time_step_limit=(0.0, math.inf), max_position_embeddings=262_144, attn_layer_indices=())),
+    "lfm2": MappingProxyType(dict(  # Lfm2Config's defaults
+        vocab_size=65_536, hidden_size=2560, intermediate_size=12_288, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=128_000, norm_eps=1e-5, rope_theta=1_000_000.0,
+        tie_word_embeddings=True, conv_bias=False, conv_L_cache=3, block_multiple_of=256,
+        block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True)),
 })
 # A state-space model has no positions: its state is one size however long the request. The engine
 # still bounds a request (prompt + max_tokens) by max_model_len, this by default.
@@ -100,8 +107,8 @@ class ArchConfig:
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     num_kv_shared_layers: int = 0  # the last n layers read an earlier layer's KV (cross-layer sharing)
-    recurrent_state: MambaStateSpec | None = None  # a state-space model's per-layer state (Mamba-2)
-    # With a recurrent state, the layers that attend instead (a hybrid: Bamba); the others keep the state.
+    recurrent_state: RecurrentStateSpec | None = None  # a state layer's state (Mamba-2, LFM2's short convolutions)
+    # With a recurrent state, the layers that attend instead (a hybrid: Bamba, LFM2); the others keep the state.
     attention_layers: tuple[int, ...] = ()
     # The engine's context when a model is built for one (`worker.rank_model`): the length that
     # longrope and dynamic RoPE scale for (`kvflow.model.layers.rotary`). None: max_position_embeddings.
@@ -121,6 +128,8 @@ class ArchConfig:
             return cls._from_mamba2(cfg, arch)
         if cfg.get("model_type") == "bamba":
             return cls._from_bamba(cfg)
+        if cfg.get("model_type") == "lfm2":
+            return cls._from_lfm2(cfg)
         heads = _get(cfg, "num_attention_heads")
         hidden = _get(cfg, "hidden_size")
         layers = _get(cfg, "num_hidden_layers")
@@ -182,6 +191,31 @@ class ArchConfig:
         return replace(plain, model_type="bamba", recurrent_state=mamba_state_spec(bamba_mixer_config(cfg)),
                        attention_layers=attention, hf=MappingProxyType(cfg))
 
+    @classmethod
+    def _from_lfm2(cls, cfg: Mapping) -> ArchConfig:
+        """LFM2: a decoder whose layers attend where `layer_types` says "full_attention" (older
+        configs name them in `full_attn_idxs`, every layer by default) and run a gated
+        short convolution elsewhere; its knobs under Llama's names (norm_eps, the MLP's size from
+        the block_* fields, the older tie_embedding and block_ff_dim)."""
+        layers = int(_get(cfg, "num_hidden_layers"))
+        types = cfg.get("layer_types")
+        if types is None:
+            full = cfg.get("full_attn_idxs")
+            types = ["full_attention" if full is None or i in full else "conv" for i in range(layers)]
+        if len(types) != layers:
+            raise ValueError(f"layer_types names {len(types)} layers; num_hidden_layers is {layers}")
+        if unknown := sorted(set(types) - {"conv", "full_attention"}):
+            raise ValueError(f"layer_types may hold 'conv' and 'full_attention' only; got {unknown}")
+        attention = tuple(i for i, kind in enumerate(types) if kind == "full_attention")
+        renamed = {**cfg, "rms_norm_eps": cfg["norm_eps"], "intermediate_size": lfm2_mlp_size(cfg),
+                   "tie_word_embeddings": cfg.get("tie_embedding", cfg["tie_word_embeddings"])}
+        plain = cls.from_hf({k: v for k, v in renamed.items() if k not in ("model_type", "layer_types")})
+        kernel = int(cfg["conv_L_cache"])
+        if kernel < 2:
+            raise ValueError(f"conv_L_cache must be at least 2 (a convolution over past inputs); got {kernel}")
+        return replace(plain, model_type="lfm2", recurrent_state=ShortConvStateSpec(plain.hidden_size, kernel),
+                       attention_layers=attention, hf=MappingProxyType(cfg))
+
     @property
     def rope_serve_len(self) -> int:
         return self.max_model_len or self.max_position_embeddings
@@ -216,6 +250,20 @@ def mamba_state_spec(cfg: Mapping) -> MambaStateSpec:
     heads, head_dim, state = int(_get(cfg, "num_heads")), int(cfg["head_dim"]), int(cfg["state_size"])
     conv_dim = heads * head_dim + 2 * int(cfg["n_groups"]) * state
     return MambaStateSpec(conv_dim, int(cfg["conv_kernel"]), heads, head_dim, state)
+
+
+def lfm2_mlp_size(cfg: Mapping) -> int:
+    """LFM2's MLP width as Lfm2MLP derives it: intermediate_size (or the older block_ff_dim), cut to
+    2/3 when block_auto_adjust_ff_dim, then scaled by block_ffn_dim_multiplier and rounded up to
+    a multiple of block_multiple_of."""
+    size = int(cfg.get("block_ff_dim", _get(cfg, "intermediate_size")))
+    if not cfg["block_auto_adjust_ff_dim"]:
+        return size
+    size = int(2 * size / 3)
+    size, multiple = int(cfg["block_ffn_dim_multiplier"] * size), int(cfg["block_multiple_of"])
+    if multiple < 1:
+        raise ValueError(f"block_multiple_of must be at least 1; got {multiple}")
+    return multiple * -(-size // multiple)
 
 
 def bamba_mixer_config(cfg: Mapping) -> dict:

@@ -36,6 +36,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "DeepseekV3ForCausalLM": Architecture("deepseek_v2", "DeepseekV3ForCausalLM"),
     "Mamba2ForCausalLM": Architecture("mamba2", "ServedMamba2ForCausalLM"),
     "BambaForCausalLM": Architecture("bamba", "BambaForCausalLM"),
+    "Lfm2ForCausalLM": Architecture("lfm2", "Lfm2ForCausalLM"),
     "Idefics3ForConditionalGeneration": Architecture("idefics3", "Idefics3ForConditionalGeneration"),
 }
 

@@ -39,13 +39,13 @@ import torch
 
 from kvflow.attention import kv_quant
 from kvflow.config import CacheConfig
-from kvflow.kv_cache_spec import KVCacheSpec, KVLayout, MambaStateSpec, MLAAttentionSpec, SharedKVSpec
+from kvflow.kv_cache_spec import KVCacheSpec, KVLayout, MLAAttentionSpec, RecurrentStateSpec, SharedKVSpec
 
 
 def kv_cache_shape(spec: KVCacheSpec, num_blocks: int, block_size: int, quantized: bool = False) -> tuple[int, ...]:
     if isinstance(spec, SharedKVSpec):
         raise ValueError("a layer that shares KV has no cache of its own")
-    if isinstance(spec, MambaStateSpec):  # a block is one request's state: float32, whatever kv_cache_dtype says
+    if isinstance(spec, RecurrentStateSpec):  # a block is one request's state: float32, whatever kv_cache_dtype says
         if quantized:
             raise ValueError("kv_cache_dtype fp8/int8 does not apply to a model with recurrent state (its states "
                              "are float32); use kv_cache_dtype=auto")
@@ -164,7 +164,7 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: int, block_size: int, dtype
     quantized = codes is not None
     first = layout.groups[layout.pool_groups()[0]].spec
     held = range(layout.group_size) if layers is None else layout.slots(layers)
-    if isinstance(first, MambaStateSpec):
+    if isinstance(first, RecurrentStateSpec):
         codes = torch.float32
     pool = {slot: zeros_untouched(kv_cache_shape(first, num_blocks, block_size, quantized), codes or dtype, device)
             for slot in held}

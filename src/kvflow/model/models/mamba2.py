@@ -18,13 +18,15 @@ docstring says why it does not shard).
 
 The engine serves it as `ServedMamba2ForCausalLM`: each request's states live in its block of the
 pool's state group (kv_cache_spec.MambaStateSpec), read before the step and written after it.
-`PooledStates` is that reading and writing, for any model with Mamba-2 mixers (Bamba's too).
+`PooledStates` is that reading and writing, for any model with state layers (Bamba's mixers,
+LFM2's short convolutions too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -191,10 +193,11 @@ def refuse_parallel(architecture: str = "Mamba2ForCausalLM") -> None:
 @dataclass(frozen=True)
 class PooledStates:
     """One step's requests' states in the pool: request r's are in slot `slots[r]` (its state
-    group's table, `block_tables[r, 0]`) of each state layer's tensor [1, slots, elements], float32:
-    the convolution's inputs [conv_dim, conv_kernel], then the scan state [heads, head_dim,
-    state_size]. A request computing from position 0 (its chunk is its whole sequence so far)
-    starts from zeros, whatever its slot held before."""
+    group's table, `block_tables[r, 0]`) of each state layer's tensor [1, slots, elements], float32.
+    A request computing from position 0 (its chunk is its whole sequence so far) starts from
+    zeros, whatever its slot held before. `update` is that gathering and writing back for any
+    state layer (LFM2's short convolutions); `mix` runs a Mamba-2 mixer through it, its rows the
+    convolution's inputs [conv_dim, conv_kernel], then the scan state [heads, head_dim, state_size]."""
 
     slots: torch.Tensor
     fresh: list[int]  # requests starting from zeros
@@ -207,14 +210,25 @@ class PooledStates:
         fresh = [r for r, (q, n) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)) if q == n]
         return cls(slots, fresh, meta.query_lens_cpu, all(n == 1 for n in meta.query_lens_cpu))
 
+    def update(self, cache: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Gather the step's requests' rows [R, elements] of `cache` (a fresh request's zeroed),
+        call `run(rows)`, which returns the layer's output and leaves each request's new state in
+        its row, and write the rows back to their slots. Returns the output."""
+        pool = cache[0]
+        rows = pool[self.slots]  # the step's copy: `run` may update views of it in place
+        if self.fresh:
+            rows[self.fresh] = 0.0
+        out = run(rows)
+        pool[self.slots] = rows
+        return out
+
     def mix(self, mixer: Mamba2Mixer, normed: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """Run `mixer` over the step's rows `normed` from the states in `cache`, and write the new
         states back. A decode step steps them stacked, in place (no state object per request); one
         with prompt chunks hands the mixer a state per request."""
-        pool = cache[0]
-        rows = pool[self.slots]  # the step's copy: the scan states below are views of it
-        if self.fresh:
-            rows[self.fresh] = 0.0
+        return self.update(cache, partial(self._mix_rows, mixer, normed))
+
+    def _mix_rows(self, mixer: Mamba2Mixer, normed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         conv, ssm = _split(mixer.cfg, rows, normed.dtype)
         if self.decode:
             out, conv, _ = mixer.decode_stacked(normed, conv, ssm)  # ssm stepped in place
@@ -222,7 +236,6 @@ class PooledStates:
             out, states = mixer(normed, [MambaState(c, h) for c, h in zip(conv, ssm)], self.query_lens)
             conv, ssm[:] = torch.stack([s.conv for s in states]), torch.stack([s.ssm for s in states])
         rows[:, :mixer.cfg.conv_dim * mixer.cfg.conv_kernel] = conv.flatten(1)
-        pool[self.slots] = rows
         return out
 
 
