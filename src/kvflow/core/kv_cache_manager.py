@@ -15,8 +15,9 @@ reuses the whole prompt and recomputes only its last token, which it needs for l
 that is a cached prompt plus one token (a beam of beam search extending the beam it came from)
 finds that prompt's tail too, and computes only its new token.
 
-A state group (a state-space model's layers: `MambaStateSpec`) gives each request one block, its
-state slot, from its first chunk to its end, whatever its length; the worker reads and writes the
+A state group (a state-space model's layers: a `RecurrentStateSpec`, Mamba's or a short
+convolution's) gives each request one block, its state slot, from its first chunk to its end,
+whatever its length; the worker reads and writes the
 request's state there, and a request computing from position 0 starts from zeros in it. Such
 models run without the prefix cache (the engine turns it off). In a hybrid (state groups beside
 attention groups) the state slots are not blocks of the pool: they come from `StateSlots`, one per
