@@ -32,8 +32,8 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    supported = ("'GPTNeoXForCausalLM' is not supported; supported: .*Gemma3ForCausalLM, Idefics3ForConditionalGeneration, "
-                 "LlamaForCausalLM, Mamba2ForCausalLM")
+    supported = ("'GPTNeoXForCausalLM' is not supported; supported: .*Gemma3ForCausalLM, "
+                 "Idefics3ForConditionalGeneration, Lfm2ForCausalLM, LlamaForCausalLM, Mamba2ForCausalLM")
     with pytest.raises(ValueError, match=supported):
         LLM(str(tmp_path), skip_tokenizer_init=True)
 
