@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from live_server import wait_until
 from redis_server import needs_redis, start_redis
 from tiny_models import make_tiny_model
 
@@ -207,7 +208,9 @@ def test_a_request_waiting_for_a_slow_load_does_not_stall_another_running_reques
     engine.step()
     engine.add_request("loading", {"prompt_token_ids": PROMPT}, GREEDY)
     engine.step()
-    assert status(engine, "loading") is RequestStatus.WAITING_FOR_REMOTE_KVS and store.gets == 1
+    assert status(engine, "loading") is RequestStatus.WAITING_FOR_REMOTE_KVS
+    # The I/O thread reaches the load when it has written the saves queued before it.
+    assert wait_until(lambda: store.gets == 1, timeout=60)
     produced = engine.scheduler.requests["running"].num_output_tokens
     for _ in range(10):
         engine.step()
