@@ -14,7 +14,7 @@ def _policy(**kw) -> AdaptiveSpeculation:
 
 
 def _memory_bound_steps(policy: AdaptiveSpeculation, fixed: float = 0.030, per_token: float = 0.0005) -> None:
-    for tokens in (1, 5, 64, 320, 2, 17):
+    for tokens in (1, 5, 64, 320, 2, 17) * 2:  # twice: a size's first step is not fitted
         policy.observe_step(tokens, fixed + per_token * tokens, 0, 0.0, True)
 
 
@@ -32,10 +32,24 @@ def test_best_k_grows_with_acceptance_and_shrinks_with_cost():
 
 def test_step_time_model_recovers_a_linear_cost():
     model = StepTimeModel()
-    for tokens in (1, 8, 64, 3, 200, 16):
+    for tokens in (1, 8, 64, 3, 200, 16) * 2:
         model.observe(tokens, 0.02 + 0.001 * tokens)
     a, b = model.fit()
     assert a == pytest.approx(0.02, rel=1e-6) and b == pytest.approx(0.001, rel=1e-6)
+
+
+def test_a_sizes_first_step_is_not_fitted():
+    """The first step at a row count pays one-off costs (the CPU decode step lays out that count's
+    kernel plans): a first verification of 9 rows taking 45 ms beside one-token steps of 3.2 ms made
+    b a whole decode step a token, and speculation switched itself off for good at batch 1."""
+    model = StepTimeModel()
+    model.observe(1, 0.0032)
+    model.observe(9, 0.045)  # the first 9-row step: plans, layouts
+    for _ in range(3):
+        model.observe(1, 0.0032)
+        model.observe(9, 0.0032 + 8 * 0.0004)
+    a, b = model.fit()
+    assert a == pytest.approx(0.0028, rel=1e-6) and b == pytest.approx(0.0004, rel=1e-6)
 
 
 def test_speculation_pays_at_batch_one_and_switches_off_when_compute_bound():

@@ -46,13 +46,22 @@ def best_k(alpha: float, max_k: int, verify_cost: float, draft_cost: float) -> i
 
 class StepTimeModel:
     """T(n) = a + b·n fitted to (tokens, seconds) of recent steps by exponentially weighted least
-    squares; None until the steps have varied in size."""
+    squares; None until the steps have varied in size.
+
+    A size's first step is left out: it pays one-off costs (the CPU decode step lays out its
+    kernels' plans for a new row count; allocations grow), several times a steady step. Fitted in,
+    one such verification made b look like a whole decode step a token, so speculation switched
+    itself off at batch 1 and, taking only one-token steps from then on, never saw otherwise."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
         self._sums = [0.0] * 5  # Σw, Σw·n, Σw·n², Σw·t, Σw·n·t
+        self._sizes_seen: set[int] = set()
 
     def observe(self, tokens: int, seconds: float) -> None:
+        if tokens not in self._sizes_seen:
+            self._sizes_seen.add(tokens)
+            return
         self._sums = [s * self.decay for s in self._sums]
         for i, value in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
             self._sums[i] += value
