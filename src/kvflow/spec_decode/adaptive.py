@@ -48,18 +48,20 @@ class StepTimeModel:
     """T(n) = a + b·n fitted to (tokens, seconds) of recent steps by exponentially weighted least
     squares; None until the steps have varied in size.
 
-    A size's first step is left out: it pays one-off costs (the CPU decode step lays out its
-    kernels' plans for a new row count; allocations grow), several times a steady step. Fitted in,
-    one such verification made b look like a whole decode step a token, so speculation switched
-    itself off at batch 1 and, taking only one-token steps from then on, never saw otherwise."""
+    `skip_first_of_each_size`: leave a size's first step out. It pays one-off costs (the CPU decode
+    step lays out its kernels' plans for a new row count; allocations grow), several times a steady
+    step. Fitted into speculation's model, one such verification made b look like a whole decode
+    step a token, so speculation switched itself off at batch 1 and, taking only one-token steps
+    from then on, never saw otherwise. (The step budget's prompt steps are of ever new sizes: it
+    lets its first steps fade out instead, engine/step_budget.py.)"""
 
-    def __init__(self, decay: float = 0.98) -> None:
+    def __init__(self, decay: float = 0.98, skip_first_of_each_size: bool = False) -> None:
         self.decay = decay
         self._sums = [0.0] * 5  # Σw, Σw·n, Σw·n², Σw·t, Σw·n·t
-        self._sizes_seen: set[int] = set()
+        self._sizes_seen: set[int] | None = set() if skip_first_of_each_size else None
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens not in self._sizes_seen:
+        if self._sizes_seen is not None and tokens not in self._sizes_seen:
             self._sizes_seen.add(tokens)
             return
         self._sums = [s * self.decay for s in self._sums]
@@ -84,7 +86,7 @@ class AdaptiveSpeculation:
         self.adaptive = config.adaptive
         self.disable_by_batch_size = config.disable_by_batch_size
         self.stats = SpecDecodingStats(self.max_k)
-        self.step_time = StepTimeModel()
+        self.step_time = StepTimeModel(skip_first_of_each_size=True)
         self._proposer = [0.0, 0.0]  # decayed Σ seconds, Σ tokens proposed
         self._acceptance: dict[str, list[float]] = {}  # request → decayed [accepted, tried]
         self._steps = 0

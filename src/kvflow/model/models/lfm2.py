@@ -26,8 +26,6 @@ import torch
 from torch import nn
 
 from kvflow.attention.backend import AttentionBackend
-from kvflow.distributed.parallel_state import current_tensor_parallel
-from kvflow.distributed.pipeline import current_pipeline_stage
 from kvflow.model.arch_config import ArchConfig
 from kvflow.model.layers.embedding import VocabParallelEmbedding
 from kvflow.model.layers.mlp import GatedMLP
@@ -36,7 +34,7 @@ from kvflow.model.layers.reference import Rope
 from kvflow.model.layers.rotary import RotaryEmbedding
 from kvflow.model.layers.short_conv import ShortConv
 from kvflow.model.models.blocks import CausalLM, RopeAttention
-from kvflow.model.models.mamba2 import PooledStates
+from kvflow.model.models.mamba2 import PooledStates, refuse_parallel
 from kvflow.quant.base import QuantizationConfig
 
 # (HF's part of a parameter name, the part kvflow's blocks name the same tensor by)
@@ -106,24 +104,13 @@ class Lfm2ForCausalLM(CausalLM):
     qk_norm = "per_head"
 
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
-        _refuse_parallel(cfg.architecture)
+        # A rank would keep its channels' states only, which the per-rank KV layout does not size.
+        refuse_parallel(cfg.architecture, "its short convolutions' channels and their states, which kvflow "
+                        "does not shard yet")
         super().__init__(cfg, Lfm2Model(cfg, backend, quant_config), quant_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((_kvflow_name(name), tensor) for name, tensor in weights)
-
-
-def _refuse_parallel(architecture: str) -> None:
-    """One rank and one pipeline stage: a rank would keep its channels' states only, which the
-    per-rank KV layout does not size (kvflow.model.layers.short_conv)."""
-    tp, stage = current_tensor_parallel(), current_pipeline_stage()
-    if tp.size > 1:
-        raise ValueError(f"{architecture} runs on one rank: tensor_parallel_size={tp.size} would split its short "
-                         "convolutions' channels and their states, which kvflow does not shard yet; use "
-                         "tensor_parallel_size=1")
-    if stage.size > 1:
-        raise ValueError(f"{architecture} runs as one pipeline stage: pipeline_parallel_size={stage.size} is not "
-                         "supported for it; use pipeline_parallel_size=1")
 
 
 def _kvflow_name(name: str) -> str:

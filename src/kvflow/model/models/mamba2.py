@@ -177,14 +177,16 @@ class ServedMamba2ForCausalLM(nn.Module):
         """One stage only: Mamba2ForCausalLM refuses more when built."""
 
 
-def refuse_parallel(architecture: str = "Mamba2ForCausalLM") -> None:
-    """A model with Mamba-2 mixers runs on one rank and one pipeline stage (the mixer's docstring
-    says why it does not shard)."""
+MIXERS_DO_NOT_SHARD = "its Mamba-2 mixers' in_proj, whose interleaved per-head and per-group outputs it does not shard"
+
+
+def refuse_parallel(architecture: str = "Mamba2ForCausalLM", unsharded: str = MIXERS_DO_NOT_SHARD) -> None:
+    """A model with recurrent state runs on one rank and one pipeline stage; `unsharded`: what a
+    rank split would cut that the model does not shard (Mamba-2's mixers: the mixer's docstring)."""
     tp, stage = current_tensor_parallel(), current_pipeline_stage()
     if tp.size > 1:
-        raise ValueError(f"{architecture} runs on one rank: tensor_parallel_size={tp.size} would split its Mamba-2 "
-                         "mixers' in_proj, whose interleaved per-head and per-group outputs it does not shard; use "
-                         "tensor_parallel_size=1")
+        raise ValueError(f"{architecture} runs on one rank: tensor_parallel_size={tp.size} would split {unsharded}; "
+                         "use tensor_parallel_size=1")
     if stage.size > 1:
         raise ValueError(f"{architecture} runs as one pipeline stage: pipeline_parallel_size={stage.size} "
                          "is not supported for it; use pipeline_parallel_size=1")
