@@ -105,6 +105,10 @@ class KVStoreConnectorWorker:
             pool.index_copy_(1, ids, rows.transpose(0, 1))  # an index_put here is ~30x slower on CPU
             offset += n
 
+    def begin_step(self, meta: KVConnectorMetadata | None, idle: bool, out) -> None:
+        """Before the step, for loads that run beside the steps: a transfer's loads are in the step
+        itself (`load_kv`), so nothing here."""
+
     def save_kv(self, meta: KVConnectorMetadata, stats: dict[str, TransferStats], skip: set[str] = frozenset()) -> None:
         """After the forward pass: write the saves' blocks to the store (one gather per pool tensor),
         but for requests in `skip` (their load failed: this step computed them on wrong KV)."""
@@ -249,22 +253,24 @@ class OffloadConnectorWorker(KVStoreConnectorWorker):
         except KVStoreError as e:
             self._failures.report("offloading KV blocks", e)
 
-    def begin_step(self, meta: KVConnectorMetadata | None, idle: bool) -> tuple[dict[str, TransferStats], set[str]]:
-        """Before the step: drop cancelled loads, start new ones, and copy in those that landed.
-        Returns (stats of the landed, marked `loaded`; the failed). `idle`: the step runs nothing,
-        so it may wait a little for a load."""
+    def begin_step(self, meta: KVConnectorMetadata | None, idle: bool, out) -> None:
+        """Before the step: drop cancelled loads, start new ones, and copy in those that landed;
+        into `out` (the step's ModelRunnerOutput) the landed loads' stats, marked `loaded`, and the
+        failed requests. `idle`: the step runs nothing, so it may wait a little for a load."""
         if meta is not None:
             for request_id in meta.cancelled:
                 self.pending.pop(request_id, None)
             self._start(meta.fetches)
         if not self.pending:
-            return {}, set()
+            return
         if idle:
             wait([load.future for load in self.pending.values()], timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         landed, failed = self._agreed_states()
         for request_id in failed:
             del self.pending[request_id]
-        return self._copy_landed(landed), failed
+        for request_id, stats in self._copy_landed(landed).items():
+            out.kv_transfer[request_id] = stats
+        out.kv_load_failed |= failed
 
     def _start(self, fetches: list[BlockTransfer]) -> None:
         by_request: dict[str, list[BlockTransfer]] = {}
@@ -326,11 +332,3 @@ class OffloadConnectorWorker(KVStoreConnectorWorker):
             stats[request_id] = TransferStats(len(load.transfers) * self.block_bytes,
                                               time.perf_counter() - load.started, loaded=True)
         return stats
-
-    @staticmethod
-    def report(out, landed: dict[str, TransferStats], failed: set[str]) -> None:
-        """Into the step's `ModelRunnerOutput`: the landed loads' stats, the failed requests."""
-        for request_id, stats in landed.items():
-            out.kv_transfer.setdefault(request_id, TransferStats()).add(stats.bytes, stats.seconds)
-            out.kv_transfer[request_id].loaded = True
-        out.kv_load_failed |= failed

@@ -98,12 +98,14 @@ class ModelRunner:
         self._copy_blocks(sched.block_copies)
         self._swap(sched.swap_in, to_host=False)
         self._refresh_key_summaries([d for _, d in sched.block_copies] + [d for d, _ in sched.swap_in])
-        if not sched.chunks:
-            return ModelRunnerOutput()
         out = ModelRunnerOutput()
+        if self.kv_connector is not None:  # loads that ran beside the steps land here (KV offloading)
+            self.kv_connector.begin_step(sched.kv_connector_metadata, not sched.chunks, out)
+        if not sched.chunks:
+            return out
         transfers = sched.kv_connector_metadata
         if transfers is not None and transfers.loads:
-            out.kv_load_failed = self.kv_connector.load_kv(transfers, out.kv_transfer)
+            out.kv_load_failed |= self.kv_connector.load_kv(transfers, out.kv_transfer)
             self._refresh_key_summaries([load.block_id for load in transfers.loads])
         started = time.perf_counter()
         batch = self.prepare(sched.chunks)

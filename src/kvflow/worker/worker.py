@@ -85,10 +85,8 @@ class Worker:
         # host cache never evicts them, and a removed adapter is forgotten only once unused.
         self._adapters_in_use: frozenset[int] = frozenset()
         self._pools: tuple[list[torch.Tensor], list[torch.Tensor] | None, int] | None = None
-        # KV offloading's tiers (rank 0's are shared with the scheduler's connector, for lookups)
-        # and the connector that saves to and loads from them.
+        # KV offloading's tiers (rank 0's are shared with the scheduler's connector, for lookups).
         self.kv_offload_store: KVBlockStore | None = None
-        self.kv_offload: OffloadConnectorWorker | None = None
         if self.device.type == "cpu":
             host_malloc.keep_freed_memory()  # each step's activations on pages the last step freed
 
@@ -164,7 +162,7 @@ class Worker:
         connector = None if cfg.kv_transfer is None else KVStoreConnectorWorker(open_kv_block_store(cfg.kv_transfer),
                                                                                  kv_caches, self.tp)
         if self.kv_offload_store is not None:
-            self.kv_offload = connector = OffloadConnectorWorker(
+            connector = OffloadConnectorWorker(
                 self.kv_offload_store, kv_caches, self.tp, cfg.kv_offload.load_timeout_s,
                 max_backlog_bytes=cfg.kv_offload.host_bytes)
         speculator = None if cfg.speculative is None else (
@@ -216,19 +214,15 @@ class Worker:
                 device_block, host_block = highest_blocks(sched)
                 for populator, host in self.populators:
                     populator.reach(host_block if host else device_block)
-            return self._execute(sched)
-        with self.idle:
-            return self._execute(sched)
-
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """The step, and with KV offloading first the loads that landed copied into their blocks
-        (before the forward pass; the requests they belong to run from the next step)."""
-        if self.kv_offload is None:
             return self.model_runner.execute(sched)
-        landed, failed = self.kv_offload.begin_step(sched.kv_connector_metadata, idle=not sched.chunks)
-        out = self.model_runner.execute(sched)
-        self.kv_offload.report(out, landed, failed)
-        return out
+        with self.idle:
+            return self.model_runner.execute(sched)
+
+    @property
+    def kv_offload(self) -> OffloadConnectorWorker | None:
+        """KV offloading's worker half: the runner's connector, when offloading is on."""
+        connector = getattr(self.model_runner, "kv_connector", None)
+        return connector if isinstance(connector, OffloadConnectorWorker) else None
 
     # -- LoRA adapters, between steps ------------------------------------------------------
     def add_lora(self, request: LoRARequest, in_use: frozenset[int]) -> bool:
