@@ -31,7 +31,7 @@ from kvflow.model.layers.norm import RMSNorm
 from kvflow.model.layers.reference import Rope
 from kvflow.model.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.model.models.blocks import CausalLM, RopeAttention
-from kvflow.model.models.mamba2 import PooledStates, refuse_parallel
+from kvflow.model.models.mamba2 import PooledStates, forward_with_states, refuse_parallel, state_group
 from kvflow.quant.base import QuantizationConfig
 
 
@@ -94,19 +94,11 @@ class BambaModel(nn.Module):
         self.layers = nn.ModuleList(BambaLayer(cfg, i, mixer, backend, quant_config, f"model.layers.{i}")
                                     for i in range(cfg.num_layers))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # The state group whose table holds each request's slot (one spec for every mixer layer).
-        first_mixer = next(i for i in range(cfg.num_layers) if i not in cfg.attention_layers)
-        self.state_group = cfg.kv_layout.places[first_mixer][0]
+        self.state_group = state_group(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta) -> torch.Tensor:
-        states = PooledStates.of_step(meta[self.state_group])
-        hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary(positions)
-        for layer, cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, cache, meta, states)
-        normed, _ = self.final_layernorm(hidden, residual)
-        return normed
+        return forward_with_states(self, input_ids, positions, kv_caches, meta, self.final_layernorm)
 
 
 class BambaForCausalLM(CausalLM):

@@ -34,7 +34,7 @@ from kvflow.model.layers.reference import Rope
 from kvflow.model.layers.rotary import RotaryEmbedding
 from kvflow.model.layers.short_conv import ShortConv
 from kvflow.model.models.blocks import CausalLM, RopeAttention
-from kvflow.model.models.mamba2 import PooledStates, refuse_parallel
+from kvflow.model.models.mamba2 import PooledStates, forward_with_states, refuse_parallel, state_group
 from kvflow.quant.base import QuantizationConfig
 
 # (HF's part of a parameter name, the part kvflow's blocks name the same tensor by)
@@ -84,20 +84,12 @@ class Lfm2Model(nn.Module):
         self.layers = nn.ModuleList(Lfm2Layer(cfg, i, backend, quant_config, f"model.layers.{i}")
                                     for i in range(cfg.num_layers))
         self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # The state group whose table holds each request's slot (one spec for every convolution
-        # layer); None when every layer attends, as a config without layer_types says by default.
-        convolving = [i for i in range(cfg.num_layers) if i not in cfg.attention_layers]
-        self.state_group = cfg.kv_layout.places[convolving[0]][0] if convolving else None
+        # None when every layer attends, as a config without layer_types says by default.
+        self.state_group = state_group(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta) -> torch.Tensor:
-        states = None if self.state_group is None else PooledStates.of_step(meta[self.state_group])
-        hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary(positions)
-        for layer, cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, cache, meta, states)
-        normed, _ = self.embedding_norm(hidden, residual)
-        return normed
+        return forward_with_states(self, input_ids, positions, kv_caches, meta, self.embedding_norm)
 
 
 class Lfm2ForCausalLM(CausalLM):

@@ -241,6 +241,27 @@ class PooledStates:
         return out
 
 
+def state_group(cfg: ArchConfig) -> int | None:
+    """The KV group whose tables hold a hybrid's state slots (one spec for every layer that does
+    not attend); None when every layer attends."""
+    stateful = [i for i in range(cfg.num_layers) if i not in cfg.attention_layers]
+    return cfg.kv_layout.places[stateful[0]][0] if stateful else None
+
+
+def forward_with_states(decoder: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                        kv_caches: list[torch.Tensor], meta, final_norm: nn.Module) -> torch.Tensor:
+    """A hybrid decoder's step (Bamba, LFM2): the step's state slots read once (`PooledStates`),
+    each layer given its KV or its slots and them, then the final norm. `decoder` has
+    `embed_tokens`, `rotary`, `layers` and `state_group`."""
+    states = None if decoder.state_group is None else PooledStates.of_step(meta[decoder.state_group])
+    hidden, residual = decoder.embed_tokens(input_ids), None
+    rope = decoder.rotary(positions)
+    for layer, cache in zip(decoder.layers, kv_caches):
+        hidden, residual = layer(rope, hidden, residual, cache, meta, states)
+    normed, _ = final_norm(hidden, residual)
+    return normed
+
+
 def _split(cfg: MixerConfig, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool rows [R, elements] → (conv inputs [R, conv_dim, K] in the model's `dtype`, the scan
     states [R, heads, head_dim, state_size]: a view of `rows`)."""
