@@ -102,6 +102,28 @@ def assert_nothing_held(llm_engine) -> None:
     assert [slots.num_held for slots in kv.state_slots if slots is not None] == [0]
 
 
+def check_chunked_and_batched_match_transformers(directory: str, hf, step_tokens: int) -> None:
+    """Three prompts (two longer than the step's budget at 16: their prompts split over steps, the
+    states carried while the attention layers read their KV) decoded together: every prompt
+    position's and generated token's logprob within 1e-4 of transformers, each greedy token its
+    argmax; each prompt alone gives the same tokens; no prefix cache; nothing held after."""
+    from hf_oracle import assert_matches_oracle
+
+    from kvflow import LLM, SamplingParams
+
+    llm = LLM(directory, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=step_tokens,
+              num_kv_blocks=16, enable_prefix_caching=True)
+    prompts = token_prompts((21, 5, 40))
+    batched = llm.generate(prompts, SamplingParams(max_tokens=12, prompt_logprobs=0, **GREEDY))
+    for prompt, out in zip(prompts, batched):
+        assert_matches_oracle(hf, prompt, out, 12)
+    for prompt, out in zip(prompts, batched):  # alone: slot 0 again, holding the last request's states
+        assert llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0].outputs[0].token_ids == \
+            out.outputs[0].token_ids
+    assert not llm.llm_engine.scheduler.kv_cache.pool.enable_caching  # a model with state: no prefix cache
+    assert_nothing_held(llm.llm_engine)
+
+
 def check_n_completions_hold_their_own_states(directory: str, hf) -> None:
     """n = 3 sampled completions of one prompt run side by side, each from its own slot: they
     diverge, and every token's logprob is transformers' for that completion within 1e-4."""

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_oracle import assert_matches_oracle
 from tiny_hybrid_models import (
     _BAMBA,
-    GREEDY,
-    assert_nothing_held,
     check_a_preempted_request_recomputes_its_states,
+    check_chunked_and_batched_match_transformers,
     check_n_completions_hold_their_own_states,
     check_swap_is_refused,
     make_tiny_bamba,
-    token_prompts,
 )
 
-from kvflow import LLM, SamplingParams
+from kvflow import SamplingParams
 from kvflow.config import CacheConfig
 from kvflow.core.block_pool import StateSlots
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -42,23 +39,7 @@ def _tiny_arch() -> ArchConfig:
 
 @pytest.mark.parametrize("step_tokens", [16, 512])
 def test_prompts_chunked_and_batched_match_transformers(tiny_bamba, step_tokens):
-    """Three prompts (one shorter than a mixer chunk, two longer than the step's budget at 16: their
-    prompts split over steps, the state carried while the attention layers read their KV) decoded
-    together: every prompt position's and generated token's logprob within 1e-4 of transformers,
-    each greedy token its argmax; each prompt alone gives the same tokens; nothing held after."""
-    directory, hf = tiny_bamba
-    llm = LLM(directory, dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=step_tokens,
-              num_kv_blocks=16, enable_prefix_caching=True)
-    prompts = token_prompts((21, 5, 40))
-    batched = llm.generate(prompts, SamplingParams(max_tokens=12, prompt_logprobs=0, **GREEDY))
-    for prompt, out in zip(prompts, batched):
-        assert_matches_oracle(hf, prompt, out, 12)
-    for prompt, out in zip(prompts, batched):  # alone: slot 0 again, holding the last request's states
-        assert llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0].outputs[0].token_ids == \
-            out.outputs[0].token_ids
-    kv = llm.llm_engine.scheduler.kv_cache
-    assert not kv.pool.enable_caching  # a model with state runs without the prefix cache
-    assert_nothing_held(llm.llm_engine)
+    check_chunked_and_batched_match_transformers(*tiny_bamba, step_tokens)
 
 
 def test_n_completions_each_hold_their_own_state(tiny_bamba):
