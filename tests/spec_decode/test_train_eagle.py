@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import COMMON, make_tiny_model, write_tiny_tokenizer
+from tiny_models import COMMON, TINY_CONFIGS, make_tiny_model, write_tiny_tokenizer
 
 from kvflow import LLM
 from kvflow.entrypoints.cli import main
@@ -171,7 +171,9 @@ def test_the_checkpoint_holds_exactly_the_formats_tensors_and_config(tiny, tmp_p
         h, i, target.num_attention_heads, target.num_key_value_heads, d, target.vocab_size)
     assert config["rms_norm_eps"] == target.rms_norm_eps
     assert config["max_position_embeddings"] == target.max_position_embeddings
-    assert config["rope_theta"] == 50000.0 and config["rope_scaling"]["rope_type"] == "llama3"
+    rope = TINY_CONFIGS[TINY][1]  # the target's RoPE, which the head's positions must share
+    assert config["rope_theta"] == rope["rope_theta"]
+    assert config["rope_scaling"]["rope_type"] == rope["rope_scaling"]["rope_type"] == "llama3"
     assert "quantization_config" not in config
 
 
